@@ -1,0 +1,296 @@
+"""DeepSpeed learners: one Ray actor per data-parallel rank, driven as a group.
+
+Each rank owns a DeepSpeed engine (ZeRO stage 0-3, gloo on CPU, NCCL on GPU) around a transformers
+causal LM, and optionally a frozen reference copy for KL. The group splits a batch across ranks
+and micro-batches; losses are normalised by *global* token/sequence counts and gradients are not
+rescaled by DeepSpeed's gradient-accumulation factor, so the update equals the full-batch one for
+any world size or micro-batch size (tested).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+
+import ray
+import torch
+
+from rl.batch import Batch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int,
+                     grad_clip: float, bf16: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "gradient_clipping": grad_clip if grad_clip > 0 else 0.0,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class LearnerWorker:
+    """One learner rank. Plain class; `LearnerGroup` wraps it as a Ray actor."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
+                 *, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
+                 zero_stage: int = 0, micro_batch_size: int = 8, grad_accum: int = 1, grad_clip: float = 1.0,
+                 dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
+                 schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
+                 gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
+                 trust_remote_code: bool = False):
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
+                          LOCAL_WORLD_SIZE=str(world_size))
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        torch.set_num_threads(threads)
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend)
+        self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
+        torch.manual_seed(seed)
+        bf16 = dtype == "bfloat16"
+        self.ds_config = deepspeed_config(zero_stage, micro_batch_size, grad_accum, world_size, grad_clip, bf16)
+        self.grad_accum = grad_accum
+        # ZeRO-3: transformers must see the DeepSpeed config *before* from_pretrained so that the
+        # weights are partitioned at load time; the object must stay alive.
+        self._hf_ds = HfDeepSpeedConfig(self.ds_config) if zero_stage == 3 else None
+        load_dtype = torch.bfloat16 if bf16 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
+                                                     trust_remote_code=trust_remote_code)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+
+        def lr_lambda(step: int) -> float:
+            if warmup_steps and step < warmup_steps:
+                return (step + 1) / warmup_steps
+            if schedule == "cosine":
+                progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+                return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+            return 1.0
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+        self.ref = None
+        if with_ref:
+            # The frozen reference is a full (unsharded) copy on every rank: it only runs forward.
+            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
+                                                            trust_remote_code=trust_remote_code).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+        self.device = self.engine.device
+
+    # ------------------------------------------------------------------ forward-only
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0,
+                         micro_batch_size: int = 64) -> torch.Tensor:
+        from rl.logprobs import response_logprobs
+        model = self.ref if which == "ref" else self.engine.module
+        if model is None:
+            raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
+        was_training = model.training
+        model.eval()
+        outs = [response_logprobs(model, mb, temperature)[0].cpu()
+                for mb in batch.split(max(1, math.ceil(len(batch) / micro_batch_size)))]
+        model.train(was_training)
+        return torch.cat(outs, 0)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, micro_batches: list[Batch], loss_fn_spec: str, loss_params: dict[str, Any],
+                   temperature: float = 1.0, need_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches (its share of the global batch).
+
+        `loss_params` carries the global `num_tokens`/`num_seqs`, so each micro-batch loss is its
+        share of the global loss; DeepSpeed averages gradients over ranks, hence `* world_size`.
+        """
+        from rl.logprobs import response_logprobs
+        from rl.registry import get
+        loss_fn = get("loss", loss_fn_spec)
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"rank {self.rank}: got {len(micro_batches)} micro-batches, "
+                             f"DeepSpeed was configured for {self.grad_accum}")
+        self.engine.train()
+        sums: dict[str, float] = {}
+        total_loss = 0.0
+        grad_norm = None
+        for i, mb in enumerate(micro_batches):
+            logp, entropy = response_logprobs(self.engine, mb, temperature, with_entropy=need_entropy)
+            old = mb.old_logp.to(self.device) if mb.old_logp is not None else logp.detach()
+            ref = mb.ref_logp.to(self.device) if mb.ref_logp is not None else None
+            loss, metrics = loss_fn(logp, old, mb.advantages.to(self.device), mb.response_mask.to(self.device),
+                                    ref_logp=ref, entropy=entropy, **loss_params)
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            if i == len(micro_batches) - 1:
+                grad_norm = self._grad_norm_before_step()
+            self.engine.step()
+            total_loss += float(loss.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v / len(micro_batches)
+            if entropy is not None:
+                m = mb.response_mask.to(entropy.device)
+                sums["entropy"] = sums.get("entropy", 0.0) + float((entropy.detach() * m).sum() / m.sum().clamp(min=1)) / len(micro_batches)
+        sums["loss"] = total_loss  # this rank's share; the group sums shares to the global loss
+        sums["grad_norm"] = self._grad_norm_after_step(grad_norm)
+        sums["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0
+        return sums
+
+    def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:
+        """Supervised step: token-mean negative log-likelihood of the response tokens (global count)."""
+        from rl.logprobs import response_logprobs
+        self.engine.train()
+        total, grad_norm = 0.0, None
+        for i, mb in enumerate(micro_batches):
+            logp, _ = response_logprobs(self.engine, mb)
+            mask = mb.response_mask.to(logp.device)
+            loss = -(logp * mask).sum() / num_tokens
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            if i == len(micro_batches) - 1:
+                grad_norm = self._grad_norm_before_step()
+            self.engine.step()
+            total += float(loss.detach())
+        return {"loss": total, "grad_norm": self._grad_norm_after_step(grad_norm),
+                "lr": float(self.scheduler.get_last_lr()[0])}
+
+    def _grad_norm_before_step(self) -> float | None:
+        """Stage 0 keeps reduced gradients in `.grad` until step(); ZeRO stages report the norm themselves."""
+        if self.zero_stage != 0:
+            return None
+        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(grads).norm()) if grads else 0.0
+
+    def _grad_norm_after_step(self, before: float | None) -> float:
+        if before is not None:
+            return before
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights on CPU from rank 0 (None elsewhere). Collective under ZeRO-3: call on all ranks."""
+        module = self.engine.module
+        if self.zero_stage == 3:
+            import deepspeed
+            params = list(module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                sd = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if self.rank == 0 else None
+            return sd
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def save_checkpoint(self, path: str, client_state: dict) -> None:
+        self.engine.save_checkpoint(path, tag="ds", client_state=client_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        _, client_state = self.engine.load_checkpoint(path, tag="ds")
+        return client_state or {}
+
+    def save_hf(self, path: str, tokenizer_path: str | None = None) -> None:
+        """`save_pretrained` export (rank 0 writes; all ranks must call under ZeRO-3)."""
+        sd = self.full_state_dict()
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+            module = self.engine.module
+            module.save_pretrained(path, state_dict=sd)
+            if tokenizer_path:
+                from rollout.hf_engine import load_tokenizer
+                load_tokenizer(tokenizer_path).save_pretrained(path)
+            del AutoTokenizer
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+class LearnerGroup:
+    """Driver-side handle on `world_size` LearnerWorker actors."""
+
+    def __init__(self, world_size: int, model_path: str, *, placement_group=None, bundle_indices=None,
+                 num_cpus: float = 0.5, num_gpus: float = 0.0, env: dict[str, str] | None = None,
+                 **worker_kwargs: Any):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        self.world_size = world_size
+        port = free_port()
+        addr = "127.0.0.1" if placement_group is None else ray.util.get_node_ip_address()
+        actor_cls = ray.remote(LearnerWorker)
+        self.workers = []
+        for rank in range(world_size):
+            opts: dict[str, Any] = {"num_cpus": num_cpus, "runtime_env": {"env_vars": env or {}}}
+            if num_gpus:
+                opts["num_gpus"] = num_gpus
+            if placement_group is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle_indices[rank])
+            self.workers.append(actor_cls.options(**opts).remote(rank, world_size, addr, port, model_path,
+                                                                 **worker_kwargs))
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+
+    def _shards(self, batch: Batch) -> list[Batch]:
+        return batch.split(self.world_size)
+
+    def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0) -> torch.Tensor:
+        shards = self._shards(batch)
+        outs = ray.get([w.compute_logprobs.remote(s, which, temperature) for w, s in zip(self.workers, shards)])
+        width = batch.response_ids.shape[1]
+        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs], 0)
+
+    def train_step(self, batch: Batch, grad_accum: int, loss_fn_spec: str, loss_params: dict[str, Any],
+                   temperature: float = 1.0, need_entropy: bool = False) -> dict[str, float]:
+        """Split `batch` over ranks and `grad_accum` micro-batches each; one optimizer step."""
+        mask = batch.response_mask
+        params = dict(loss_params)
+        params["num_tokens"] = float(mask.sum())
+        params["num_seqs"] = float((mask.sum(-1) > 0).sum())
+        futures = [w.train_step.remote(shard.split(grad_accum), loss_fn_spec, params, temperature, need_entropy)
+                   for w, shard in zip(self.workers, self._shards(batch))]
+        results = ray.get(futures)
+        out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        out["loss"] = sum(r["loss"] for r in results)
+        out["grad_norm"] = results[0]["grad_norm"]
+        return out
+
+    def sft_step(self, batch: Batch, grad_accum: int) -> dict[str, float]:
+        num_tokens = float(batch.response_mask.sum())
+        results = ray.get([w.sft_step.remote(shard.split(grad_accum), num_tokens)
+                           for w, shard in zip(self.workers, self._shards(batch))])
+        return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
+                "lr": results[0]["lr"]}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def save_checkpoint(self, path: str, client_state: dict) -> None:
+        ray.get([w.save_checkpoint.remote(path, client_state) for w in self.workers])
+
+    def load_checkpoint(self, path: str) -> dict:
+        return ray.get([w.load_checkpoint.remote(path) for w in self.workers])[0]
+
+    def save_hf(self, path: str, tokenizer_path: str | None = None) -> None:
+        ray.get([w.save_hf.remote(path, tokenizer_path) for w in self.workers])
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        except Exception:  # a rank that is already gone cannot take part in the barrier
+            pass
+        for w in self.workers:
+            ray.kill(w)

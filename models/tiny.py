@@ -1,0 +1,70 @@
+"""Tiny tokenizers and models built in code, so nothing is downloaded in tests or the quickstart.
+
+`build_tiny_tokenizer()` is a character-level tokenizer (the `tokenizers` library's WordLevel
+model over single characters) wrapped in `PreTrainedTokenizerFast`, with pad/eos/bos set, left
+padding for generation and a chat template. `build_tiny_model()` is a small `LlamaForCausalLM`.
+`save_tiny(dir)` writes both in HF format, loadable with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
+CHARACTERS = string.digits + string.ascii_letters + " \n+-*/=,.:;!?()[]{}\\<>_^'\"#%&|$@~"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% else %}<|assistant|>{{ m['content'] }}<eos>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level fast tokenizer: one id per character, unknown characters map to <unk>."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Special tokens are matched first; everything else is split into single characters.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>", padding_side="left")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128, num_layers: int = 3,
+                     num_heads: int = 4, intermediate_size: int = 256, max_position_embeddings: int = 128,
+                     seed: int = 0) -> LlamaForCausalLM:
+    """A small Llama-style causal LM (RoPE, SwiGLU, RMSNorm), seeded, untied embeddings."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id,
+                                               bos_token_id=tokenizer.bos_token_id)
+    return model
+
+
+def save_tiny(out_dir: str | Path, seed: int = 0, **model_kwargs: int) -> Path:
+    """Build the tiny tokenizer and model and `save_pretrained` both into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=seed, **model_kwargs)
+    tok.save_pretrained(out)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,64 @@
+"""The reward function contract and how results are normalised.
+
+A reward function is `fn(prompt, response, *, ground_truth=None, metadata=None, **columns)` and
+returns a float, `dict(score=..., **components)` or `None` ("not applicable"). It may be `async`.
+A *batched* reward (decorated with `@batched`) receives lists and returns a list of the same length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark `fn(prompts, responses, *, ground_truth, metadata, **columns) -> list` as batched."""
+    fn.looprl_batched = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_batched(fn: Callable) -> bool:
+    return bool(getattr(fn, "looprl_batched", False))
+
+
+@dataclass
+class RewardResult:
+    """One sample's reward: `score` is None when the function said "not applicable"."""
+    score: float | None
+    components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the function raised, timed out or returned a bad value
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+def normalize_result(value: Any, plugin: str) -> RewardResult:
+    """Turn a plugin's return value into a RewardResult; bad types and NaN become recorded errors."""
+    if value is None:
+        return RewardResult(None)
+    components: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            return RewardResult(None, error=f"reward {plugin!r} returned a dict without 'score': {sorted(value)}")
+        components = {k: float(v) for k, v in value.items()
+                      if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        value = value["score"]
+        if value is None:
+            return RewardResult(None, components)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            import torch
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = float(value)
+            else:
+                raise TypeError
+        except (ImportError, TypeError):
+            return RewardResult(None, error=f"reward {plugin!r} returned {type(value).__name__}, "
+                                            f"expected float, dict(score=...) or None")
+    score = float(value)
+    if math.isnan(score) or math.isinf(score):
+        return RewardResult(None, components, error=f"reward {plugin!r} returned {score}")
+    return RewardResult(score, components)

@@ -1,0 +1,62 @@
+"""Rule-based math reward: 1.0 when the last `\\boxed{}` answer is math-equivalent to the ground truth.
+
+Uses math-verify. math-verify's own timeouts rely on `signal.alarm`, which only works in a main
+thread: the reward service therefore runs this in worker processes, never in threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rl.registry import register
+
+# Our reward service enforces the per-sample timeout itself; silence the "timeout disabled" notice.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def last_boxed(text: str) -> str | None:
+    """The last `\\boxed{...}` in `text` (nested braces matched), or None when there is none or it is unclosed."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:j + 1]
+    return None
+
+
+@register("reward", "math")
+def math_reward(prompt: str, response: str, *, ground_truth: Any = None, metadata: dict | None = None,
+                require_boxed: bool = True, **_: Any) -> float | None:
+    """1.0 if the response's boxed answer equals `ground_truth` under math-verify, else 0.0.
+
+    Returns None (not applicable) when the sample has no ground truth. With `require_boxed`
+    (default) a response without `\\boxed{` scores 0 even if a bare number matches.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    if ground_truth is None or str(ground_truth).strip() == "":
+        return None
+    boxed = last_boxed(response)
+    if require_boxed and boxed is None:
+        return 0.0
+    # Timeouts off: math-verify's signal.alarm would cancel the reward service's own per-sample timer.
+    gold = parse(str(ground_truth), extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                 parsing_timeout=None)
+    if not gold:
+        gold = parse(f"${ground_truth}$", parsing_timeout=None)
+    # Grade the last boxed answer (the common convention): math-verify alone would take the first.
+    answer = parse(boxed or response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+                   parsing_timeout=None)
+    if not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0

@@ -1,0 +1,194 @@
+"""The reward service: scores samples with one or more reward functions in worker processes.
+
+Why processes: math-verify (and many graders) use `signal.alarm`, which fails off the main thread,
+and a stuck user plugin must be killable. Each sample gets `timeout_s`, enforced inside the worker
+with an interval timer and, as a backstop, by the parent, which kills and restarts the pool when
+a worker stops answering. An exception, a timeout, a NaN or a wrong return type becomes a recorded
+failure for that sample (flagged in the batch and counted in the metrics), never a crashed run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import multiprocessing as mp
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from rewards.base import RewardResult, is_batched, normalize_result
+
+
+@dataclass
+class RewardSpec:
+    name: str  # registry spec of the function
+    weight: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+class _SampleTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):  # noqa: ARG001
+    raise _SampleTimeout()
+
+
+_FN_CACHE: dict[str, Any] = {}
+
+
+def _resolve(spec: str) -> Any:
+    if spec not in _FN_CACHE:
+        from rl.registry import get
+        _FN_CACHE[spec] = get("reward", spec)
+    return _FN_CACHE[spec]
+
+
+def _call(fn, args, kwargs):
+    out = fn(*args, **kwargs)
+    if inspect.isawaitable(out):
+        out = asyncio.run(_await(out))
+    return out
+
+
+async def _await(aw):
+    return await aw
+
+
+def _with_timeout(timeout_s: float, fn, *args, **kwargs):
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _score_chunk(spec: str, params: dict, items: list[dict], timeout_s: float) -> list[tuple[Any, str | None]]:
+    """Worker-process entry: score `items` with reward `spec`. Returns (raw value, error) per item."""
+    try:
+        fn = _resolve(spec)
+    except Exception as exc:
+        return [(None, f"reward {spec!r} could not be loaded: {exc}")] * len(items)
+    results: list[tuple[Any, str | None]] = []
+    if is_batched(fn):
+        cols = {k: [it.get(k) for it in items] for k in items[0]}
+        try:
+            out = _with_timeout(timeout_s * len(items), _call, fn,
+                                (cols.pop("prompt"), cols.pop("response")), {**cols, **params})
+            if not isinstance(out, (list, tuple)) or len(out) != len(items):
+                err = f"batched reward {spec!r} returned {type(out).__name__} of length " \
+                      f"{len(out) if hasattr(out, '__len__') else '?'}, expected a list of {len(items)}"
+                return [(None, err)] * len(items)
+            return [(v, None) for v in out]
+        except _SampleTimeout:
+            return [(None, f"reward {spec!r} timed out after {timeout_s * len(items):.1f}s (batch)")] * len(items)
+        except Exception as exc:
+            return [(None, f"reward {spec!r} raised {type(exc).__name__}: {exc}")] * len(items)
+    for it in items:
+        kwargs = {k: v for k, v in it.items() if k not in ("prompt", "response")}
+        try:
+            results.append((_with_timeout(timeout_s, _call, fn, (it["prompt"], it["response"]),
+                                          {**kwargs, **params}), None))
+        except _SampleTimeout:
+            results.append((None, f"reward {spec!r} timed out after {timeout_s:.1f}s"))
+        except Exception as exc:
+            tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            results.append((None, f"reward {spec!r} raised {tb}"))
+    return results
+
+
+class RewardService:
+    """Scores samples with weighted reward functions in `num_workers` spawned processes."""
+
+    def __init__(self, functions: list[RewardSpec], num_workers: int = 2, timeout_s: float = 10.0,
+                 failure_reward: float = 0.0):
+        if not functions:
+            raise ValueError("the reward service needs at least one reward function")
+        from rl.registry import get
+        for f in functions:  # fail at start-up, in the driver, for plugins that cannot be loaded
+            get("reward", f.name)
+        self.functions = functions
+        self.num_workers = max(1, num_workers)
+        self.timeout_s = timeout_s
+        self.failure_reward = failure_reward
+        self._pool = None
+        self.restarts = 0
+
+    def _ensure_pool(self):
+        if self._pool is None:
+            self._pool = mp.get_context("spawn").Pool(self.num_workers)
+        return self._pool
+
+    def _restart_pool(self):
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+        self._pool = None
+        self.restarts += 1
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def score(self, items: list[dict]) -> list[dict]:
+        """Score rows `{prompt, response, ground_truth, metadata, ...}`.
+
+        Returns per row `{score, failed, error, components}`; `score` is the weighted sum over the
+        applicable functions, or `failure_reward` when any function failed for that row.
+        """
+        if not items:
+            return []
+        pool = self._ensure_pool()
+        n_chunks = min(len(items), self.num_workers * 2)
+        bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
+        jobs = []
+        for f in self.functions:
+            for c in range(n_chunks):
+                chunk = items[bounds[c]:bounds[c + 1]]
+                jobs.append((f, bounds[c], len(chunk),
+                             pool.apply_async(_score_chunk, (f.name, dict(f.params), chunk, self.timeout_s))))
+        waves = math.ceil(len(jobs) / self.num_workers)
+        deadline = time.monotonic() + self.timeout_s * (max(bounds[i + 1] - bounds[i] for i in range(n_chunks))
+                                                        * waves + 1) + 30.0
+        raw: dict[str, list[tuple[Any, str | None]]] = {f.name: [(None, None)] * len(items) for f in self.functions}
+        stuck = False
+        for f, start, size, res in jobs:
+            try:
+                out = res.get(timeout=max(0.0, deadline - time.monotonic()))
+            except mp.TimeoutError:
+                stuck = True
+                out = [(None, f"reward {f.name!r} worker did not answer in time (killed and restarted)")] * size
+            except Exception as exc:
+                out = [(None, f"reward {f.name!r} worker failed: {type(exc).__name__}: {exc}")] * size
+            raw[f.name][start:start + size] = out
+        if stuck:
+            self._restart_pool()
+        return [self._combine({f.name: raw[f.name][i] for f in self.functions}) for i in range(len(items))]
+
+    def _combine(self, per_fn: dict[str, tuple[Any, str | None]]) -> dict:
+        total, applicable, errors, components = 0.0, 0, [], {}
+        for f in self.functions:
+            value, err = per_fn[f.name]
+            res = RewardResult(None, error=err) if err else normalize_result(value, f.name)
+            if res.failed:
+                errors.append(res.error)
+                continue
+            for k, v in res.components.items():
+                components[f"{f.name}/{k}"] = v
+            if res.score is not None:
+                components[f.name] = res.score
+                total += f.weight * res.score
+                applicable += 1
+        if errors:
+            return {"score": self.failure_reward, "failed": True, "error": "; ".join(errors),
+                    "components": components}
+        if applicable == 0:
+            return {"score": self.failure_reward, "failed": False, "error": None,
+                    "components": components, "not_applicable": True}
+        return {"score": total, "failed": False, "error": None, "components": components}

@@ -1,0 +1,135 @@
+"""`Batch`: the one data structure passed between rollout workers, reward service and learners.
+
+Layout: prompts are left-padded `[N, P]`, responses right-padded `[N, L]`; per-token tensors
+(`*_logp`, `advantages`) are `[N, L]` aligned with `response_ids`; looped models may add
+`[N, L, T]` tensors. `group_id [N]` names the prompt a sample came from: group-relative
+estimators need it, and a batch whose grouping does not match the recipe is rejected loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Tensor fields that are per response token and right-padded, or per prompt token and left-padded.
+_RIGHT_PADDED = ("response_ids", "response_mask", "response_attn", "rollout_logp", "old_logp", "ref_logp", "advantages",
+                 "per_loop_logp", "exit_pdf")
+_LEFT_PADDED = ("prompt_ids", "prompt_mask")
+
+
+@dataclass
+class Batch:
+    prompt_ids: torch.Tensor  # [N, P] long, left-padded
+    prompt_mask: torch.Tensor  # [N, P] long/bool, 1 on real prompt tokens
+    response_ids: torch.Tensor  # [N, L] long, right-padded
+    response_mask: torch.Tensor  # [N, L] float, 1 on tokens that count in the loss
+    group_id: torch.Tensor  # [N] int64, same id for all samples of one prompt
+    response_attn: torch.Tensor | None = None  # [N, L] long, 1 on generated tokens (None: = response_mask)
+    rollout_logp: torch.Tensor | None = None  # [N, L] sampled-token logprobs from the rollout engine
+    old_logp: torch.Tensor | None = None  # [N, L] learner logprobs before the update (PPO ratio)
+    ref_logp: torch.Tensor | None = None  # [N, L] frozen reference logprobs (KL)
+    advantages: torch.Tensor | None = None  # [N, L] (or [N, L, T] for per-loop credit)
+    rewards: torch.Tensor | None = None  # [N] float
+    reward_failed: torch.Tensor | None = None  # [N] bool: the reward could not be computed
+    truncated: torch.Tensor | None = None  # [N] bool: generation hit max_new_tokens
+    per_loop_logp: torch.Tensor | None = None  # [N, L, T] looped models
+    exit_pdf: torch.Tensor | None = None  # [N, L, T] looped models
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    ground_truth: list[Any] = field(default_factory=list)
+    metadata: list[dict] = field(default_factory=list)
+    reward_components: list[dict] = field(default_factory=list)
+    policy_version: int = 0
+
+    def __len__(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    # ------------------------------------------------------------------ structure
+    def tensor_fields(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def list_fields(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), list)]
+
+    def select(self, index: torch.Tensor | list[int] | slice) -> Batch:
+        """Rows `index` (tensor/list of ints or a slice) as a new Batch."""
+        if isinstance(index, slice):
+            rows = list(range(len(self)))[index]
+        else:
+            rows = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
+        idx = torch.tensor(rows, dtype=torch.long)
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v.index_select(0, idx)
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in rows] if v else []
+            else:
+                out[f.name] = v
+        return Batch(**out)
+
+    def split(self, num_chunks: int) -> list[Batch]:
+        """Contiguous, near-equal chunks (for data-parallel ranks or micro-batches)."""
+        n = len(self)
+        if num_chunks < 1 or num_chunks > n:
+            raise ValueError(f"cannot split a batch of {n} samples into {num_chunks} chunks")
+        bounds = [round(i * n / num_chunks) for i in range(num_chunks + 1)]
+        return [self.select(slice(bounds[i], bounds[i + 1])) for i in range(num_chunks)]
+
+    @staticmethod
+    def concat(batches: list[Batch]) -> Batch:
+        """Stack batches row-wise, re-padding prompts (left) and responses (right) to a common width."""
+        if not batches:
+            raise ValueError("concat of an empty list")
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(Batch):
+            vals = [getattr(b, f.name) for b in batches]
+            if all(isinstance(v, torch.Tensor) for v in vals):
+                if f.name in _RIGHT_PADDED or f.name in _LEFT_PADDED:
+                    width = max(v.shape[1] for v in vals)
+                    vals = [_pad_dim1(v, width, left=f.name in _LEFT_PADDED) for v in vals]
+                out[f.name] = torch.cat(vals, 0)
+            elif all(v is None for v in vals):
+                out[f.name] = None
+            elif all(isinstance(v, list) for v in vals):
+                out[f.name] = [x for v in vals for x in v]
+            elif f.name == "policy_version":
+                out[f.name] = min(vals)
+            else:
+                raise ValueError(f"cannot concat batches: field {f.name!r} is set in some and not others")
+        return Batch(**out)
+
+    # ------------------------------------------------------------------ model inputs
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """`input_ids`, `attention_mask`, `position_ids` of prompt+response, for a causal LM forward.
+
+        Positions count real tokens only, so a left-padded prompt gets the same positions as in
+        generation; right padding after EOS is masked out.
+        """
+        resp_attn = self.response_attn if self.response_attn is not None else self.response_mask
+        attn = torch.cat([self.prompt_mask.long(), resp_attn.long()], 1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        return {"input_ids": torch.cat([self.prompt_ids, self.response_ids], 1),
+                "attention_mask": attn, "position_ids": pos}
+
+    def check_groups(self, group_size: int) -> None:
+        """Fail loudly when grouping does not match the recipe's group size."""
+        ids, counts = torch.unique(self.group_id, return_counts=True)
+        bad = [(int(i), int(c)) for i, c in zip(ids, counts) if c != group_size]
+        if bad:
+            raise ValueError(f"group_id mismatch: expected {group_size} samples per prompt, got "
+                             f"(group_id, count) = {bad[:5]}{' ...' if len(bad) > 5 else ''}")
+
+
+def _pad_dim1(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad_shape = list(t.shape)
+    pad_shape[1] = width - t.shape[1]
+    pad = torch.zeros(pad_shape, dtype=t.dtype)
+    return torch.cat([pad, t] if left else [t, pad], 1)

@@ -1,0 +1,316 @@
+"""Recipe schema: typed dataclasses turned into an OmegaConf structured config.
+
+Every field has a type, a default and a one-line doc (the comment after it, also shown by
+`looprl config show`). `load(path, overrides)` rejects unknown or misspelled keys with the full
+key path and the closest valid name, and wrong types with the file and key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A recipe cannot be loaded: names the file and the key."""
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 128  # width of the tiny Llama-style model built in code
+    num_layers: int = 3  # decoder layers
+    num_heads: int = 4  # attention heads
+    intermediate_size: int = 256  # MLP width
+    max_position_embeddings: int = 128  # longest prompt+response
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # HF model folder; null builds a tiny model and tokenizer in code (models/tiny.py)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when path is null
+    dtype: str = "float32"  # float32 | bfloat16 for learner and rollout weights
+    trust_remote_code: bool = False  # passed to transformers' from_pretrained
+    gradient_checkpointing: bool = False  # activation checkpointing in the learner
+
+
+@dataclass
+class SyntheticTaskConfig:
+    num_train: int = 4000  # generated training problems (SFT warm-up and RL prompts draw from disjoint parts)
+    num_eval: int = 200  # held-out problems, never trained on
+    sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest
+    wrong_order_fraction: float = 0.5  # share of SFT targets that use the wrong order of operations
+    seed: int = 1234  # generator seed (independent of the run seed)
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = None  # JSONL/Parquet file or load_from_disk folder; null: synthetic task
+    eval_path: str | None = None  # held-out set, same columns; null: synthetic task's held-out split
+    sft_path: str | None = None  # SFT warm-up data (prompt + target columns); null: synthetic task
+    prompt_column: str = "prompt"  # column holding the problem text
+    answer_column: str = "answer"  # column holding the ground truth passed to rewards
+    target_column: str = "target"  # SFT target column
+    chat_template: bool = False  # wrap prompts with the tokenizer's chat template
+    prompt_prefix: str = ""  # text placed before every prompt
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)  # the embedded task
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = False  # run a supervised warm-up before RL
+    steps: int = 1200  # optimizer steps
+    batch_size: int = 64  # sequences per optimizer step (global)
+    lr: float = 2e-3  # peak learning rate
+    warmup_steps: int = 50  # linear warm-up steps, then cosine decay to 10% of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"  # generation engine (registry kind "engine"): hf
+    num_workers: int = 1  # rollout worker actors
+    n: int = 8  # samples per prompt (group size)
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 32  # response length cap
+    eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
+    generation_batch_size: int = 256  # prompts*n per generate call inside a worker
+    num_cpus: float = 0.5  # CPUs reserved per worker in the placement group
+
+
+@dataclass
+class LearnerConfig:
+    world_size: int = 1  # DeepSpeed data-parallel ranks (one Ray actor each)
+    zero_stage: int = 0  # ZeRO stage 0-3
+    micro_batch_size: int = 64  # sequences per forward/backward per rank
+    lr: float = 1e-4  # RL learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    grad_clip: float = 1.0  # global gradient-norm clip (0 disables)
+    warmup_steps: int = 0  # linear learning-rate warm-up steps, constant afterwards
+    num_cpus: float = 0.5  # CPUs reserved per rank in the placement group
+    backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"  # advantage estimator (registry kind "advantage")
+    advantage_params: dict[str, Any] = field(default_factory=dict)  # keyword parameters, e.g. {eps: 1e-6, norm_by_std: true}
+    loss: str = "ppo_clip"  # policy loss (registry kind "loss")
+    loss_params: dict[str, Any] = field(default_factory=dict)  # keyword parameters, e.g. {eps_low: 0.2, eps_high: 0.28, dual_clip: 3.0}
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (global counts)
+    kl_coef: float = 0.0  # KL-to-reference coefficient (0: no reference model is loaded)
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_in_reward: bool = False  # subtract kl_coef*sum(KL) from the reward instead of adding KL to the loss
+    entropy_coef: float = 0.0  # entropy bonus coefficient
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer steps per pass (split of the rollout batch)
+
+
+@dataclass
+class RewardFnConfig:
+    name: str = "math"  # reward (registry kind "reward"): short name, module:attr, file.py:attr or entry point
+    weight: float = 1.0  # weight in the summed reward
+    params: dict[str, Any] = field(default_factory=dict)  # keyword arguments passed to the function
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFnConfig] = field(default_factory=lambda: [RewardFnConfig()])  # summed with weights
+    num_workers: int = 2  # worker processes of the reward service
+    timeout_s: float = 10.0  # per-sample timeout; a timed-out sample is a recorded failure
+    failure_reward: float = 0.0  # reward given to a failed sample (it is also flagged and counted)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 30  # RL steps (rollout + update)
+    prompts_per_step: int = 16  # prompts sampled per step (x rollout.n samples)
+    eval_every: int = 0  # evaluate on held-out prompts every N steps (0: only before and after)
+    eval_max_prompts: int = 200  # held-out prompts used per evaluation
+    checkpoint_every: int = 0  # save a checkpoint every N steps (0: only at the end)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    save_hf: bool = True  # export the final policy with save_pretrained
+    log_every: int = 1  # print/log every N steps
+
+
+@dataclass
+class ClusterConfig:
+    address: str | None = None  # Ray address; null: connect to a running cluster if any, else start one locally
+    num_cpus: int | None = None  # CPUs for a locally started Ray (null: all)
+    placement: str = "colocated"  # colocated (learner rank i shares a bundle with rollout worker i) | split
+    placement_strategy: str = "PACK"  # Ray placement-group strategy: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True  # write TensorBoard events to output_dir/tensorboard
+    wandb_project: str | None = None  # W&B project (needs the wandb extra); null disables
+    progress_bar: bool = True  # tqdm progress bar on stderr
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs/default"  # where metrics, checkpoints and exports go
+    seed: int = 0  # global seed (data order, sampling, init)
+    resume: str = "no"  # no | auto (latest checkpoint in output_dir) | path to a checkpoint folder
+    model: ModelConfig = field(default_factory=ModelConfig)  # policy model
+    data: DataConfig = field(default_factory=DataConfig)  # datasets and columns
+    sft: SFTConfig = field(default_factory=SFTConfig)  # optional supervised warm-up stage
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
+    learner: LearnerConfig = field(default_factory=LearnerConfig)  # DeepSpeed training
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantage, loss, KL
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward functions and service
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # loop length, eval, checkpoints
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # Ray and placement
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # logs and trackers
+
+
+# ---------------------------------------------------------------------------- validation
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass inside `tp` (plain, Optional[...]) or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _list_item_dataclass(tp: Any) -> type | None:
+    if typing.get_origin(tp) in (list, typing.List):  # noqa: UP006
+        args = typing.get_args(tp)
+        return args[0] if args and dataclasses.is_dataclass(args[0]) else None
+    return None
+
+
+def _check_keys(data: Any, schema: type, path: str, source: str) -> None:
+    """Recursively reject keys that the schema does not declare, naming the closest valid one."""
+    if not isinstance(data, dict):
+        return
+    hints = typing.get_type_hints(schema)
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.5)
+            hint = f"; did you mean {(path + '.' if path else '') + close[0]!r}?" if close else \
+                f"; valid keys here: {sorted(hints)}"
+            raise ConfigError(f"{source}: unknown key {full!r}{hint}")
+        sub = _dataclass_of(hints[key])
+        if sub is not None and isinstance(value, dict):
+            _check_keys(value, sub, full, source)
+        item = _list_item_dataclass(hints[key])
+        if item is not None and isinstance(value, list):
+            for i, v in enumerate(value):
+                _check_keys(v, item, f"{full}[{i}]", source)
+
+
+def _overrides_to_dict(overrides: list[str]) -> dict:
+    """`a.b=1` dotted overrides to a nested dict, values parsed as YAML scalars."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: DictConfig, data: dict, source: str) -> DictConfig:
+    _check_keys(data, Config, "", source)
+    try:
+        return OmegaConf.merge(base, OmegaConf.create(data))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"{source}: invalid value for {key!r}: {msg}") from None
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> DictConfig:
+    """Recipe YAML + dotted overrides → typed, validated config (an OmegaConf DictConfig over `Config`)."""
+    cfg: DictConfig = OmegaConf.structured(Config)
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: malformed YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: a recipe must be a mapping of keys, got {type(data).__name__}")
+        cfg = _merge(cfg, data, str(p))
+    if overrides:
+        cfg = _merge(cfg, _overrides_to_dict(overrides), "command-line override")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks that types alone cannot express."""
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"invalid value for {key!r}: {msg}")
+
+    need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
+    need(cfg.learner.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3")
+    need(cfg.learner.world_size >= 1, "learner.world_size", "must be >= 1")
+    need(cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
+    need(cfg.algorithm.kl_estimator in ("k1", "k2", "k3"), "algorithm.kl_estimator", "must be k1, k2 or k3")
+    need(cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+         "algorithm.loss_agg", "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+    need(cfg.cluster.placement in ("colocated", "split"), "cluster.placement", "must be colocated or split")
+    need(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16")
+    need(cfg.resume in ("no", "auto") or Path(cfg.resume).exists(), "resume",
+         f"must be no, auto or an existing checkpoint folder, got {cfg.resume!r}")
+    total = cfg.trainer.prompts_per_step * cfg.rollout.n
+    per_update = total // max(cfg.algorithm.mini_batches, 1)
+    need(total % cfg.algorithm.mini_batches == 0, "algorithm.mini_batches",
+         f"must divide prompts_per_step*n = {total}")
+    need(per_update % cfg.learner.world_size == 0, "learner.world_size",
+         f"must divide the samples per optimizer step ({per_update})")
+    need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def field_docs(schema: type = Config, prefix: str = "") -> dict[str, str]:
+    """`dotted.key -> one-line doc`, read from the comment after each field in this file."""
+    import inspect
+    docs: dict[str, str] = {}
+    src_lines = inspect.getsource(schema).splitlines()
+    for line in src_lines:
+        stripped = line.strip()
+        if ":" in stripped and "#" in stripped and not stripped.startswith(("#", "class", "def", "@")):
+            name = stripped.split(":", 1)[0].strip()
+            docs[prefix + name] = stripped.split("#", 1)[1].strip()
+    for f in dataclasses.fields(schema):
+        sub = _dataclass_of(f.type if not isinstance(f.type, str) else typing.get_type_hints(schema)[f.name])
+        if sub is not None:
+            docs.update(field_docs(sub, prefix + f.name + "."))
+    return docs
+
+
+def as_container(node: Any) -> Any:
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node

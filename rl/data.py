@@ -1,0 +1,58 @@
+"""Dataset loading through `datasets`: JSONL/JSON, Parquet, CSV files and `load_from_disk` folders.
+
+Errors name the recipe key, the file and, for bad rows, the row number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rl.config import ConfigError
+
+
+def load_rows(path: str, columns: list[str], key: str) -> list[dict[str, Any]]:
+    """Load `path` and return rows restricted to `columns` (all must exist, the set must be non-empty)."""
+    import datasets
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{key}: dataset {path!r} does not exist")
+    datasets.disable_progress_bars()
+    try:
+        if p.is_dir():
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+        else:
+            suffix = p.suffix.lower()
+            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(suffix)
+            if builder is None:
+                raise ConfigError(f"{key}: {path!r} has an unsupported extension {suffix!r} "
+                                  f"(use .jsonl, .json, .parquet, .csv or a load_from_disk folder)")
+            ds = datasets.load_dataset(builder, data_files=str(p), split="train")
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{key}: cannot read dataset {path!r}: {type(exc).__name__}: {exc}") from None
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise ConfigError(f"{key}: dataset {path!r} has no column(s) {missing}; "
+                          f"its columns are {ds.column_names}")
+    if len(ds) == 0:
+        raise ConfigError(f"{key}: dataset {path!r} is empty")
+    rows = ds.select_columns(columns).to_list()
+    for i, row in enumerate(rows):
+        for c in columns:
+            if row[c] is None:
+                raise ConfigError(f"{key}: dataset {path!r} row {i}: column {c!r} is empty")
+    return rows
+
+
+def format_prompt(text: str, tokenizer: Any, prefix: str = "", chat_template: bool = False) -> str:
+    """Prompt string given to the engine: optional prefix, optionally wrapped in the chat template."""
+    text = prefix + str(text)
+    if chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return text

@@ -1,0 +1,112 @@
+"""Policy losses, KL estimators and loss aggregation, registered under kind "loss".
+
+Contract: `fn(logp, old_logp, advantages, response_mask, *, ref_logp=None, **params) -> (loss, metrics)`.
+All tensors are `[N, L]`. `num_tokens` / `num_seqs` are the *global* counts over the optimizer
+step (all ranks, all micro-batches): the learner passes them so that summing the per-micro-batch
+losses gives the loss of the whole batch, whatever the data-parallel size or micro-batching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl.registry import register
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from sampled-token logprobs.
+
+    k1 = logp - ref (unbiased, high variance); k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1
+    (Schulman's low-variance estimator, always >= 0, verl's `low_var_kl` without clamping).
+    """
+    diff = logp - ref_logp
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "k3":
+        return torch.exp(-diff) - (-diff) - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+
+
+def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
+                   num_tokens: float | None = None, num_seqs: float | None = None,
+                   norm_len: float | None = None) -> torch.Tensor:
+    """Reduce per-token `values [N, L]` to a scalar.
+
+    token-mean: sum(v·m) / num_tokens, each token weighs the same (verl/DAPO default).
+    seq-mean-token-mean: mean over sequences of each sequence's token mean (original GRPO).
+    seq-mean-token-sum-norm: sum(v·m) / (num_seqs · norm_len), a constant length normaliser
+      (Dr.GRPO); `norm_len` defaults to the padded response width L.
+    `num_tokens` / `num_seqs` default to this batch's counts; pass global counts so that
+    sums over shards equal the full-batch value. Fully masked sequences are not counted.
+    """
+    mask = mask.to(values.dtype)
+    tok_per_seq = mask.sum(-1)
+    if num_seqs is None:
+        num_seqs = float((tok_per_seq > 0).sum())
+    if mode == "token-mean":
+        denom = float(mask.sum()) if num_tokens is None else num_tokens
+        return (values * mask).sum() / max(denom, 1.0)
+    if mode == "seq-mean-token-mean":
+        seq_mean = (values * mask).sum(-1) / tok_per_seq.clamp(min=1.0)
+        return seq_mean.sum() / max(num_seqs, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        length = float(values.shape[-1]) if norm_len is None else norm_len
+        return (values * mask).sum() / (max(num_seqs, 1.0) * length)
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGG_MODES}")
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@register("loss", "ppo_clip")
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, *, ref_logp: torch.Tensor | None = None,
+                  entropy: torch.Tensor | None = None, eps_low: float = 0.2, eps_high: float = 0.2,
+                  dual_clip: float | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                  entropy_coef: float = 0.0, agg: str = "token-mean", num_tokens: float | None = None,
+                  num_seqs: float | None = None, norm_len: float | None = None
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate with separate low/high clip (DAPO clip-higher) and optional dual-clip.
+
+    per-token: max(-A·r, -A·clip(r, 1-eps_low, 1+eps_high)); with `dual_clip = c > 1`, tokens with
+    A < 0 are further capped at -A·c (Ye et al. 2020). `kl_coef > 0` adds a KL-to-reference term
+    (`kl_estimator`) to the loss; `entropy_coef > 0` subtracts an entropy bonus. All three terms use
+    the same aggregation `agg`.
+    """
+    mask = response_mask.to(logp.dtype)
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
+    per_token = pg
+    metrics: dict[str, float] = {}
+    if kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 in the loss needs reference logprobs (ref_logp)")
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        per_token = per_token + kl_coef * kl
+        metrics["kl"] = float(_masked_mean(kl.detach(), mask))
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs per-token entropy")
+        per_token = per_token - entropy_coef * entropy
+    loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    with torch.no_grad():
+        clipped = ((pg_clipped > pg_unclipped) & (mask > 0)).to(logp.dtype)
+        metrics["clipfrac"] = float(clipped.sum() / mask.sum().clamp(min=1.0))
+        metrics["approx_kl_old"] = float(_masked_mean(0.5 * log_ratio.square(), mask))
+        metrics["ratio_mean"] = float(_masked_mean(ratio, mask))
+        metrics["pg_loss"] = float(aggregate_loss(pg, mask, agg, num_tokens=num_tokens,
+                                                  num_seqs=num_seqs, norm_len=norm_len))
+    return loss, metrics

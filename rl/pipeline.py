@@ -1,0 +1,228 @@
+"""The stage pipeline of one recipe: model → data → (SFT warm-up) → RL → evaluation → export.
+
+Each stage reads and writes artifacts by path inside `output_dir`, so a re-run (or `resume=auto`)
+skips what is already complete.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from omegaconf import DictConfig
+
+from cluster.learner import LearnerGroup
+from cluster.ray_utils import actor_env, init_ray, make_placement
+from rewards.service import RewardService, RewardSpec
+from rl.config import as_container, to_yaml
+from rl.data import format_prompt, load_rows
+from rl.evaluate import evaluate
+from rl.sft import run_sft, sft_done_marker
+from rl.tracking import MetricsLogger
+from rl.trainer import RLTrainer, latest_checkpoint
+from rollout.hf_engine import load_tokenizer
+
+
+def prepare_model(cfg: DictConfig, out: Path) -> str:
+    """The base model folder: `model.path`, or a tiny model and tokenizer built in code."""
+    if cfg.model.path:
+        if not Path(cfg.model.path).exists():
+            raise FileNotFoundError(f"model.path: {cfg.model.path!r} does not exist")
+        return str(cfg.model.path)
+    from models.tiny import save_tiny
+    path = out / "base_model"
+    if not (path / "config.json").exists():
+        t = cfg.model.tiny
+        save_tiny(path, seed=cfg.seed, hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
+                  intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings)
+    return str(path)
+
+
+def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
+    """Paths of the sft/train/eval sets; the embedded synthetic task fills what the recipe leaves null."""
+    d = cfg.data
+    paths: dict[str, str | None] = {"train": d.train_path, "eval": d.eval_path, "sft": d.sft_path}
+    need_sft = cfg.sft.enabled and d.sft_path is None
+    if d.train_path is None or need_sft:
+        from rl.synthetic import write_synthetic_task
+        s = d.synthetic
+        synth = write_synthetic_task(out / "data", num_train=s.num_train, num_eval=s.num_eval,
+                                     sft_fraction=s.sft_fraction, wrong_order_fraction=s.wrong_order_fraction,
+                                     seed=s.seed)
+        if d.train_path is None:  # the synthetic task's held-out split goes with its training split
+            paths["train"] = synth["train"]
+            paths["eval"] = d.eval_path or synth["eval"]
+        if need_sft:
+            paths["sft"] = synth["sft"]
+    return paths
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _say(msg: str) -> None:
+    print(f"[looprl] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run every stage of the recipe and return the summary (also written to summary.json)."""
+    t_run = time.perf_counter()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    seed_everything(cfg.seed)
+
+    model_path = prepare_model(cfg, out)
+    tokenizer = load_tokenizer(model_path)
+    paths = prepare_data(cfg, out)
+    d = cfg.data
+    train_rows = load_rows(paths["train"], [d.prompt_column, d.answer_column], "data.train_path")
+    eval_rows = load_rows(paths["eval"], [d.prompt_column, d.answer_column], "data.eval_path") \
+        if paths["eval"] else []
+    sft_rows = load_rows(paths["sft"], [d.prompt_column, d.target_column], "data.sft_path") \
+        if cfg.sft.enabled else []
+
+    ckpt = None
+    if cfg.resume == "auto":
+        ckpt = latest_checkpoint(out)
+    elif cfg.resume != "no":
+        ckpt = Path(cfg.resume)
+
+    mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
+    _say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
+    specs = [RewardSpec(f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
+    RewardService([*specs], num_workers=1).close()  # load plugins in the driver: a bad one fails here
+    reward_service = ray.remote(RewardService).options(
+        num_cpus=0, runtime_env={"env_vars": actor_env()}).remote(
+        specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+        failure_reward=cfg.reward.failure_reward)
+    use_gpu = torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0
+    lc = cfg.learner
+    placement = make_placement(lc.world_size, cfg.rollout.num_workers, lc.num_cpus, cfg.rollout.num_cpus,
+                               cfg.cluster.placement, cfg.cluster.placement_strategy, use_gpu=use_gpu)
+    summary: dict[str, Any] = {}
+    trainer = None
+    try:
+        policy_path = model_path
+        if cfg.sft.enabled:
+            policy_path = str(out / "sft_model")
+            if not sft_done_marker(policy_path).exists():
+                summary.update(_sft_stage(cfg, model_path, policy_path, tokenizer, sft_rows, placement))
+            else:
+                _say(f"sft: reusing {policy_path}")
+
+        trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, placement, reward_service)
+        before_path = out / "eval_before.json"
+        if ckpt is not None:
+            trainer.load_checkpoint(ckpt)
+            _truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
+            _say(f"resumed from {ckpt} at step {trainer.step_idx}")
+        if eval_rows and before_path.exists() and ckpt is not None:
+            before = json.loads(before_path.read_text())
+        elif eval_rows:
+            before = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
+            before_path.write_text(json.dumps(before))
+        else:
+            before = None
+        if before is not None:
+            _say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({int(before['num_prompts'])} prompts)")
+
+        tc = cfg.trainer
+        logger = MetricsLogger(out, tc.steps, tensorboard=cfg.logging.tensorboard,
+                               wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
+                               config=as_container(cfg), start_step=trainer.step_idx)
+        last: dict[str, float] = {}
+        t_rl = time.perf_counter()
+        try:
+            while trainer.step_idx < tc.steps:
+                metrics = trainer.step()
+                step = trainer.step_idx
+                if eval_rows and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                    ev = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
+                    metrics["eval/accuracy"] = ev["accuracy"]
+                logger.log(step, metrics)
+                last = metrics
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+                    trainer.save_checkpoint()
+        finally:
+            logger.close()
+        rl_s = time.perf_counter() - t_rl
+        if not tc.checkpoint_every or trainer.step_idx % tc.checkpoint_every:
+            trainer.save_checkpoint()
+        summary.update({k: v for k, v in last.items()})
+        summary["steps"] = trainer.step_idx
+        summary["rl_wall_s"] = rl_s
+        if eval_rows:
+            after = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
+            summary["accuracy_before_rl"] = before["accuracy"]
+            summary["accuracy_after_rl"] = after["accuracy"]
+            summary["eval_examples_after_rl"] = after["examples"]
+            _say(f"held-out accuracy: before RL {before['accuracy']:.3f} -> after RL {after['accuracy']:.3f}")
+        if tc.save_hf:
+            hf_dir = out / "hf_model"
+            trainer.learners.save_hf(str(hf_dir), tokenizer_path=model_path)
+            summary["hf_model"] = str(hf_dir)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        ray.kill(reward_service)
+        placement.remove()
+    summary["wall_s"] = time.perf_counter() - t_run
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, rows: list[dict],
+               placement: Any) -> dict[str, float]:
+    s, lc, d = cfg.sft, cfg.learner, cfg.data
+    _say(f"sft: {s.steps} steps, batch {s.batch_size}, lr {s.lr}")
+    grad_accum = max(1, -(-s.batch_size // (lc.world_size * lc.micro_batch_size)))
+    group = LearnerGroup(lc.world_size, model_path, placement_group=placement.group,
+                         bundle_indices=placement.learner_bundles, num_cpus=lc.num_cpus,
+                         num_gpus=placement.gpus_per_actor, env=actor_env(),
+                         lr=s.lr, weight_decay=s.weight_decay, zero_stage=lc.zero_stage,
+                         micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),
+                         grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend,
+                         schedule="cosine", warmup_steps=s.warmup_steps, total_steps=s.steps, seed=cfg.seed,
+                         trust_remote_code=cfg.model.trust_remote_code)
+    out = Path(out_path)
+    log_path = Path(cfg.output_dir) / "sft_metrics.jsonl"
+    log_path.unlink(missing_ok=True)
+    from tqdm import tqdm
+    bar = tqdm(total=s.steps, desc="sft", file=sys.stderr, mininterval=2.0, disable=not cfg.logging.progress_bar)
+
+    def log(step: int, m: dict) -> None:
+        with log_path.open("a") as f:
+            f.write(json.dumps({"step": step, **m}) + "\n")
+        bar.set_postfix({"loss": f"{m['sft/loss']:.3f}"}, refresh=False)
+        bar.update(1)
+
+    t0 = time.perf_counter()
+    try:
+        hist = run_sft(group, tokenizer, rows, prompt_key=d.prompt_column, target_key=d.target_column,
+                       steps=s.steps, batch_size=s.batch_size, micro_batch_size=lc.micro_batch_size,
+                       world_size=lc.world_size, seed=cfg.seed,
+                       format_prompt=lambda p: format_prompt(p, tokenizer, d.prompt_prefix, d.chat_template),
+                       log=log)
+        bar.close()
+        group.save_hf(str(out), tokenizer_path=model_path)
+    finally:
+        group.shutdown()
+    sft_done_marker(out).write_text("")
+    return {"sft_final_loss": hist[-1]["sft/loss"], "sft_wall_s": time.perf_counter() - t0}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from (they will be produced again)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,113 @@
+"""Name → object registry for pluggable pieces (advantage estimators, losses, rewards, engines, ...).
+
+`get(kind, spec)` resolves, in order:
+  * a short name registered with `@register(kind, name)`;
+  * `package.module:attr` (imported);
+  * `path/to/file.py:attr` (loaded from the file);
+  * an entry point named `spec` in the group `looprl.<kind>`.
+Unknown names fail with one error that lists the known ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding")
+
+_REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
+
+# Modules that register the built-ins of a kind; imported lazily so that `rl` core stays light.
+_BUILTIN_MODULES = {
+    "advantage": ["rl.advantages"],
+    "loss": ["rl.losses"],
+    "reward": ["rewards.math"],
+    "engine": ["rollout.hf_engine"],
+}
+
+
+class RegistryError(LookupError):
+    """A spec could not be resolved to a registered or importable object."""
+
+
+def register(kind: str, name: str) -> Callable[[Any], Any]:
+    """Decorator: register `obj` under `kind`/`name`. Registering a taken name is an error."""
+    if kind not in _REGISTRY:
+        raise RegistryError(f"unknown registry kind {kind!r}; kinds are {list(KINDS)}")
+
+    def deco(obj: Any) -> Any:
+        if name in _REGISTRY[kind] and _REGISTRY[kind][name] is not obj:
+            raise RegistryError(f"{kind} {name!r} is already registered ({_REGISTRY[kind][name]!r})")
+        _REGISTRY[kind][name] = obj
+        return obj
+
+    return deco
+
+
+def _load_builtins(kind: str) -> None:
+    for mod in _BUILTIN_MODULES.get(kind, []):
+        importlib.import_module(mod)
+
+
+def known(kind: str) -> list[str]:
+    """Short names registered for `kind` (built-ins included)."""
+    _load_builtins(kind)
+    return sorted(_REGISTRY[kind])
+
+
+def _load_file_attr(path: str, attr: str, kind: str, spec: str) -> Any:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise RegistryError(f"{kind} plugin {spec!r}: file {str(file)!r} does not exist")
+    mod_name = f"looprl_plugin_{abs(hash(str(file.resolve())))}"
+    if mod_name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(mod_name, file)
+        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+        try:
+            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as exc:  # the plugin's own import error, reported with its name
+            raise RegistryError(f"{kind} plugin {spec!r}: importing {str(file)!r} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        sys.modules[mod_name] = module
+    module = sys.modules[mod_name]
+    if not hasattr(module, attr):
+        raise RegistryError(f"{kind} plugin {spec!r}: {str(file)!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def get(kind: str, spec: str) -> Any:
+    """Resolve `spec` (short name, `module:attr`, `file.py:attr` or entry point) for `kind`."""
+    if kind not in _REGISTRY:
+        raise RegistryError(f"unknown registry kind {kind!r}; kinds are {list(KINDS)}")
+    if not isinstance(spec, str) or not spec:
+        raise RegistryError(f"{kind} spec must be a non-empty string, got {spec!r}")
+    _load_builtins(kind)
+    if spec in _REGISTRY[kind]:
+        return _REGISTRY[kind][spec]
+    if ":" in spec:
+        target, attr = spec.rsplit(":", 1)
+        if target.endswith(".py") or "/" in target:
+            return _load_file_attr(target, attr, kind, spec)
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise RegistryError(f"{kind} plugin {spec!r}: cannot import module {target!r}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if not hasattr(module, attr):
+            raise RegistryError(f"{kind} plugin {spec!r}: module {target!r} has no attribute {attr!r}")
+        return getattr(module, attr)
+    for ep in entry_points(group=f"looprl.{kind}"):
+        if ep.name == spec:
+            try:
+                return ep.load()
+            except Exception as exc:
+                raise RegistryError(f"{kind} entry point {spec!r} ({ep.value}) failed to load: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+    eps = sorted(ep.name for ep in entry_points(group=f"looprl.{kind}"))
+    raise RegistryError(f"unknown {kind} {spec!r}; known: {sorted(_REGISTRY[kind]) + eps} "
+                        f"(or give 'package.module:attr' / 'path/to/file.py:attr')")

@@ -1,0 +1,71 @@
+"""The embedded synthetic math task used by the quickstart: `a+b*c=`.
+
+Targets show the work, `b*c=m,a+m=s\\boxed{s}`, and the answer is checked by math-verify.
+For the SFT warm-up a share of targets uses the wrong order of operations (`a+b=s,s*c=t`,
+boxed `t`), so the warmed-up model holds two competing behaviours and starts near chance
+between them; RL then has something to choose. This is what RL does here: it selects the
+behaviour that earns reward, it does not teach new arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+
+def make_problem(rng: random.Random) -> tuple[int, int, int]:
+    return rng.randint(10, 99), rng.randint(10, 99), rng.randint(2, 9)
+
+
+def prompt_of(a: int, b: int, c: int) -> str:
+    return f"{a}+{b}*{c}="
+
+
+def correct_target(a: int, b: int, c: int) -> str:
+    m = b * c
+    return f"{b}*{c}={m},{a}+{m}={a + m}\\boxed{{{a + m}}}"
+
+
+def wrong_order_target(a: int, b: int, c: int) -> str:
+    s = a + b
+    return f"{a}+{b}={s},{s}*{c}={s * c}\\boxed{{{s * c}}}"
+
+
+def write_synthetic_task(out_dir: str | Path, num_train: int = 4000, num_eval: int = 200,
+                         sft_fraction: float = 0.5, wrong_order_fraction: float = 0.5,
+                         seed: int = 1234) -> dict[str, str]:
+    """Write `sft.jsonl`, `train.jsonl` (RL prompts) and `eval.jsonl` with disjoint problems.
+
+    Returns the three paths. Columns: prompt, answer (and target for SFT rows).
+    """
+    rng = random.Random(seed)
+    seen: set[tuple[int, int, int]] = set()
+    problems: list[tuple[int, int, int]] = []
+    while len(problems) < num_train + num_eval:
+        p = make_problem(rng)
+        if p not in seen:
+            seen.add(p)
+            problems.append(p)
+    eval_set, train_set = problems[:num_eval], problems[num_eval:]
+    n_sft = int(len(train_set) * sft_fraction)
+    sft_set, rl_set = train_set[:n_sft], train_set[n_sft:]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def rows(ps, sft=False):
+        for a, b, c in ps:
+            row = {"prompt": prompt_of(a, b, c), "answer": str(a + b * c)}
+            if sft:
+                row["target"] = wrong_order_target(a, b, c) if rng.random() < wrong_order_fraction \
+                    else correct_target(a, b, c)
+            yield row
+
+    paths = {}
+    for name, ps, sft in (("sft", sft_set, True), ("train", rl_set, False), ("eval", eval_set, False)):
+        path = out / f"{name}.jsonl"
+        with path.open("w") as f:
+            for row in rows(ps, sft):
+                f.write(json.dumps(row) + "\n")
+        paths[name] = str(path)
+    return paths

@@ -1,0 +1,284 @@
+"""The RL loop: rollout → reward → logprobs → advantages → DeepSpeed update → weight sync.
+
+One `RLTrainer.step()` is the whole algorithm; the roles it drives (rollout workers, reward
+service, learner group) are Ray actors placed by `cluster.ray_utils.make_placement`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from omegaconf import DictConfig
+
+from cluster.learner import LearnerGroup
+from cluster.ray_utils import Placement, actor_env
+from rl.batch import Batch
+from rl.config import as_container
+from rl.data import format_prompt
+from rl.losses import kl_penalty
+from rl.registry import get
+from rollout.worker import RolloutWorker
+
+
+class PromptSampler:
+    """Seeded epoch-wise shuffling of prompt indices; its state is two integers (checkpointed)."""
+
+    def __init__(self, num_rows: int, seed: int):
+        self.num_rows, self.seed = num_rows, seed
+        self.epoch, self.pos = 0, 0
+
+    def _perm(self) -> list[int]:
+        perm = list(range(self.num_rows))
+        random.Random(self.seed * 7919 + self.epoch).shuffle(perm)
+        return perm
+
+    def next(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            perm = self._perm()
+            take = perm[self.pos:self.pos + (k - len(out))]
+            out.extend(take)
+            self.pos += len(take)
+            if self.pos >= self.num_rows:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+class RLTrainer:
+    def __init__(self, cfg: DictConfig, model_path: str, tokenizer: Any, train_rows: list[dict],
+                 placement: Placement, reward_service: Any):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.rows = train_rows
+        self.placement = placement
+        self.rewards = reward_service
+        self.out = Path(cfg.output_dir)
+        self.step_idx = 0
+        self.sampler = PromptSampler(len(train_rows), cfg.seed)
+        a, lc = cfg.algorithm, cfg.learner
+        self.need_ref = a.kl_coef > 0
+        self.samples_per_update = cfg.trainer.prompts_per_step * cfg.rollout.n // a.mini_batches
+        self.grad_accum = max(1, math.ceil(self.samples_per_update / lc.world_size / lc.micro_batch_size))
+        self.adv_fn = get("advantage", a.advantage)
+        get("loss", a.loss)  # fail now, not after the first rollout
+        env = actor_env()
+        self.learners = LearnerGroup(
+            lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
+            num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=env,
+            lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay, zero_stage=lc.zero_stage,
+            micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, grad_clip=lc.grad_clip,
+            dtype=cfg.model.dtype, backend=lc.backend, with_ref=self.need_ref, schedule="constant",
+            warmup_steps=lc.warmup_steps, total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
+            gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
+            trust_remote_code=cfg.model.trust_remote_code)
+        self.rollout = make_rollout_workers(cfg, model_path, placement)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        n = cfg.rollout.n
+        t_start = time.perf_counter()
+        timing: dict[str, float] = {}
+
+        idx = self.sampler.next(cfg.trainer.prompts_per_step)
+        group_base = self.step_idx * cfg.trainer.prompts_per_step
+        t0 = time.perf_counter()
+        batch = generate(self.rollout, self.tokenizer, cfg, [self.rows[i] for i in idx],
+                         temperature=cfg.rollout.temperature, n=n,
+                         seed=cfg.seed * 1_000_003 + self.step_idx, group_base=group_base)
+        batch.check_groups(n)
+        timing["generate"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        scored = ray.get(self.rewards.score.remote(reward_items(batch)))
+        attach_rewards(batch, scored)
+        timing["reward"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        multi_update = a.ppo_epochs * a.mini_batches > 1
+        if multi_update:
+            batch.old_logp = self.learners.compute_logprobs(batch, "policy", cfg.rollout.temperature)
+            metrics["rollout/logprob_abs_diff"] = float(
+                ((batch.old_logp - batch.rollout_logp).abs() * batch.response_mask).sum()
+                / batch.response_mask.sum().clamp(min=1))
+        if self.need_ref:
+            batch.ref_logp = self.learners.compute_logprobs(batch, "ref", cfg.rollout.temperature)
+        timing["logprobs"] = time.perf_counter() - t0
+
+        rewards = batch.rewards.clone()
+        if self.need_ref:
+            behaviour = batch.old_logp if batch.old_logp is not None else batch.rollout_logp
+            kl_tok = kl_penalty(behaviour, batch.ref_logp, a.kl_estimator) * batch.response_mask
+            metrics["actor/kl"] = float(kl_tok.sum() / batch.response_mask.sum().clamp(min=1))
+            if a.kl_in_reward:
+                rewards = rewards - a.kl_coef * kl_tok.sum(-1)
+        batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
+                                       **as_container(a.advantage_params))
+
+        t0 = time.perf_counter()
+        loss_params = {**as_container(a.loss_params), "agg": a.loss_agg, "norm_len": float(cfg.rollout.max_new_tokens)}
+        if self.need_ref and not a.kl_in_reward:
+            loss_params.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+        if a.entropy_coef:
+            loss_params["entropy_coef"] = a.entropy_coef
+        train_metrics: list[dict] = []
+        gen = torch.Generator().manual_seed(cfg.seed * 31 + self.step_idx)
+        for _ in range(a.ppo_epochs):
+            order = torch.randperm(len(batch), generator=gen) if a.mini_batches > 1 else torch.arange(len(batch))
+            for mb in batch.select(order).split(a.mini_batches):
+                train_metrics.append(self.learners.train_step(
+                    mb, self.grad_accum, a.loss, loss_params, cfg.rollout.temperature, need_entropy=True))
+        timing["train"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self.step_idx += 1
+        self.sync_weights()
+        timing["sync"] = time.perf_counter() - t0
+
+        step_s = time.perf_counter() - t_start
+        timing["other"] = max(0.0, step_s - sum(timing.values()))
+        lengths = batch.response_attn.sum(-1).float()
+        n_tokens = float(lengths.sum())
+        for k in train_metrics[0]:
+            metrics[f"actor/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
+        if "actor/kl" in metrics and "actor/kl" in train_metrics[0]:
+            metrics["actor/kl"] = sum(m["kl"] for m in train_metrics) / len(train_metrics)
+        metrics.update({
+            "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
+            "reward/failures": float(batch.reward_failed.sum()),
+            "reward/solve_all_frac": float(_group_frac(batch, lambda r: r.min() > 0)),
+            "reward/solve_none_frac": float(_group_frac(batch, lambda r: r.max() <= 0)),
+            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/truncated_frac": float(batch.truncated.float().mean()),
+            "perf/step_s": step_s, "perf/tokens": n_tokens, "perf/tokens_per_s": n_tokens / step_s,
+            "policy_version": float(self.step_idx),
+        })
+        for comp_name in sorted({k for c in batch.reward_components for k in c}):
+            vals = [c[comp_name] for c in batch.reward_components if comp_name in c]
+            metrics[f"reward/{comp_name}"] = sum(vals) / len(vals)
+        for k, v in timing.items():
+            metrics[f"time/{k}"] = v
+        return metrics
+
+    def sync_weights(self) -> float:
+        """Learner rank 0's full weights (ZeRO-3 gathers first) into every rollout engine."""
+        refs = [w.full_state_dict.remote() for w in self.learners.workers]
+        state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
+        times = ray.get([r.load_weights.remote(state, self.step_idx) for r in self.rollout])
+        ray.get(refs[1:])
+        return max(times)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        ckpt = self.out / "checkpoints" / f"step_{self.step_idx}"
+        if ckpt.exists():
+            shutil.rmtree(ckpt)
+        state = {"step": self.step_idx, "sampler": self.sampler.state(),
+                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+        self.learners.save_checkpoint(str(ckpt), state)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": self.step_idx, "sampler": self.sampler.state()}))
+        (ckpt / "COMPLETE").write_text("")
+        prune_checkpoints(self.out / "checkpoints", self.cfg.trainer.keep_checkpoints)
+        return ckpt
+
+    def load_checkpoint(self, ckpt: Path) -> None:
+        state = self.learners.load_checkpoint(str(ckpt))
+        self.step_idx = int(state["step"])
+        self.sampler.load(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        self.sync_weights()
+
+    def close(self) -> None:
+        self.learners.shutdown()
+        for w in self.rollout:
+            ray.kill(w)
+
+
+# ---------------------------------------------------------------------- helpers shared with evaluation
+def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement) -> list[Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    cls = ray.remote(RolloutWorker)
+    workers = []
+    for b in placement.rollout_bundles:
+        opts: dict[str, Any] = {"num_cpus": cfg.rollout.num_cpus, "runtime_env": {"env_vars": actor_env()},
+                                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                                    placement_group=placement.group, placement_group_bundle_index=b)}
+        if placement.gpus_per_actor:
+            opts["num_gpus"] = placement.gpus_per_actor
+        workers.append(cls.options(**opts).remote(
+            cfg.rollout.engine, model_path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+            batch_size=cfg.rollout.generation_batch_size,
+            device="cuda" if placement.gpus_per_actor else "cpu"))
+    ray.get([w.pid.remote() for w in workers])
+    return workers
+
+
+def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *, temperature: float,
+             n: int, seed: int, group_base: int = 0) -> Batch:
+    """Spread prompts over the rollout workers; returns one Batch (prompt-major rows)."""
+    d = cfg.data
+    prompts = [format_prompt(r[d.prompt_column], tokenizer, d.prompt_prefix, d.chat_template) for r in rows]
+    answers = [r.get(d.answer_column) for r in rows]
+    k = min(len(workers), len(prompts))
+    bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
+    futures = []
+    for w in range(k):
+        lo, hi = bounds[w], bounds[w + 1]
+        sampling = {"n": n, "temperature": temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
+                    "max_new_tokens": cfg.rollout.max_new_tokens, "seed": seed * 131 + w}
+        futures.append(workers[w].generate.remote(
+            prompts[lo:hi], sampling, list(range(group_base + lo, group_base + hi)), answers[lo:hi],
+            [{"row": group_base + i} for i in range(lo, hi)]))
+    return Batch.concat(ray.get(futures))
+
+
+def reward_items(batch: Batch) -> list[dict]:
+    return [{"prompt": p, "response": r, "ground_truth": g, "metadata": m}
+            for p, r, g, m in zip(batch.prompts, batch.responses, batch.ground_truth, batch.metadata)]
+
+
+def attach_rewards(batch: Batch, scored: list[dict]) -> None:
+    batch.rewards = torch.tensor([s["score"] for s in scored], dtype=torch.float32)
+    batch.reward_failed = torch.tensor([bool(s["failed"]) for s in scored])
+    batch.reward_components = [dict(s["components"]) for s in scored]
+    # A sample whose reward could not be computed carries no learning signal: it leaves the loss.
+    if bool(batch.reward_failed.any()):
+        batch.response_mask = batch.response_mask * (~batch.reward_failed).unsqueeze(1).to(batch.response_mask.dtype)
+    for m, s in zip(batch.metadata, scored):
+        if s["failed"]:
+            m["reward_error"] = s["error"]
+
+
+def _group_frac(batch: Batch, pred) -> float:
+    ids = torch.unique(batch.group_id)
+    return sum(bool(pred(batch.rewards[batch.group_id == g])) for g in ids) / max(1, len(ids))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    root = Path(output_dir) / "checkpoints"
+    done = [p for p in root.glob("step_*") if (p / "COMPLETE").exists()] if root.exists() else []
+    return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    done = sorted((p for p in root.glob("step_*") if (p / "COMPLETE").exists()),
+                  key=lambda p: int(p.name.split("_")[1]))
+    for p in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)

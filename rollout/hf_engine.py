@@ -1,0 +1,121 @@
+"""`hf` generation engine: transformers `generate` with a KV cache, returning a `Batch`.
+
+Works on CPU and GPU and for any causal LM transformers can load; it is the engine that later
+decoding hooks (logits processors, residual-stream hooks, KV policies) attach to.
+Sampled-token logprobs are those of the *processed* distribution (after temperature, top-k,
+top-p), which for temperature 1 and no truncation equals the raw model distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from rl.batch import Batch
+from rl.registry import register
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    seed: int | None = None
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved with a model folder, left-padded for generation."""
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, KeyError):
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+@register("engine", "hf")
+class HFEngine:
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
+                 trust_remote_code: bool = False, batch_size: int = 256):
+        self.tokenizer = load_tokenizer(model_path)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
+                 ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
+        """Sample `sampling.n` responses per prompt; row order is prompt-major (p0s0, p0s1, ...)."""
+        n = sampling.n
+        group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
+        rows_prompt = [p for p in prompts for _ in range(n)]
+        chunks = []
+        seed = sampling.seed if sampling.seed is not None else 0
+        for start in range(0, len(rows_prompt), self.batch_size):
+            # Seeded per call and chunk, so a resumed run samples exactly what an uninterrupted one did.
+            torch.manual_seed(seed * 1_000_003 + start)
+            chunks.append(self._generate_chunk(rows_prompt[start:start + self.batch_size], sampling))
+        batch = Batch.concat(chunks)
+        batch.group_id = torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long)
+        batch.prompts = rows_prompt
+        batch.ground_truth = [g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)]
+        metas = metadata or [{} for _ in prompts]
+        batch.metadata = [dict(m) for m in metas for _ in range(n)]
+        return batch
+
+    def _generate_chunk(self, prompts: list[str], sp: SamplingParams) -> Batch:
+        tok = self.tokenizer
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        greedy = sp.temperature <= 0
+        kwargs: dict[str, Any] = dict(max_new_tokens=sp.max_new_tokens, do_sample=not greedy,
+                                      output_scores=True, return_dict_in_generate=True,
+                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        if not greedy:
+            kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+        t0 = time.perf_counter()
+        out = self.model.generate(**enc, **kwargs)
+        gen_s = time.perf_counter() - t0
+        P = enc["input_ids"].shape[1]
+        resp = out.sequences[:, P:].cpu()
+        scores = torch.stack(out.scores, 1).float().cpu()  # [B, L, V] processed logits
+        logp = torch.log_softmax(scores, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        is_eos = resp == tok.eos_token_id
+        has_eos = is_eos.any(1)
+        first_eos = torch.where(has_eos, is_eos.float().argmax(1), torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
+        lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, resp.shape[1]))
+        attn = (torch.arange(resp.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        resp = torch.where(attn.bool(), resp, torch.full_like(resp, tok.pad_token_id))
+        texts = tok.batch_decode([r[: int(n)] for r, n in zip(resp, lengths)], skip_special_tokens=True)
+        return Batch(prompt_ids=enc["input_ids"].cpu(), prompt_mask=enc["attention_mask"].cpu(),
+                     response_ids=resp, response_mask=attn.float(), response_attn=attn,
+                     group_id=torch.zeros(len(prompts), dtype=torch.long),
+                     rollout_logp=torch.where(attn.bool(), logp, torch.zeros_like(logp)),
+                     truncated=~has_eos, responses=texts,
+                     metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Copy new weights in place (all parameters and buffers by name; unknown names are an error)."""
+        state = self.model.state_dict()
+        unknown = [k for k in named_tensors if k not in state]
+        if unknown:
+            raise KeyError(f"load_weights: names not in the rollout model: {unknown[:5]}")
+        with torch.no_grad():
+            for k, v in named_tensors.items():
+                state[k].copy_(v.to(state[k].dtype))
+
+    def sleep(self) -> None:  # nothing to offload on the hf engine
+        pass
+
+    def wake(self) -> None:
+        pass

@@ -1,0 +1,38 @@
+"""The rollout worker: a Ray actor that owns one generation engine."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from rl.batch import Batch
+from rl.registry import get
+from rollout.hf_engine import SamplingParams
+
+
+class RolloutWorker:
+    """Generates samples with the engine named in the recipe and receives weight updates."""
+
+    def __init__(self, engine: str, model_path: str, threads: int = 1, **engine_kwargs: Any):
+        torch.set_num_threads(threads)
+        self.engine = get("engine", engine)(model_path, **engine_kwargs)
+        self.policy_version = 0
+
+    def generate(self, prompts: list[str], sampling: dict, group_ids: list[int],
+                 ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
+        batch = self.engine.generate(prompts, SamplingParams(**sampling), group_ids=group_ids,
+                                     ground_truth=ground_truth, metadata=metadata)
+        batch.policy_version = self.policy_version
+        return batch
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
+        t0 = time.perf_counter()
+        self.engine.load_weights(named_tensors)
+        self.policy_version = version
+        return time.perf_counter() - t0
+
+    def pid(self) -> int:
+        return os.getpid()

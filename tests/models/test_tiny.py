@@ -1,0 +1,25 @@
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.tiny import build_tiny_tokenizer, save_tiny
+from rollout.hf_engine import load_tokenizer
+
+
+def test_tokenizer_is_character_level_and_roundtrips():
+    tok = build_tiny_tokenizer()
+    text = "12+34*5=170,12+170=182\\boxed{182}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert tok.padding_side == "left" and tok.pad_token_id != tok.eos_token_id
+
+
+def test_save_and_reload_offline(tmp_path):
+    path = save_tiny(tmp_path / "m", seed=3, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = load_tokenizer(str(path))
+    assert tok("7+8=", add_special_tokens=False)["input_ids"] == build_tiny_tokenizer()("7+8=")["input_ids"]
+    again = save_tiny(tmp_path / "m2", seed=3, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    other = AutoModelForCausalLM.from_pretrained(again)
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)  # seeded: the same tiny model every time

@@ -1,0 +1,25 @@
+import pytest
+
+from rewards.math import math_reward
+
+
+@pytest.mark.parametrize("response,truth,expected", [
+    ("47*8=376,23+376=399\\boxed{399}", "399", 1.0),
+    ("\\boxed{ 399 }", "399", 1.0),
+    ("so \\boxed{398}", "399", 0.0),
+    ("the answer is 399", "399", 0.0),  # no boxed answer
+    ("\\boxed{399", "399", 0.0),  # unclosed
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("first \\boxed{3} then \\boxed{4}", "4", 1.0),  # the last boxed answer counts
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+])
+def test_math_reward_cases(response, truth, expected):
+    assert math_reward("q", response, ground_truth=truth) == expected
+
+
+def test_no_ground_truth_is_not_applicable():
+    assert math_reward("q", "\\boxed{1}", ground_truth=None) is None
+
+
+def test_require_boxed_can_be_turned_off():
+    assert math_reward("q", "\\boxed{12}", ground_truth="12", require_boxed=False) == 1.0

@@ -1,0 +1,149 @@
+"""The reward service against real worker processes: every kind of bad plugin becomes a recorded failure."""
+
+import textwrap
+import time
+
+import pytest
+
+from rewards.service import RewardService, RewardSpec
+from rl.registry import RegistryError
+
+PLUGINS = textwrap.dedent('''
+    import asyncio, math, time
+    from rewards.base import batched
+
+    def raises(prompt, response, **kw):
+        raise RuntimeError("boom")
+
+    def hangs(prompt, response, **kw):
+        if response == "hang":
+            time.sleep(60)
+        return 1.0
+
+    def nan(prompt, response, **kw):
+        return math.nan
+
+    def wrong_type(prompt, response, **kw):
+        return "high"
+
+    def maybe(prompt, response, ground_truth=None, **kw):
+        return None if ground_truth is None else 0.5
+
+    def with_components(prompt, response, **kw):
+        return {"score": 2.0, "length": float(len(response)), "label": "x"}
+
+    async def async_len(prompt, response, **kw):
+        await asyncio.sleep(0)
+        return float(len(response))
+
+    @batched
+    def batch_len(prompts, responses, **kw):
+        return [float(len(r)) for r in responses]
+
+    @batched
+    def batch_short(prompts, responses, **kw):
+        return [1.0]
+
+    def scaled(prompt, response, factor=1.0, **kw):
+        return factor
+''')
+
+
+@pytest.fixture(scope="module")
+def plugin_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("plugins") / "plugins.py"
+    p.write_text(PLUGINS)
+    return str(p)
+
+
+def _items(*responses, truth="1"):
+    return [{"prompt": "q", "response": r, "ground_truth": truth, "metadata": {}} for r in responses]
+
+
+def _service(plugin_file, *names, weights=None, timeout_s=5.0, **params):
+    specs = [RewardSpec(f"{plugin_file}:{n}", (weights or {}).get(n, 1.0), params.get(n, {})) for n in names]
+    return RewardService(specs, num_workers=2, timeout_s=timeout_s, failure_reward=-1.0)
+
+
+def test_exception_is_recorded_per_sample(plugin_file):
+    s = _service(plugin_file, "raises")
+    try:
+        out = s.score(_items("a", "b"))
+    finally:
+        s.close()
+    assert all(o["failed"] and o["score"] == -1.0 for o in out)
+    assert "RuntimeError: boom" in out[0]["error"] and "raises" in out[0]["error"]
+
+
+def test_timeout_marks_only_the_hanging_sample(plugin_file):
+    s = _service(plugin_file, "hangs", timeout_s=1.0)
+    try:
+        t0 = time.monotonic()
+        out = s.score(_items("ok", "hang", "ok2"))
+        elapsed = time.monotonic() - t0
+    finally:
+        s.close()
+    assert [o["failed"] for o in out] == [False, True, False]
+    assert "timed out" in out[1]["error"]
+    assert out[0]["score"] == 1.0
+    assert elapsed < 30  # it did not wait for the 60 s sleep
+
+
+def test_nan_and_wrong_type_are_failures(plugin_file):
+    s = _service(plugin_file, "nan")
+    w = _service(plugin_file, "wrong_type")
+    try:
+        assert "returned nan" in s.score(_items("a"))[0]["error"]
+        assert "returned str" in w.score(_items("a"))[0]["error"]
+    finally:
+        s.close()
+        w.close()
+
+
+def test_none_is_not_applicable_and_components_are_kept(plugin_file):
+    s = _service(plugin_file, "maybe", "with_components", weights={"with_components": 0.5})
+    try:
+        out = s.score(_items("abc") + [{"prompt": "q", "response": "abcd", "ground_truth": None, "metadata": {}}])
+    finally:
+        s.close()
+    # row 0: 0.5 (maybe) + 0.5 * 2.0 (with_components)
+    assert out[0]["score"] == pytest.approx(1.5)
+    assert out[0]["components"][f"{plugin_file}:with_components/length"] == 3.0
+    # row 1: maybe says not applicable -> only the other function counts
+    assert out[1]["score"] == pytest.approx(1.0) and not out[1]["failed"]
+
+
+def test_async_batched_and_params(plugin_file):
+    s = _service(plugin_file, "async_len", "batch_len", "scaled", scaled={"factor": 10.0})
+    try:
+        out = s.score(_items("ab", "abcde", "a"))
+    finally:
+        s.close()
+    assert [o["score"] for o in out] == [2 + 2 + 10, 5 + 5 + 10, 1 + 1 + 10]
+
+
+def test_batched_wrong_length_is_failure(plugin_file):
+    s = _service(plugin_file, "batch_short")
+    try:
+        out = s.score(_items("a", "b", "c", "d", "e"))
+    finally:
+        s.close()
+    assert any(o["failed"] and "expected a list" in o["error"] for o in out)
+
+
+def test_unloadable_plugin_fails_at_start(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise ImportError('missing dependency foo')\n")
+    with pytest.raises(RegistryError, match="bad.py"):
+        RewardService([RewardSpec(f"{bad}:fn")])
+    with pytest.raises(RegistryError, match="unknown reward"):
+        RewardService([RewardSpec("no_such_reward")])
+
+
+def test_math_in_worker_processes():
+    s = RewardService([RewardSpec("math")], num_workers=2, timeout_s=10)
+    try:
+        out = s.score(_items("\\boxed{1}", "\\boxed{2}", "no box"))
+    finally:
+        s.close()
+    assert [o["score"] for o in out] == [1.0, 0.0, 0.0]

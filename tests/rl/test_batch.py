@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from rl.batch import Batch
+
+
+def _batch(n=6, p=3, l=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Batch(prompt_ids=torch.randint(1, 50, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.long),
+                 response_ids=torch.randint(1, 50, (n, l), generator=g), response_mask=torch.ones(n, l),
+                 group_id=torch.arange(n) // 2, rewards=torch.arange(n, dtype=torch.float32),
+                 prompts=[f"p{i}" for i in range(n)], responses=[f"r{i}" for i in range(n)])
+
+
+def test_split_concat_roundtrip():
+    b = _batch()
+    parts = b.split(4)
+    assert [len(x) for x in parts] == [2, 1, 2, 1] or sum(len(x) for x in parts) == 6
+    back = Batch.concat(parts)
+    assert torch.equal(back.response_ids, b.response_ids)
+    assert back.prompts == b.prompts and torch.equal(back.group_id, b.group_id)
+
+
+def test_concat_repads_left_prompts_and_right_responses():
+    a, b = _batch(2, 3, 4), _batch(2, 5, 2, seed=1)
+    c = Batch.concat([a, b])
+    assert c.prompt_ids.shape == (4, 5) and c.response_ids.shape == (4, 4)
+    assert torch.equal(c.prompt_ids[0, 2:], a.prompt_ids[0]) and c.prompt_mask[0, :2].sum() == 0
+    assert torch.equal(c.response_ids[2, :2], b.response_ids[0]) and c.response_mask[2, 2:].sum() == 0
+
+
+def test_select_and_model_inputs_positions():
+    b = _batch(2, 3, 2)
+    b.prompt_mask[0, 0] = 0  # left padding
+    inp = b.model_inputs()
+    assert inp["input_ids"].shape == (2, 5)
+    assert inp["position_ids"][0].tolist() == [0, 0, 1, 2, 3]
+    assert inp["position_ids"][1].tolist() == [0, 1, 2, 3, 4]
+    s = b.select([1])
+    assert s.prompts == ["p1"] and len(s) == 1
+
+
+def test_check_groups_fails_loudly():
+    b = _batch()
+    b.check_groups(2)
+    with pytest.raises(ValueError, match="group_id mismatch"):
+        b.check_groups(3)
+    b.group_id = torch.arange(6)  # every sample its own group while the recipe says n=2
+    with pytest.raises(ValueError, match="expected 2 samples per prompt"):
+        b.check_groups(2)
+
+
+def test_pickles():
+    import pickle
+    b = _batch()
+    assert torch.equal(pickle.loads(pickle.dumps(b)).response_ids, b.response_ids)

@@ -1,0 +1,89 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl import config
+from rl.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = config.load(_write(tmp_path, "trainer: {steps: 3}\n"), ["learner.lr=3e-5", "rollout.n=4"])
+    assert cfg.trainer.steps == 3
+    assert cfg.learner.lr == pytest.approx(3e-5)
+    assert cfg.rollout.n == 4
+    assert cfg.algorithm.loss == "ppo_clip"  # default filled in
+
+
+def test_unknown_nested_key_names_path_and_closest(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config.load(_write(tmp_path, "learner:\n  lerning_rate: 1.0\n  lr: 2\n"))
+    msg = str(e.value)
+    assert "learner.lerning_rate" in msg and "r.yaml" in msg
+    with pytest.raises(ConfigError, match=r"did you mean 'rollout.temperature'"):
+        config.load(_write(tmp_path, "rollout: {temprature: 0.5}\n"))
+
+
+def test_unknown_key_in_list_item(tmp_path):
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].wieght.*did you mean 'reward.functions\[0\].weight'"):
+        config.load(_write(tmp_path, "reward:\n  functions:\n    - {name: math, wieght: 2}\n"))
+
+
+def test_unknown_override_key():
+    with pytest.raises(ConfigError, match="trainer.stepz"):
+        config.load(None, ["trainer.stepz=3"])
+
+
+def test_wrong_type_names_key(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.steps"):
+        config.load(_write(tmp_path, "trainer: {steps: many}\n"))
+
+
+def test_malformed_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        config.load(_write(tmp_path, "trainer: {steps: 3\n  bad: [\n"))
+
+
+def test_missing_recipe(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.yaml")
+
+
+def test_cross_field_validation(tmp_path):
+    with pytest.raises(ConfigError, match="learner.world_size"):
+        config.load(None, ["trainer.prompts_per_step=3", "rollout.n=1", "learner.world_size=2"])
+    with pytest.raises(ConfigError, match="algorithm.kl_estimator"):
+        config.load(None, ["algorithm.kl_estimator=k7"])
+
+
+def test_every_field_has_a_doc():
+    docs = config.field_docs()
+    assert docs["learner.zero_stage"].startswith("ZeRO stage")
+    assert "rollout.n" in docs and "reward.functions" in docs
+    assert all(v for v in docs.values())
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("**/*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_validates(recipe):
+    cfg = config.load(recipe)
+    assert cfg.output_dir
+
+
+def test_cli_config_show_and_error_exit(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rl.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
+                          "trainer.steps=7"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "steps: 7" in out.stdout and "zero_stage: 0" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "rl.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
+                          "trainer.stepz=7"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2
+    assert "trainer.stepz" in bad.stderr and "did you mean 'trainer.steps'" in bad.stderr

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+
+from rl.config import ConfigError
+from rl.data import format_prompt, load_rows
+from rl.synthetic import write_synthetic_task
+
+
+def _rows():
+    return [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
+
+
+def test_jsonl_parquet_and_disk_folder(tmp_path):
+    import datasets
+    ds = datasets.Dataset.from_list(_rows())
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "folder"))
+    for path in ("d.jsonl", "d.parquet", "folder"):
+        rows = load_rows(str(tmp_path / path), ["prompt", "answer"], "data.train_path")
+        assert rows == _rows()
+
+
+def test_missing_file_column_empty_and_bad_row(tmp_path):
+    with pytest.raises(ConfigError, match="data.train_path.*does not exist"):
+        load_rows(str(tmp_path / "nope.jsonl"), ["prompt"], "data.train_path")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"no column\(s\) \['prompt'\].*question"):
+        load_rows(str(tmp_path / "d.jsonl"), ["prompt", "answer"], "data.train_path")
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="data.eval_path"):
+        load_rows(str(tmp_path / "e.jsonl"), ["prompt"], "data.eval_path")
+    (tmp_path / "n.jsonl").write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n"
+                                      + json.dumps({"prompt": None, "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match="row 1: column 'prompt'"):
+        load_rows(str(tmp_path / "n.jsonl"), ["prompt", "answer"], "data.train_path")
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(ConfigError, match="unsupported extension"):
+        load_rows(str(tmp_path / "x.txt"), ["prompt"], "data.train_path")
+
+
+def test_synthetic_task_splits_are_disjoint_and_correct(tmp_path):
+    paths = write_synthetic_task(tmp_path, num_train=300, num_eval=50, sft_fraction=0.5, wrong_order_fraction=0.5)
+    load = {k: [json.loads(x) for x in open(v)] for k, v in paths.items()}
+    assert len(load["eval"]) == 50 and len(load["sft"]) == 150 and len(load["train"]) == 150
+    prompts = {k: {r["prompt"] for r in v} for k, v in load.items()}
+    assert not (prompts["eval"] & prompts["train"]) and not (prompts["eval"] & prompts["sft"])
+    for r in load["train"]:
+        a, rest = r["prompt"].rstrip("=").split("+")
+        b, c = rest.split("*")
+        assert int(r["answer"]) == int(a) + int(b) * int(c)
+    wrong = sum(not r["target"].endswith(f"\\boxed{{{r['answer']}}}") for r in load["sft"])
+    assert 40 < wrong < 110  # about half of the warm-up targets use the wrong order
+
+
+def test_format_prompt_chat_template():
+    from models.tiny import build_tiny_tokenizer
+    tok = build_tiny_tokenizer()
+    assert format_prompt("1+2", tok, prefix="Q:") == "Q:1+2"
+    assert format_prompt("1+2", tok, chat_template=True) == "<|user|>1+2<|assistant|>"

@@ -1,0 +1,130 @@
+import math
+
+import pytest
+import torch
+
+from rl.losses import aggregate_loss, kl_penalty, ppo_clip_loss
+from rl.registry import get
+
+
+def _ratio_inputs(ratios, advs):
+    old = torch.zeros(1, len(ratios))
+    logp = torch.log(torch.tensor([ratios], dtype=torch.float32))
+    return logp, old, torch.tensor([advs], dtype=torch.float32), torch.ones(1, len(ratios))
+
+
+def test_ppo_clip_hand_value():
+    # ratios 0.5/1.0/1.5, advantages [1,-1,2], eps 0.2 -> per-token [-0.5, 1.0, -2.4], mean -0.63333
+    logp, old, adv, mask = _ratio_inputs([0.5, 1.0, 1.5], [1.0, -1.0, 2.0])
+    loss, m = ppo_clip_loss(logp, old, adv, mask)
+    assert loss.item() == pytest.approx(-0.633333, abs=1e-5)
+    assert m["clipfrac"] == pytest.approx(1 / 3)
+
+
+def test_clip_higher_uses_separate_bounds():
+    # A>0, r=1.25: eps_high 0.28 keeps r unclipped (-1.25); eps_high 0.2 clips to -1.2
+    logp, old, adv, mask = _ratio_inputs([1.25], [1.0])
+    assert ppo_clip_loss(logp, old, adv, mask, eps_high=0.28)[0].item() == pytest.approx(-1.25, abs=1e-6)
+    assert ppo_clip_loss(logp, old, adv, mask, eps_high=0.2)[0].item() == pytest.approx(-1.2, abs=1e-6)
+    # A<0, r=0.7: eps_low 0.2 clips to 0.8 -> max(0.7, 0.8) = 0.8
+    logp, old, adv, mask = _ratio_inputs([0.7], [-1.0])
+    assert ppo_clip_loss(logp, old, adv, mask, eps_low=0.2)[0].item() == pytest.approx(0.8, abs=1e-6)
+
+
+def test_dual_clip_hand_value():
+    # advantages [1,-1,-4], ratios [0.5,1,10], eps 0.2, c 3 -> per-token [-0.5, 1.0, 12.0], sum 12.5
+    logp, old, adv, mask = _ratio_inputs([0.5, 1.0, 10.0], [1.0, -1.0, -4.0])
+    loss, _ = ppo_clip_loss(logp, old, adv, mask, dual_clip=3.0, agg="token-mean", num_tokens=1.0)
+    assert loss.item() == pytest.approx(12.5, abs=1e-4)
+    loss_nodual, _ = ppo_clip_loss(logp, old, adv, mask, agg="token-mean", num_tokens=1.0)
+    assert loss_nodual.item() == pytest.approx(-0.5 + 1.0 + 40.0, abs=1e-3)
+
+
+def test_dual_clip_must_exceed_one():
+    logp, old, adv, mask = _ratio_inputs([1.0], [-1.0])
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_loss(logp, old, adv, mask, dual_clip=0.5)
+
+
+def test_kl_estimators_table():
+    # logp = -1 against ref [0, -15, -30]
+    logp = torch.full((3,), -1.0)
+    ref = torch.tensor([0.0, -15.0, -30.0])
+    assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([-1.0, 14.0, 29.0]))
+    assert torch.allclose(kl_penalty(logp, ref, "k2"), torch.tensor([0.5, 98.0, 420.5]))
+    assert torch.allclose(kl_penalty(logp, ref, "k3"), torch.tensor([math.e - 2, 13.0, 28.0]), atol=1e-4)
+    # spec §1.7: ref -1.0, policy -1.2 -> k3 = e^0.2 - 0.2 - 1
+    assert kl_penalty(torch.tensor(-1.2), torch.tensor(-1.0), "k3").item() == pytest.approx(0.0214028, abs=1e-6)
+    assert kl_penalty(torch.tensor(-1.0), torch.tensor(-1.0), "k3").item() == 0.0
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_kl_in_loss_adds_coef_times_kl():
+    logp = torch.tensor([[-1.2, -1.2]])
+    old = logp.clone()
+    adv = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    loss, m = ppo_clip_loss(logp, old, adv, mask, ref_logp=torch.tensor([[-1.0, -1.0]]), kl_coef=0.5)
+    assert loss.item() == pytest.approx(0.5 * 0.0214028, abs=1e-6)
+    assert m["kl"] == pytest.approx(0.0214028, abs=1e-6)
+    with pytest.raises(ValueError, match="ref"):
+        ppo_clip_loss(logp, old, adv, mask, kl_coef=0.5)
+
+
+def test_entropy_bonus_is_subtracted():
+    z = torch.zeros(1, 2)
+    loss, _ = ppo_clip_loss(z, z, z, torch.ones(1, 2), entropy=torch.tensor([[2.0, 4.0]]), entropy_coef=0.1)
+    assert loss.item() == pytest.approx(-0.3)
+
+
+def _two_sequences():
+    # spec §1.7 aggregation case: A has 1 token (Â +1), B has 3 tokens (Â -1), all logp -1;
+    # per-token REINFORCE value -Â·logp
+    values = torch.tensor([[1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    return values, mask
+
+
+def test_aggregation_modes_hand_values():
+    v, m = _two_sequences()
+    assert aggregate_loss(v, m, "token-mean").item() == pytest.approx(-0.5)
+    assert aggregate_loss(v, m, "seq-mean-token-mean").item() == pytest.approx(0.0)
+    assert aggregate_loss(v, m, "seq-mean-token-sum-norm").item() == pytest.approx((1 - 3) / (2 * 3))
+    assert aggregate_loss(v, m, "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx(-2 / 8)
+    with pytest.raises(ValueError):
+        aggregate_loss(v, m, "sum")
+
+
+def test_fully_masked_sequence_not_counted():
+    v = torch.tensor([[2.0, 2.0], [5.0, 5.0]])
+    m = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    assert aggregate_loss(v, m, "seq-mean-token-mean").item() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("chunks", [2, 3, 6])
+def test_aggregation_shard_invariance(mode, chunks):
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(6, 5, generator=g) * 0.1 - 1
+    old = logp + torch.randn(6, 5, generator=g) * 0.1
+    adv = torch.randn(6, 1, generator=g).expand(6, 5).clone()
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    full, _ = ppo_clip_loss(logp, old, adv, mask, agg=mode)
+    counts = {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(-1) > 0).sum())}
+    parts = [ppo_clip_loss(logp[i::chunks], old[i::chunks], adv[i::chunks], mask[i::chunks], agg=mode, **counts)[0]
+             for i in range(chunks)]
+    assert sum(parts).item() == pytest.approx(full.item(), abs=1e-6)
+
+
+def test_ppo_clip_gradient_on_policy_is_reinforce():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    adv = torch.tensor([[0.5, 0.5]])
+    loss, _ = ppo_clip_loss(logp, logp.detach(), adv, torch.ones(1, 2))
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.25, -0.25]]))
+
+
+def test_registered():
+    assert get("loss", "ppo_clip") is ppo_clip_loss

@@ -1,0 +1,68 @@
+import sys
+import textwrap
+
+import pytest
+
+from rl import registry
+from rl.registry import RegistryError, get, register
+
+
+def test_short_name_and_unknown_lists_known():
+    assert callable(get("reward", "math"))
+    with pytest.raises(RegistryError) as e:
+        get("advantage", "gpro")
+    assert "grpo" in str(e.value)
+
+
+def test_module_attr_spec():
+    from rl.losses import ppo_clip_loss
+    assert get("loss", "rl.losses:ppo_clip_loss") is ppo_clip_loss
+    with pytest.raises(RegistryError, match="has no attribute"):
+        get("loss", "rl.losses:nope")
+    with pytest.raises(RegistryError, match="cannot import module"):
+        get("loss", "not_a_module_xyz:fn")
+
+
+def test_file_path_spec(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text("def length_reward(prompt, response, **kw):\n    return float(len(response))\n")
+    fn = get("reward", f"{f}:length_reward")
+    assert fn("p", "abc") == 3.0
+    with pytest.raises(RegistryError, match="does not exist"):
+        get("reward", f"{tmp_path}/missing.py:fn")
+
+
+def test_file_plugin_import_error_is_named(tmp_path):
+    f = tmp_path / "broken.py"
+    f.write_text("import not_a_real_package_xyz\n")
+    with pytest.raises(RegistryError, match="broken.py.*ModuleNotFoundError"):
+        get("reward", f"{f}:fn")
+
+
+def test_entry_point(tmp_path, monkeypatch):
+    # A real installed-distribution layout on sys.path: importlib.metadata discovers it.
+    (tmp_path / "ep_plugin_mod.py").write_text("def score(prompt, response, **kw):\n    return 0.25\n")
+    dist = tmp_path / "ep_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+        [looprl.reward]
+        quarter = ep_plugin_mod:score
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get("reward", "quarter")
+    assert fn("p", "r") == 0.25
+    assert "ep_plugin_mod" in sys.modules
+
+
+def test_register_conflict_and_bad_kind():
+    @register("advantage", "test_unique_estimator")
+    def est(r, g, m):
+        return m
+
+    assert get("advantage", "test_unique_estimator") is est
+    with pytest.raises(RegistryError, match="already registered"):
+        register("advantage", "test_unique_estimator")(lambda r, g, m: m)
+    with pytest.raises(RegistryError, match="unknown registry kind"):
+        register("nope", "x")
+    registry._REGISTRY["advantage"].pop("test_unique_estimator")

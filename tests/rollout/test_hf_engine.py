@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from models.tiny import save_tiny
+from rl.logprobs import response_logprobs
+from rollout.hf_engine import HFEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
+                                  intermediate_size=128)))
+
+
+def test_groups_masks_and_lengths(engine):
+    b = engine.generate(["12+3*4=", "5+6*7="], SamplingParams(n=3, max_new_tokens=12, seed=0),
+                        group_ids=[10, 11], ground_truth=["24", "47"])
+    assert b.group_id.tolist() == [10, 10, 10, 11, 11, 11]
+    assert b.ground_truth == ["24"] * 3 + ["47"] * 3
+    lengths = b.response_attn.sum(-1)
+    eos = engine.tokenizer.eos_token_id
+    for i in range(len(b)):
+        n = int(lengths[i])
+        assert (b.response_ids[i, n:] == engine.tokenizer.pad_token_id).all()
+        assert bool(b.truncated[i]) == (eos not in b.response_ids[i, :n].tolist())
+        assert b.rollout_logp[i, n:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_logprobs_match_learner_forward(engine, temperature):
+    b = engine.generate(["12+3*4=", "5+6*7=", "1+2*3="], SamplingParams(n=2, temperature=temperature,
+                                                                       max_new_tokens=16, seed=1))
+    with torch.no_grad():
+        logp, _ = response_logprobs(engine.model, b, temperature=temperature)
+    diff = ((logp - b.rollout_logp).abs() * b.response_mask).max()
+    assert diff < 1e-4
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(engine):
+    sp = SamplingParams(n=2, max_new_tokens=10, seed=5)
+    a = engine.generate(["1+2*3="], sp)
+    b = engine.generate(["1+2*3="], sp)
+    assert torch.equal(a.response_ids, b.response_ids)
+    g1 = engine.generate(["1+2*3="], SamplingParams(n=2, temperature=0.0, max_new_tokens=10, seed=1))
+    assert torch.equal(g1.response_ids[0], g1.response_ids[1])
+
+
+def test_load_weights_changes_outputs_and_rejects_unknown_names(engine):
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    before = engine.generate(["1+2*3="], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    engine.load_weights({k: torch.zeros_like(v) if k == "lm_head.weight" else v for k, v in state.items()})
+    assert engine.model.lm_head.weight.abs().sum() == 0
+    engine.load_weights(state)
+    after = engine.generate(["1+2*3="], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    assert torch.equal(before.response_ids, after.response_ids)
+    with pytest.raises(KeyError, match="not in the rollout model"):
+        engine.load_weights({"no.such.weight": torch.zeros(1)})

@@ -45,6 +45,7 @@ class LearnerWorker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  *, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
+                 adam_eps: float = 1e-8,
                  zero_stage: int = 0, micro_batch_size: int = 8, grad_accum: int = 1, grad_clip: float = 1.0,
                  dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
                  schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
@@ -75,7 +76,8 @@ class LearnerWorker:
                                                      trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
+                                      weight_decay=weight_decay)
 
         def lr_lambda(step: int) -> float:
             if warmup_steps and step < warmup_steps:

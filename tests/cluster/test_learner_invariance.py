@@ -26,7 +26,10 @@ def setup(tmp_path_factory):
 
 
 def _train(path, batch, world_size, grad_accum, zero_stage, agg):
-    group = LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), lr=1e-2, zero_stage=zero_stage,
+    # AdamW with a large epsilon is close to SGD on the first step (update ~ lr * grad), so weight
+    # differences measure gradient differences rather than Adam's sign-like normalisation.
+    group = LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), lr=1.0, adam_eps=1.0,
+                         zero_stage=zero_stage,
                          micro_batch_size=max(1, len(batch) // world_size // grad_accum), grad_accum=grad_accum,
                          grad_clip=0.0)
     try:
@@ -48,7 +51,7 @@ def test_same_update_across_ranks_micro_batches_and_zero(ray_cluster, setup, agg
         assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6), (ws, ga, z)
         assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), (ws, ga, z)
         for k, v in ref_state.items():
-            assert torch.allclose(state[k], v, atol=1e-6), (ws, ga, z, k)
+            assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), (ws, ga, z, k)
         assert any(not torch.equal(v, w) for v, w in zip(ref_state.values(), setup_initial(path).values()))
 
 

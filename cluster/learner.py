@@ -208,13 +208,10 @@ class LearnerWorker:
         """`save_pretrained` export (rank 0 writes; all ranks must call under ZeRO-3)."""
         sd = self.full_state_dict()
         if self.rank == 0:
-            from transformers import AutoTokenizer
-            module = self.engine.module
-            module.save_pretrained(path, state_dict=sd)
+            self.engine.module.save_pretrained(path, state_dict=sd)
             if tokenizer_path:
                 from rollout.hf_engine import load_tokenizer
                 load_tokenizer(tokenizer_path).save_pretrained(path)
-            del AutoTokenizer
 
     def shutdown(self) -> None:
         import torch.distributed as dist

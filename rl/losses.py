@@ -32,6 +32,15 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
 
 
+def kl_in_reward(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, response_mask: torch.Tensor,
+                 coef: float, estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """KL as a reward penalty: `R_i - coef * sum_t KL_it` over the response tokens (verl's
+    `use_kl_in_reward` with an outcome reward). Returns (penalised rewards [N], per-sequence KL [N]).
+    `logp` are the behaviour (rollout or old) logprobs; no gradient flows through this term."""
+    seq_kl = (kl_penalty(logp, ref_logp, estimator) * response_mask).sum(-1)
+    return rewards - coef * seq_kl, seq_kl
+
+
 def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
                    num_tokens: float | None = None, num_seqs: float | None = None,
                    norm_len: float | None = None) -> torch.Tensor:

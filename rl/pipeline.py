@@ -96,10 +96,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     elif cfg.resume != "no":
         ckpt = Path(cfg.resume)
 
+    specs = [RewardSpec(f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
+    RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
     mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
     _say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
-    specs = [RewardSpec(f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
-    RewardService([*specs], num_workers=1).close()  # load plugins in the driver: a bad one fails here
     reward_service = ray.remote(RewardService).options(
         num_cpus=0, runtime_env={"env_vars": actor_env()}).remote(
         specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
@@ -121,7 +121,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, placement, reward_service)
         before_path = out / "eval_before.json"
-        if ckpt is not None:
+        if ckpt is None:  # a fresh run: no metrics from an earlier run in this folder
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        else:
             trainer.load_checkpoint(ckpt)
             _truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
             _say(f"resumed from {ckpt} at step {trainer.step_idx}")

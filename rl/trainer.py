@@ -23,7 +23,7 @@ from cluster.ray_utils import Placement, actor_env
 from rl.batch import Batch
 from rl.config import as_container
 from rl.data import format_prompt
-from rl.losses import kl_penalty
+from rl.losses import kl_in_reward
 from rl.registry import get
 from rollout.worker import RolloutWorker
 
@@ -121,13 +121,14 @@ class RLTrainer:
             batch.ref_logp = self.learners.compute_logprobs(batch, "ref", cfg.rollout.temperature)
         timing["logprobs"] = time.perf_counter() - t0
 
-        rewards = batch.rewards.clone()
+        rewards = batch.rewards
         if self.need_ref:
             behaviour = batch.old_logp if batch.old_logp is not None else batch.rollout_logp
-            kl_tok = kl_penalty(behaviour, batch.ref_logp, a.kl_estimator) * batch.response_mask
-            metrics["actor/kl"] = float(kl_tok.sum() / batch.response_mask.sum().clamp(min=1))
+            penalised, seq_kl = kl_in_reward(rewards, behaviour, batch.ref_logp, batch.response_mask,
+                                             a.kl_coef, a.kl_estimator)
+            metrics["actor/kl"] = float(seq_kl.sum() / batch.response_mask.sum().clamp(min=1))
             if a.kl_in_reward:
-                rewards = rewards - a.kl_coef * kl_tok.sum(-1)
+                rewards = penalised
         batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
                                        **as_container(a.advantage_params))
 

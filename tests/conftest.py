@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray for the whole session (starting one costs seconds)."""
+    """One private local Ray for the whole session (starting one costs seconds)."""
     import ray
 
     from cluster.ray_utils import actor_env

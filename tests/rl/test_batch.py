@@ -4,10 +4,10 @@ import torch
 from rl.batch import Batch
 
 
-def _batch(n=6, p=3, l=4, seed=0):
+def _batch(n=6, p=3, width=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return Batch(prompt_ids=torch.randint(1, 50, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.long),
-                 response_ids=torch.randint(1, 50, (n, l), generator=g), response_mask=torch.ones(n, l),
+                 response_ids=torch.randint(1, 50, (n, width), generator=g), response_mask=torch.ones(n, width),
                  group_id=torch.arange(n) // 2, rewards=torch.arange(n, dtype=torch.float32),
                  prompts=[f"p{i}" for i in range(n)], responses=[f"r{i}" for i in range(n)])
 

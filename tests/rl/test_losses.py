@@ -128,3 +128,16 @@ def test_ppo_clip_gradient_on_policy_is_reinforce():
 
 def test_registered():
     assert get("loss", "ppo_clip") is ppo_clip_loss
+
+
+def test_kl_in_reward_hand_value():
+    rewards = torch.tensor([1.0, 0.0])
+    logp = torch.tensor([[-1.2, -1.2, 0.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.0, -1.0, -5.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    from rl.losses import kl_in_reward
+    penalised, seq_kl = kl_in_reward(rewards, logp, ref, mask, coef=0.5, estimator="k1")
+    assert torch.allclose(seq_kl, torch.tensor([-0.4, 0.0]))  # k1 = logp - ref, masked token ignored
+    assert torch.allclose(penalised, torch.tensor([1.2, 0.0]))
+    penalised3, _ = kl_in_reward(rewards, logp, ref, mask, coef=1.0, estimator="k3")
+    assert penalised3[0].item() == pytest.approx(1.0 - 2 * 0.0214028, abs=1e-6)

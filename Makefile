@@ -1,0 +1,37 @@
+# looprl: `make quickstart` runs the main job, `make test` runs the test suite.
+# Both create .venv and install everything on first use (idempotent afterwards).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines: the torch 2.13.0 CPU build first (pip would otherwise pull a multi-GB CUDA build).
+# GPU users: `make TORCH_SPEC="torch==2.13.0" EXTRAS=dev,gpu` or install torch for your CUDA first.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+export RAY_AUTH_MODE ?= disabled
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install quickstart test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(VENV)/bin/looprl run recipes/quickstart.yaml
+
+test: install
+	$(VENV)/bin/pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) benchmarks/grpo_step.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,62 @@
+"""`ray start --head` + `ray job submit --working-dir . -- looprl run recipes/quickstart.yaml` on loopback."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.learner import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_ray_job_submit_runs_the_quickstart(tmp_path):
+    bindir = Path(sys.executable).parent
+    ray_bin = shutil.which("ray", path=str(bindir)) or shutil.which("ray")
+    assert ray_bin, "the ray CLI must be installed with looprl"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    gcs_port, dash_port = free_port(), free_port()
+    start = subprocess.run([ray_bin, "start", "--head", "--port", str(gcs_port), "--num-cpus", "2",
+                            "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
+                            "--dashboard-port", str(dash_port), "--disable-usage-stats",
+                            "--temp-dir", str(tmp_path / "ray")], env=env, capture_output=True, text=True, timeout=120)
+    assert start.returncode == 0, start.stderr[-2000:]
+    out_dir = tmp_path / "run"
+    try:
+        submit = subprocess.run(
+            [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
+             "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "runs", "benchmarks/results"]}),
+             "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "sft.enabled=false",
+             "trainer.steps=2", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+             "data.synthetic.num_train=40", "data.synthetic.num_eval=4", "rollout.n=2", "rollout.max_new_tokens=8",
+             "trainer.prompts_per_step=2", "reward.num_workers=1", "logging.progress_bar=false"],
+            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert submit.returncode == 0, (submit.stdout[-3000:], submit.stderr[-3000:])
+        assert "succeeded" in submit.stdout + submit.stderr
+        # the job attached to the running head instead of starting its own Ray
+        assert "connected cluster" in submit.stdout + submit.stderr
+        summary = json.loads((out_dir / "summary.json").read_text())
+        assert summary["steps"] == 2
+        assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    finally:
+        _stop_head(tmp_path / "ray")
+
+
+def _stop_head(temp_dir: Path) -> None:
+    """Stop only this test's head node (its processes name its temp dir); `ray stop` would stop every
+    Ray cluster on the machine, including a user's run."""
+    import psutil
+    procs = [p for p in psutil.process_iter(["cmdline"]) if str(temp_dir) in " ".join(p.info["cmdline"] or [])]
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        p.kill()

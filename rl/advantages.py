@@ -40,3 +40,74 @@ def compute_grpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, respo
     if norm_by_std:
         adv = adv / (std + eps)
     return (adv.to(torch.float32).unsqueeze(-1) * response_mask).to(torch.float32)
+
+
+@register("advantage", "dr_grpo")
+def compute_dr_grpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, response_mask: torch.Tensor,
+                               ) -> torch.Tensor:
+    """Dr.GRPO (Liu et al. 2025): `R - mean_g R`, no std division (pair it with
+    `loss_agg: seq-mean-token-sum-norm` for the paper's constant length normaliser)."""
+    return compute_grpo_advantages(rewards, group_id, response_mask, norm_by_std=False)
+
+
+@register("advantage", "rloo")
+def compute_rloo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, response_mask: torch.Tensor,
+                            ) -> torch.Tensor:
+    """RLOO: `R_i - mean_{j != i} R_j` (leave-one-out baseline) = `n/(n-1) (R_i - mean_g)`; a group of one gets 0."""
+    mean, _, count = group_stats(rewards, group_id)
+    scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
+    adv = (rewards.to(torch.float64) - mean) * scale
+    return adv.to(torch.float32).unsqueeze(-1) * response_mask
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """`(x - mean) / sqrt(var + eps)` over the masked entries, unbiased variance (verl's convention)."""
+    m = mask.to(torch.float64)
+    x = values.to(torch.float64)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = (((x - mean) ** 2) * m).sum() / (n - 1).clamp(min=1)
+    return (((x - mean) * torch.rsqrt(var + eps)) * m).to(torch.float32)
+
+
+def discounted_outcome_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Returns-to-go when the only reward is `R_i` on the last response token: `gamma^(T-1-t) R_i`."""
+    mask = response_mask.to(torch.float64)
+    # steps remaining after token t (counting masked-in tokens only)
+    remaining = mask.flip(-1).cumsum(-1).flip(-1) - 1
+    return (rewards.to(torch.float64).unsqueeze(-1) * gamma ** remaining * mask).to(torch.float32)
+
+
+@register("advantage", "reinforce_pp")
+def compute_reinforce_pp_advantages(rewards: torch.Tensor, group_id: torch.Tensor, response_mask: torch.Tensor,
+                                    gamma: float = 1.0, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): discounted returns of the outcome reward, whitened over all valid tokens
+    of the batch (no group baseline; `group_id` is unused). A per-token KL penalty, when wanted, goes
+    in the reward (`algorithm.kl_in_reward`)."""
+    return masked_whiten(discounted_outcome_returns(rewards, response_mask, gamma), response_mask, eps)
+
+
+@register("advantage", "reinforce_pp_baseline")
+def compute_reinforce_pp_baseline_advantages(rewards: torch.Tensor, group_id: torch.Tensor,
+                                             response_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++-baseline: subtract the group mean reward, broadcast to tokens, whiten over the batch."""
+    mean, _, _ = group_stats(rewards, group_id)
+    centred = (rewards.to(torch.float64) - mean).to(torch.float32).unsqueeze(-1) * response_mask
+    return masked_whiten(centred, response_mask, eps)
+
+
+@register("advantage", "grpo_passk")
+def compute_grpo_passk_advantages(rewards: torch.Tensor, group_id: torch.Tensor, response_mask: torch.Tensor,
+                                  eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
+    """Pass@k-aware GRPO (as verl's `grpo_passk`): only the best sample of each group is credited, with
+    `(R_max - R_second) / (std_g + eps)`; every other sample gets 0. A group of one gets 0."""
+    _, std, _ = group_stats(rewards, group_id)
+    adv = torch.zeros(len(rewards), dtype=torch.float64)
+    for g in torch.unique(group_id):
+        idx = (group_id == g).nonzero(as_tuple=True)[0]
+        if len(idx) < 2:
+            continue
+        vals, order = rewards[idx].to(torch.float64).sort(descending=True)
+        gap = vals[0] - vals[1]
+        adv[idx[order[0]]] = gap / (std[idx[0]] + eps) if norm_by_std else gap
+    return adv.to(torch.float32).unsqueeze(-1) * response_mask

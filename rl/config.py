@@ -28,7 +28,7 @@ class TinyModelConfig:
     hidden_size: int = 128  # width of the tiny Llama-style model built in code
     num_layers: int = 3  # decoder layers
     num_heads: int = 4  # attention heads
-    intermediate_size: int = 256  # MLP width
+    intermediate_size: int = 512  # MLP width
     max_position_embeddings: int = 128  # longest prompt+response
 
 

@@ -73,6 +73,34 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _regularise_and_aggregate(pg: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, *,
+                              ref_logp: torch.Tensor | None, entropy: torch.Tensor | None, kl_coef: float,
+                              kl_estimator: str, entropy_coef: float, agg: str, num_tokens: float | None,
+                              num_seqs: float | None, norm_len: float | None
+                              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Add the KL-to-reference and entropy terms to the per-token policy loss `pg`, then aggregate.
+
+    Shared by every policy loss so that KL placement and aggregation mean the same thing everywhere.
+    """
+    per_token = pg
+    metrics: dict[str, float] = {}
+    if kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 in the loss needs reference logprobs (ref_logp)")
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        per_token = per_token + kl_coef * kl
+        metrics["kl"] = float(_masked_mean(kl.detach(), mask))
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs per-token entropy")
+        per_token = per_token - entropy_coef * entropy
+    loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    with torch.no_grad():
+        metrics["pg_loss"] = float(aggregate_loss(pg, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                  norm_len=norm_len))
+    return loss, metrics
+
+
 @register("loss", "ppo_clip")
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, *, ref_logp: torch.Tensor | None = None,
@@ -98,24 +126,86 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
-    per_token = pg
-    metrics: dict[str, float] = {}
-    if kl_coef:
-        if ref_logp is None:
-            raise ValueError("kl_coef > 0 in the loss needs reference logprobs (ref_logp)")
-        kl = kl_penalty(logp, ref_logp, kl_estimator)
-        per_token = per_token + kl_coef * kl
-        metrics["kl"] = float(_masked_mean(kl.detach(), mask))
-    if entropy_coef:
-        if entropy is None:
-            raise ValueError("entropy_coef > 0 needs per-token entropy")
-        per_token = per_token - entropy_coef * entropy
-    loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    loss, metrics = _regularise_and_aggregate(
+        pg, logp, mask, ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef, kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     with torch.no_grad():
         clipped = ((pg_clipped > pg_unclipped) & (mask > 0)).to(logp.dtype)
         metrics["clipfrac"] = float(clipped.sum() / mask.sum().clamp(min=1.0))
         metrics["approx_kl_old"] = float(_masked_mean(0.5 * log_ratio.square(), mask))
         metrics["ratio_mean"] = float(_masked_mean(ratio, mask))
-        metrics["pg_loss"] = float(aggregate_loss(pg, mask, agg, num_tokens=num_tokens,
-                                                  num_seqs=num_seqs, norm_len=norm_len))
+    return loss, metrics
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`log s_i = mean_t (logp - old_logp)` over each sequence's response tokens, `[N, 1]` (GSPO's anchor)."""
+    m = mask.to(logp.dtype)
+    return ((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped)
+
+
+@register("loss", "gspo")
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+              *, ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+              eps_low: float = 3e-4, eps_high: float = 4e-4, kl_coef: float = 0.0, kl_estimator: str = "k3",
+              entropy_coef: float = 0.0, agg: str = "seq-mean-token-mean", num_tokens: float | None = None,
+              num_seqs: float | None = None, norm_len: float | None = None, token_level: bool = False
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): PPO clipping on the sequence ratio `s_i = exp(mean_t log r_it)`.
+
+    Defaults follow the paper: eps 3e-4 / 4e-4 (sequence ratios stay near 1) and
+    `seq-mean-token-mean` aggregation, so each sequence weighs the same. With `token_level=True`
+    (registered as `gspo_token`) the ratio of token t is `sg[s_i] * exp(logp_t - sg[logp_t])`: the same
+    value, but each token's gradient is its own, which allows per-token advantages.
+    """
+    mask = response_mask.to(logp.dtype)
+    log_s = sequence_log_ratio(logp, old_logp, mask).clamp(-20.0, 20.0)
+    if token_level:
+        ratio = torch.exp(log_s.detach() + logp - logp.detach())
+    else:
+        ratio = torch.exp(log_s).expand_as(logp)
+    pg, clipped = _clipped_surrogate(ratio, advantages, eps_low, eps_high)
+    loss, metrics = _regularise_and_aggregate(
+        pg, logp, mask, ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef, kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    with torch.no_grad():
+        metrics["clipfrac"] = float((clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0))
+        seqs = mask.sum(-1) > 0
+        metrics["seq_ratio_mean"] = float(torch.exp(log_s.squeeze(-1))[seqs].mean()) if seqs.any() else 1.0
+    return loss, metrics
+
+
+@register("loss", "gspo_token")
+def gspo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, **params) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO-token: sequence-anchored ratio with per-token gradients (see `gspo_loss`)."""
+    return gspo_loss(logp, old_logp, advantages, response_mask, token_level=True, **params)
+
+
+@register("loss", "cispo")
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+               *, ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+               eps_low: float = 1.0, eps_high: float = 0.28, kl_coef: float = 0.0, kl_estimator: str = "k3",
+               entropy_coef: float = 0.0, agg: str = "token-mean", num_tokens: float | None = None,
+               num_seqs: float | None = None, norm_len: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight,
+    `-sg[clip(r, 1-eps_low, 1+eps_high)] * A * logp`. Unlike PPO no token loses its gradient;
+    the weight is only bounded. The paper bounds it from above only: `eps_low = 1.0` (lower bound 0)."""
+    mask = response_mask.to(logp.dtype)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0)).detach()
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = -weight * advantages * logp
+    loss, metrics = _regularise_and_aggregate(
+        pg, logp, mask, ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef, kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    with torch.no_grad():
+        metrics["clipfrac"] = float(((weight != ratio).to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0))
+        metrics["ratio_mean"] = float(_masked_mean(ratio, mask))
     return loss, metrics

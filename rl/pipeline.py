@@ -6,8 +6,10 @@ skips what is already complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from rewards.service import RewardService, RewardSpec
 from rl.config import as_container, to_yaml
 from rl.data import format_prompt, load_rows
 from rl.evaluate import evaluate
-from rl.sft import run_sft, sft_done_marker
+from rl.sft import run_sft
 from rl.tracking import MetricsLogger
 from rl.trainer import RLTrainer, latest_checkpoint
 from rollout.hf_engine import load_tokenizer
@@ -37,11 +39,39 @@ def prepare_model(cfg: DictConfig, out: Path) -> str:
         return str(cfg.model.path)
     from models.tiny import save_tiny
     path = out / "base_model"
-    if not (path / "config.json").exists():
+    key = fingerprint(cfg.seed, cfg.model.tiny)
+    if not _artifact_matches(path, key):
         t = cfg.model.tiny
+        shutil.rmtree(path, ignore_errors=True)
         save_tiny(path, seed=cfg.seed, hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
                   intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings)
+        _mark_artifact(path, key)
     return str(path)
+
+
+ARTIFACT_MARKER = "LOOPRL_ARTIFACT"
+
+
+def fingerprint(*parts: Any) -> str:
+    """Stable hash of the config parts an artifact was built from."""
+    blob = json.dumps([as_container(p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def fingerprint_file(model_dir: str) -> str:
+    """Identity of a model folder: its marker when looprl built it, else its path."""
+    marker = Path(model_dir) / ARTIFACT_MARKER
+    return marker.read_text().strip() if marker.exists() else str(Path(model_dir).resolve())
+
+
+def _artifact_matches(path: Path, key: str) -> bool:
+    """An artifact folder is reused only when it is complete and was built from the same config."""
+    marker = path / ARTIFACT_MARKER
+    return marker.exists() and marker.read_text().strip() == key
+
+
+def _mark_artifact(path: Path, key: str) -> None:
+    (path / ARTIFACT_MARKER).write_text(key)
 
 
 def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
@@ -114,10 +144,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         policy_path = model_path
         if cfg.sft.enabled:
             policy_path = str(out / "sft_model")
-            if not sft_done_marker(policy_path).exists():
+            key = fingerprint(cfg.seed, cfg.model, cfg.sft, cfg.data, cfg.learner.world_size, cfg.learner.zero_stage,
+                              cfg.learner.micro_batch_size, cfg.learner.grad_clip, fingerprint_file(model_path))
+            if not _artifact_matches(Path(policy_path), key):
+                shutil.rmtree(policy_path, ignore_errors=True)
                 summary.update(_sft_stage(cfg, model_path, policy_path, tokenizer, sft_rows, placement))
+                _mark_artifact(Path(policy_path), key)
             else:
-                _say(f"sft: reusing {policy_path}")
+                _say(f"sft: reusing {policy_path} (built from the same recipe)")
 
         trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, placement, reward_service)
         before_path = out / "eval_before.json"
@@ -218,7 +252,6 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
         group.save_hf(str(out), tokenizer_path=model_path)
     finally:
         group.shutdown()
-    sft_done_marker(out).write_text("")
     return {"sft_final_loss": hist[-1]["sft/loss"], "sft_wall_s": time.perf_counter() - t0}
 
 

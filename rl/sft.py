@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +50,3 @@ def run_sft(learners: Any, tokenizer: Any, rows: list[dict], *, prompt_key: str,
         if log is not None:
             log(step, metrics)
     return history
-
-
-def sft_done_marker(path: str | Path) -> Path:
-    return Path(path) / "SFT_COMPLETE"

@@ -156,10 +156,10 @@ class RLTrainer:
         timing["other"] = max(0.0, step_s - sum(timing.values()))
         lengths = batch.response_attn.sum(-1).float()
         n_tokens = float(lengths.sum())
+        # With KL in the loss, the loss's own KL (policy being trained vs reference) replaces the
+        # behaviour-policy KL measured above.
         for k in train_metrics[0]:
             metrics[f"actor/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
-        if "actor/kl" in metrics and "actor/kl" in train_metrics[0]:
-            metrics["actor/kl"] = sum(m["kl"] for m in train_metrics) / len(train_metrics)
         metrics.update({
             "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
             "reward/failures": float(batch.reward_failed.sum()),

@@ -50,3 +50,70 @@ def test_dr_grpo_is_mean_centring_only():
 
 def test_grpo_is_registered():
     assert get("advantage", "grpo") is compute_grpo_advantages
+
+
+def test_rloo_skyrl_hand_values():
+    # groups [6,3], [9,12], [1] -> [3,-3,-3,3,0]
+    from rl.advantages import compute_rloo_advantages
+    r = torch.tensor([6.0, 3.0, 9.0, 12.0, 1.0])
+    adv = compute_rloo_advantages(r, torch.tensor([0, 0, 1, 1, 2]), torch.ones(5, 2))
+    assert torch.allclose(adv[:, 0], torch.tensor([3.0, -3.0, -3.0, 3.0, 0.0]))
+    # leave-one-out: R_i - mean of the others, group of three
+    adv3 = compute_rloo_advantages(torch.tensor([1.0, 0.0, 0.0]), torch.zeros(3, dtype=torch.long), torch.ones(3, 1))
+    assert torch.allclose(adv3[:, 0], torch.tensor([1.0, -0.5, -0.5]))
+
+
+def test_dr_grpo_registered_equals_grpo_without_std():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.2])
+    gid = torch.tensor([0, 0, 0, 0, 1, 1])
+    mask = torch.ones(6, 3)
+    assert torch.equal(get("advantage", "dr_grpo")(r, gid, mask),
+                       compute_grpo_advantages(r, gid, mask, norm_by_std=False))
+
+
+def test_reinforce_pp_whitens_returns_over_batch_tokens():
+    from rl.advantages import compute_reinforce_pp_advantages
+    # one token each, rewards [1, 0]: mean 0.5, unbiased std 0.7071
+    adv = compute_reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), torch.ones(2, 1))
+    assert torch.allclose(adv[:, 0], torch.tensor([0.707107, -0.707107]), atol=1e-5)
+    # A: 2 tokens, reward 1; B: 1 token, reward 0 -> token values [1,1,0]: mean 2/3, unbiased std 0.57735
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = compute_reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), mask)
+    assert torch.allclose(adv, torch.tensor([[0.57735, 0.57735], [-1.154701, 0.0]]), atol=1e-5)
+
+
+def test_discounted_outcome_returns():
+    from rl.advantages import discounted_outcome_returns
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    ret = discounted_outcome_returns(torch.tensor([2.0]), mask, gamma=0.5)
+    assert torch.allclose(ret, torch.tensor([[0.5, 1.0, 2.0, 0.0]]))
+
+
+def test_reinforce_pp_baseline_hand_values():
+    from rl.advantages import compute_reinforce_pp_baseline_advantages
+    # group means remove [0.5,0.5] and [1,1] -> [0.5,-0.5,0,0]; whitened: mean 0, unbiased var 1/6
+    adv = compute_reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]),
+                                                   torch.ones(4, 1))
+    assert torch.allclose(adv[:, 0], torch.tensor([1.224745, -1.224745, 0.0, 0.0]), atol=1e-5)
+
+
+def test_grpo_passk_credits_only_the_best_sample():
+    from rl.advantages import compute_grpo_passk_advantages
+    r = torch.tensor([0.2, 0.9, 0.5, 1.0, 1.0, 7.0])
+    gid = torch.tensor([0, 0, 0, 1, 1, 2])
+    adv = compute_grpo_passk_advantages(r, gid, torch.ones(6, 1), norm_by_std=False)
+    assert torch.allclose(adv[:, 0], torch.tensor([0.0, 0.4, 0.0, 0.0, 0.0, 0.0]), atol=1e-6)
+    normed = compute_grpo_passk_advantages(r, gid, torch.ones(6, 1))
+    std = torch.tensor([0.2, 0.9, 0.5]).std().item()
+    assert normed[1, 0].item() == pytest.approx(0.4 / (std + 1e-6), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk"])
+def test_every_estimator_masks_tokens_and_handles_all_equal(name):
+    fn = get("advantage", name)
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 4)
+    adv = fn(torch.ones(4), torch.tensor([0, 0, 1, 1]), mask)
+    assert adv.shape == (4, 3) and not torch.isnan(adv).any()
+    assert torch.equal(adv[:, 2], torch.zeros(4))
+    if name != "reinforce_pp":  # group-relative estimators: all-equal groups carry no signal
+        assert torch.allclose(adv, torch.zeros(4, 3))

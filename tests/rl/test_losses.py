@@ -141,3 +141,86 @@ def test_kl_in_reward_hand_value():
     assert torch.allclose(penalised, torch.tensor([1.2, 0.0]))
     penalised3, _ = kl_in_reward(rewards, logp, ref, mask, coef=1.0, estimator="k3")
     assert penalised3[0].item() == pytest.approx(1.0 - 2 * 0.0214028, abs=1e-6)
+
+
+def test_gspo_sequence_ratio_hand_values():
+    from rl.losses import gspo_loss
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    # token log-ratios [0.1, -0.1, 0.3] -> log s = 0.1, s = 1.105171
+    logp = torch.tensor([[0.1, -0.1, 0.3]], requires_grad=True)
+    loss, m = gspo_loss(logp, old, torch.ones(1, 3), mask)
+    assert loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-6)  # A>0: clipped at 1 + eps_high
+    assert m["seq_ratio_mean"] == pytest.approx(1.105171, abs=1e-6) and m["clipfrac"] == 1.0
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 3))  # clipped: no gradient
+    logp2 = torch.tensor([[0.1, -0.1, 0.3]], requires_grad=True)
+    loss2, _ = gspo_loss(logp2, old, -torch.ones(1, 3), mask)
+    assert loss2.item() == pytest.approx(1.105171, abs=1e-6)  # A<0: the unclipped branch is larger
+    loss2.backward()
+    assert torch.allclose(logp2.grad, torch.full((1, 3), 1.105171 / 3), atol=1e-6)
+
+
+def test_gspo_token_equals_gspo_with_sequence_advantages():
+    from rl.losses import gspo_loss, gspo_token_loss
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(4, 5, generator=g) * 0.01 - 1
+    base = old + torch.randn(4, 5, generator=g) * 0.01
+    adv = torch.randn(4, 1, generator=g).expand(4, 5).clone()
+    mask = (torch.rand(4, 5, generator=g) > 0.2).float()
+    mask[:, 0] = 1
+    a = base.clone().requires_grad_(True)
+    b = base.clone().requires_grad_(True)
+    la, _ = gspo_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    lb, _ = gspo_token_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    la.backward()
+    lb.backward()
+    assert la.item() == pytest.approx(lb.item(), abs=1e-7)
+    assert torch.allclose(a.grad, b.grad, atol=1e-7)
+
+
+def test_gspo_on_policy_equals_ppo_clip_seq_mean():
+    from rl.losses import gspo_loss
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([[0.7] * 3, [-0.4] * 3])
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    lg, _ = gspo_loss(a, logp, adv, mask)
+    lp, _ = ppo_clip_loss(b, logp, adv, mask, agg="seq-mean-token-mean")
+    lg.backward()
+    lp.backward()
+    assert lg.item() == pytest.approx(lp.item(), abs=1e-7)
+    assert torch.allclose(a.grad, b.grad, atol=1e-7)
+
+
+def test_cispo_clipped_stop_gradient_weight():
+    from rl.losses import cispo_loss
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[0.5, -0.6931472]], requires_grad=True)  # ratios e^0.5 = 1.6487, 0.5
+    loss, m = cispo_loss(logp, old, torch.ones(1, 2), torch.ones(1, 2), eps_high=0.28)
+    # per token: -w * A * logp with w = [1.28 (clipped), 0.5]
+    assert loss.item() == pytest.approx((-1.28 * 0.5 + 0.5 * 0.6931472) / 2, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.28 / 2, -0.5 / 2]]), atol=1e-6)  # no token is dropped
+    assert m["clipfrac"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "gspo_token", "cispo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_every_loss_is_shard_invariant(name, mode):
+    fn = get("loss", name)
+    g = torch.Generator().manual_seed(2)
+    logp = torch.randn(6, 5, generator=g) * 0.1 - 1
+    old = logp + torch.randn(6, 5, generator=g) * 0.05
+    adv = torch.randn(6, 1, generator=g).expand(6, 5).clone()
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    full_in = logp.clone().requires_grad_(True)
+    full, _ = fn(full_in, old, adv, mask, agg=mode)
+    full.backward()
+    counts = {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(-1) > 0).sum())}
+    shard_in = logp.clone().requires_grad_(True)
+    total = sum(fn(shard_in[i::3], old[i::3], adv[i::3], mask[i::3], agg=mode, **counts)[0] for i in range(3))
+    total.backward()
+    assert total.item() == pytest.approx(full.item(), abs=1e-6)
+    assert torch.allclose(shard_in.grad, full_in.grad, atol=1e-7)

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 # Tensor fields that are per response token and right-padded, or per prompt token and left-padded.
-_RIGHT_PADDED = ("response_ids", "response_mask", "response_attn", "rollout_logp", "old_logp", "ref_logp", "advantages",
+_RIGHT_PADDED = ("response_ids", "response_mask", "response_attn", "token_step", "observation_mask", "rollout_logp", "old_logp", "ref_logp", "advantages",
                  "per_loop_logp", "exit_pdf")
 _LEFT_PADDED = ("prompt_ids", "prompt_mask")
+_PAD_VALUE = {"token_step": -1}  # padding belongs to no step
 
 
 @dataclass
@@ -37,11 +38,16 @@ class Batch:
     truncated: torch.Tensor | None = None  # [N] bool: generation hit max_new_tokens
     per_loop_logp: torch.Tensor | None = None  # [N, L, T] looped models
     exit_pdf: torch.Tensor | None = None  # [N, L, T] looped models
+    token_step: torch.Tensor | None = None  # [N, L] long: index of the step (span) a token belongs to, -1 outside
+    observation_mask: torch.Tensor | None = None  # [N, L] 1 on environment/tool-output tokens (never trained on)
+    valid: torch.Tensor | None = None  # [N] bool: trajectory passed its validity check (multi-granularity rewards)
     prompts: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
     ground_truth: list[Any] = field(default_factory=list)
     metadata: list[dict] = field(default_factory=list)
     reward_components: list[dict] = field(default_factory=list)
+    step_rewards: list[list[float]] = field(default_factory=list)  # per sample, one reward per step
+    step_types: list[list[str]] = field(default_factory=list)  # per sample, the type of each step
     policy_version: int = 0
 
     def __len__(self) -> int:
@@ -92,7 +98,8 @@ class Batch:
             if all(isinstance(v, torch.Tensor) for v in vals):
                 if f.name in _RIGHT_PADDED or f.name in _LEFT_PADDED:
                     width = max(v.shape[1] for v in vals)
-                    vals = [_pad_dim1(v, width, left=f.name in _LEFT_PADDED) for v in vals]
+                    vals = [_pad_dim1(v, width, left=f.name in _LEFT_PADDED, value=_PAD_VALUE.get(f.name, 0))
+                            for v in vals]
                 out[f.name] = torch.cat(vals, 0)
             elif all(v is None for v in vals):
                 out[f.name] = None
@@ -126,10 +133,10 @@ class Batch:
                              f"(group_id, count) = {bad[:5]}{' ...' if len(bad) > 5 else ''}")
 
 
-def _pad_dim1(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+def _pad_dim1(t: torch.Tensor, width: int, left: bool, value: int = 0) -> torch.Tensor:
     if t.shape[1] == width:
         return t
     pad_shape = list(t.shape)
     pad_shape[1] = width - t.shape[1]
-    pad = torch.zeros(pad_shape, dtype=t.dtype)
+    pad = torch.full(pad_shape, value, dtype=t.dtype)
     return torch.cat([pad, t] if left else [t, pad], 1)

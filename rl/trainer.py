@@ -6,6 +6,7 @@ service, learner group) are Ray actors placed by `cluster.ray_utils.make_placeme
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
@@ -130,7 +131,7 @@ class RLTrainer:
             if a.kl_in_reward:
                 rewards = penalised
         batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
-                                       **as_container(a.advantage_params))
+                                       **batch_fields_for(self.adv_fn, batch), **as_container(a.advantage_params))
 
         t0 = time.perf_counter()
         loss_params = {**as_container(a.loss_params), "agg": a.loss_agg, "norm_len": float(cfg.rollout.max_new_tokens)}
@@ -248,6 +249,21 @@ def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dic
             prompts[lo:hi], sampling, list(range(group_base + lo, group_base + hi)), answers[lo:hi],
             [{"row": group_base + i} for i in range(lo, hi)]))
     return Batch.concat(ray.get(futures))
+
+
+# Batch fields an estimator may ask for by naming them as keyword parameters (multi-turn/step data).
+BATCH_FIELDS_FOR_ESTIMATORS = ("token_step", "step_rewards", "step_types", "valid", "observation_mask")
+
+
+def batch_fields_for(fn: Any, batch: Batch) -> dict[str, Any]:
+    """The Batch fields that `fn` declares and the batch carries (e.g. MGPO's step map)."""
+    params = inspect.signature(fn).parameters
+    out = {}
+    for name in BATCH_FIELDS_FOR_ESTIMATORS:
+        value = getattr(batch, name)
+        if name in params and value is not None and (not isinstance(value, list) or value):
+            out[name] = value
+    return out
 
 
 def reward_items(batch: Batch) -> list[dict]:

@@ -117,3 +117,62 @@ def test_every_estimator_masks_tokens_and_handles_all_equal(name):
     assert torch.equal(adv[:, 2], torch.zeros(4))
     if name != "reinforce_pp":  # group-relative estimators: all-equal groups carry no signal
         assert torch.allclose(adv, torch.zeros(4, 3))
+
+
+# ---------------------------------------------------------------------- MGPO (spec §3.5, a reconstruction)
+def test_mgpo_trajectory_reward_gate_and_difficulty():
+    from rl.advantages import mgpo_trajectory_reward
+    assert mgpo_trajectory_reward(False, True, 0.25) == 0.0  # invalid: zero total reward
+    assert mgpo_trajectory_reward(True, True, 0.25) == pytest.approx(0.1 + 1.0 + 0.75)  # D = 1 - 0.25
+    assert mgpo_trajectory_reward(True, True, 0.0) == pytest.approx(1.1)  # unsolvable: no bonus
+    assert mgpo_trajectory_reward(True, False, 0.5, difficulty="band") == pytest.approx(2.0)
+    assert mgpo_trajectory_reward(True, False, 0.95, difficulty="band") == pytest.approx(1.0)
+
+
+def _mgpo_case():
+    # G = 2 trajectories, R_traj = [1.75, 0.0]; two "tool" steps each with rewards [1, 0] and [1, 1]
+    rewards = torch.tensor([1.75, 0.0])
+    gid = torch.tensor([0, 0])
+    mask = torch.ones(2, 6)
+    token_step = torch.tensor([[-1, 0, 0, 1, 1, -1], [0, 0, 1, 1, -1, -1]])
+    return rewards, gid, mask, token_step, [[1.0, 0.0], [1.0, 1.0]], [["tool", "tool"], ["tool", "tool"]]
+
+
+def test_mgpo_advantage_combination_hand_value():
+    from rl.advantages import compute_mgpo_advantages
+    rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
+    adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
+                                  step_types=types, lambda_step=0.5)
+    # A_traj = [+0.7071, -0.7071]; step rewards [1,0,1,1] -> A_step = [0.5, -1.5, 0.5, 0.5]
+    assert adv[0, 0].item() == pytest.approx(0.707107, abs=1e-5)  # outside any step
+    assert adv[0, 1].item() == pytest.approx(0.707107 + 0.25, abs=1e-5)  # step 1
+    assert adv[0, 3].item() == pytest.approx(-0.042893, abs=1e-5)  # trajectory 1, step 2: 0.7071 - 0.75
+    assert adv[1, 0].item() == pytest.approx(-0.707107 + 0.25, abs=1e-5)
+
+
+def test_mgpo_steps_normalised_by_type():
+    from rl.advantages import compute_mgpo_advantages
+    rewards, gid, mask, token_step, step_rewards, _ = _mgpo_case()
+    types = [["tool", "think"], ["tool", "think"]]  # pools: tool [1,1] (all equal), think [0,1]
+    adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
+                                  step_types=types, lambda_step=1.0)
+    assert adv[0, 1].item() == pytest.approx(0.707107, abs=1e-5)  # tool steps all equal: no step credit
+    assert adv[0, 3].item() == pytest.approx(0.707107 - 0.707107, abs=1e-5)  # think: [0,1] -> -0.7071
+
+
+def test_mgpo_validity_gate_masking_and_reduction():
+    from rl.advantages import compute_mgpo_advantages
+    rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
+    obs = torch.zeros(2, 6)
+    obs[0, 2] = 1  # a tool-output token
+    adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
+                                  step_types=types, observation_mask=obs)
+    assert adv[0, 2].item() == 0.0
+    # invalid first trajectory: its rewards become 0, so the group is all-equal on R_traj
+    invalid = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
+                                      step_types=types, valid=torch.tensor([False, True]), lambda_step=0.0)
+    assert torch.allclose(invalid, torch.zeros(2, 6))
+    # lambda_step = 0 is GRPO on the trajectory rewards
+    plain = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
+                                    step_types=types, lambda_step=0.0)
+    assert torch.equal(plain, compute_grpo_advantages(rewards, gid, mask))

@@ -205,7 +205,7 @@ def test_cispo_clipped_stop_gradient_weight():
     assert m["clipfrac"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "gspo_token", "cispo"])
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "gspo_token", "cispo", "tgpo"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_every_loss_is_shard_invariant(name, mode):
     fn = get("loss", name)
@@ -224,3 +224,101 @@ def test_every_loss_is_shard_invariant(name, mode):
     total.backward()
     assert total.item() == pytest.approx(full.item(), abs=1e-6)
     assert torch.allclose(shard_in.grad, full_in.grad, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- TGPO (spec §2.5, a reconstruction)
+def test_tgpo_anchor_gate_and_trust_hand_values():
+    from rl.losses import tgpo_loss
+    old = torch.zeros(1, 3)
+    logp = torch.tensor([[0.1, -0.1, 0.3]], requires_grad=True)  # log s = 0.1, delta = [0, -0.2, 0.2]
+    loss, m = tgpo_loss(logp, old, -torch.ones(1, 3), torch.ones(1, 3), tau=0.1, w_min=0.1)
+    gamma = torch.tensor([1.0, math.exp(-4), math.exp(-4)])
+    assert m["gate_mean"] == pytest.approx(0.345544, abs=1e-6)
+    assert m["trust_mean"] == pytest.approx(0.345544, abs=1e-6)  # negative sample: w = max(w_min, mean gamma)
+    # A = -1: the unclipped branch wins, per token w * gamma * s
+    expected = 0.345544 * float((gamma * 1.105171).mean())
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert loss.item() == pytest.approx(0.131958, abs=1e-5)
+
+
+def test_tgpo_band_gate_and_positive_trust():
+    from rl.losses import tgpo_gate, tgpo_loss
+    d = torch.tensor([0.0, 0.2, -0.5])
+    assert torch.allclose(tgpo_gate(d, "band", 0.1, 0.2), torch.sigmoid(torch.tensor([2.0, 0.0, -3.0])))
+    _, m = tgpo_loss(torch.tensor([[0.1, -0.1, 0.3]]), torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3))
+    assert m["trust_mean"] == 1.0  # positive advantage: full trust
+
+
+def test_tgpo_reduces_to_gspo_token_when_gates_and_trust_are_one():
+    from rl.losses import gspo_token_loss, tgpo_loss
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(4, 5, generator=g) * 0.1 - 1
+    base = old + torch.randn(4, 5, generator=g) * 0.05
+    adv = torch.tensor([[1.0], [-0.5], [0.3], [-1.2]]).expand(4, 5).clone()
+    mask = torch.ones(4, 5)
+    a, b = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    lt, _ = tgpo_loss(a, old, adv, mask, tau=1e9, w_min=1.0, eps_low=0.2, eps_high=0.28)
+    lg, _ = gspo_token_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    lt.backward()
+    lg.backward()
+    assert lt.item() == pytest.approx(lg.item(), abs=1e-6)
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_tgpo_token_anchor_equals_ppo_clip():
+    from rl.losses import tgpo_loss
+    g = torch.Generator().manual_seed(4)
+    old = torch.randn(3, 4, generator=g) * 0.1 - 1
+    base = old + torch.randn(3, 4, generator=g) * 0.3
+    adv = torch.tensor([[1.0], [-1.0], [0.5]]).expand(3, 4).clone()
+    mask = torch.ones(3, 4)
+    a, b = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    lt, _ = tgpo_loss(a, old, adv, mask, anchor="token", eps_low=0.2, eps_high=0.2, agg="token-mean")
+    lp, _ = ppo_clip_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.2, agg="token-mean")
+    lt.backward()
+    lp.backward()
+    assert lt.item() == pytest.approx(lp.item(), abs=1e-6)
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_tgpo_on_policy_first_step_equals_grpo_and_reinforce_gradient():
+    from rl.losses import gspo_loss, tgpo_loss
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
+    adv = torch.tensor([[0.8] * 3, [-0.8] * 3])
+    mask = torch.ones(2, 3)
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    lt, m = tgpo_loss(a, logp, adv, mask)
+    lg, _ = gspo_loss(b, logp, adv, mask)
+    lt.backward()
+    lg.backward()
+    assert m["gate_mean"] == 1.0 and m["trust_mean"] == 1.0
+    assert lt.item() == pytest.approx(lg.item(), abs=1e-7)
+    # REINFORCE: d loss / d logp_it = -A_i / |y_i| / G
+    assert torch.allclose(a.grad, -adv / 3 / 2, atol=1e-7)
+
+
+def test_tgpo_retains_drifting_negative_trajectories_with_w_min():
+    from rl.losses import tgpo_loss
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[0.0, 2.0, -2.0, 0.0]], requires_grad=True)  # large drift: two tokens gated out
+    loss, m = tgpo_loss(logp, old, -torch.ones(1, 4), torch.ones(1, 4), w_min=0.1, tau=0.1)
+    assert m["trust_mean"] == pytest.approx(0.5)  # mean gate (1 + 0 + 0 + 1)/4, above w_min
+    loss.backward()
+    assert logp.grad.abs().sum() > 0 and torch.isfinite(logp.grad).all()
+    logp2 = torch.tensor([[3.0, 2.0, -2.0, -3.0]], requires_grad=True)  # every token drifts
+    loss2, m2 = tgpo_loss(logp2, old, -torch.ones(1, 4), torch.ones(1, 4), w_min=0.1, tau=0.1)
+    assert m2["trust_mean"] == pytest.approx(0.1)  # floored at w_min, not discarded
+
+
+def test_tgpo_entropy_gate_and_errors():
+    from rl.losses import tgpo_loss
+    z = torch.zeros(1, 2)
+    _, m = tgpo_loss(z, z, torch.ones(1, 2), torch.ones(1, 2), h_min=0.5, entropy=torch.tensor([[0.1, 0.9]]))
+    assert m["gate_mean"] == 0.5
+    with pytest.raises(ValueError, match="entropy"):
+        tgpo_loss(z, z, torch.ones(1, 2), torch.ones(1, 2), h_min=0.5)
+    with pytest.raises(ValueError, match="step_verified_frac"):
+        tgpo_loss(z, z, torch.ones(1, 2), torch.ones(1, 2), trust="step_frac")
+    _, m = tgpo_loss(z, z, -torch.ones(1, 2), torch.ones(1, 2), trust="step_frac",
+                     step_verified_frac=torch.tensor([0.25]))
+    assert m["trust_mean"] == 0.25

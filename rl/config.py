@@ -113,6 +113,11 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     kl_in_reward: bool = False  # subtract kl_coef*sum(KL) from the reward instead of adding KL to the loss
     entropy_coef: float = 0.0  # entropy bonus coefficient
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more prompts
+    max_sampling_rounds: int = 4  # cap on generation rounds per step with dynamic sampling
+    mask_truncated: bool = False  # DAPO: completions that hit max_new_tokens leave the loss
+    overlong_buffer: int = 0  # DAPO soft overlong penalty window (tokens before max_new_tokens); 0 disables
+    overlong_penalty: float = 1.0  # reward penalty at max_new_tokens, ramping linearly over the buffer
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass (split of the rollout batch)
 
@@ -287,6 +292,9 @@ def validate(cfg: DictConfig) -> None:
          f"must divide prompts_per_step*n = {total}")
     need(per_update % cfg.learner.world_size == 0, "learner.world_size",
          f"must divide the samples per optimizer step ({per_update})")
+    need(cfg.algorithm.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", "must be >= 1")
+    need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
+         "must be between 0 and rollout.max_new_tokens")
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
 
 

@@ -41,6 +41,14 @@ def kl_in_reward(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tens
     return rewards - coef * seq_kl, seq_kl
 
 
+def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to `max_len - buffer` tokens, then a linear ramp down to
+    `-factor` at `max_len` (and beyond)."""
+    start = max_len - buffer
+    over = (lengths.to(torch.float32) - start).clamp(min=0.0)
+    return -factor * (over / max(buffer, 1)).clamp(max=1.0)
+
+
 def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
                    num_tokens: float | None = None, num_seqs: float | None = None,
                    norm_len: float | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from cluster.ray_utils import Placement, actor_env
 from rl.batch import Batch
 from rl.config import as_container
 from rl.data import format_prompt
-from rl.losses import kl_in_reward
+from rl.losses import kl_in_reward, soft_overlong_penalty
 from rl.registry import get
 from rollout.worker import RolloutWorker
 
@@ -92,26 +92,11 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
         cfg, a = self.cfg, self.cfg.algorithm
-        n = cfg.rollout.n
         t_start = time.perf_counter()
         timing: dict[str, float] = {}
 
-        idx = self.sampler.next(cfg.trainer.prompts_per_step)
-        group_base = self.step_idx * cfg.trainer.prompts_per_step
+        batch, metrics = self.collect(timing)
         t0 = time.perf_counter()
-        batch = generate(self.rollout, self.tokenizer, cfg, [self.rows[i] for i in idx],
-                         temperature=cfg.rollout.temperature, n=n,
-                         seed=cfg.seed * 1_000_003 + self.step_idx, group_base=group_base)
-        batch.check_groups(n)
-        timing["generate"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        scored = ray.get(self.rewards.score.remote(reward_items(batch)))
-        attach_rewards(batch, scored)
-        timing["reward"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        metrics: dict[str, float] = {}
         multi_update = a.ppo_epochs * a.mini_batches > 1
         if multi_update:
             batch.old_logp = self.learners.compute_logprobs(batch, "policy", cfg.rollout.temperature)
@@ -169,7 +154,7 @@ class RLTrainer:
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/truncated_frac": float(batch.truncated.float().mean()),
             "perf/step_s": step_s, "perf/tokens": n_tokens, "perf/tokens_per_s": n_tokens / step_s,
-            "policy_version": float(self.step_idx),
+            "policy_version": float(self.step_idx), "batch/samples": float(len(batch)),
         })
         for comp_name in sorted({k for c in batch.reward_components for k in c}):
             vals = [c[comp_name] for c in batch.reward_components if comp_name in c]
@@ -177,6 +162,59 @@ class RLTrainer:
         for k, v in timing.items():
             metrics[f"time/{k}"] = v
         return metrics
+
+    def collect(self, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """Generate and score `prompts_per_step` groups of `n` samples.
+
+        With `algorithm.dynamic_sampling` (DAPO), groups whose rewards are all equal carry no signal and
+        are dropped; more prompts are sampled until the batch is full or `max_sampling_rounds` is reached
+        (then the batch is filled up with the dropped groups, so its size never changes).
+        """
+        cfg, a = self.cfg, self.cfg.algorithm
+        n, want = cfg.rollout.n, cfg.trainer.prompts_per_step
+        kept: list[Batch] = []
+        dropped: list[Batch] = []
+        have, rounds, seen, informative_seen = 0, 0, 0, 0
+        timing["generate"] = timing["reward"] = 0.0
+        while have < want and rounds < (a.max_sampling_rounds if a.dynamic_sampling else 1):
+            idx = self.sampler.next(want)
+            group_base = (self.step_idx * a.max_sampling_rounds + rounds) * want
+            t0 = time.perf_counter()
+            batch = generate(self.rollout, self.tokenizer, cfg, [self.rows[i] for i in idx],
+                             temperature=cfg.rollout.temperature, n=n,
+                             seed=cfg.seed * 1_000_003 + self.step_idx + 7919 * rounds, group_base=group_base)
+            batch.check_groups(n)
+            timing["generate"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            attach_rewards(batch, ray.get(self.rewards.score.remote(reward_items(batch))))
+            apply_length_shaping(batch, a, cfg.rollout.max_new_tokens)
+            timing["reward"] += time.perf_counter() - t0
+            rounds += 1
+            seen += want
+            if not a.dynamic_sampling:
+                kept.append(batch)
+                have = want
+                break
+            informative = {g for g in torch.unique(batch.group_id).tolist()
+                           if batch.rewards[batch.group_id == g].unique().numel() > 1}
+            informative_seen += len(informative)
+            rows = [i for i in range(len(batch)) if int(batch.group_id[i]) in informative]
+            take = rows[:(want - have) * n]
+            if take:
+                kept.append(batch.select(take))
+                have += len(take) // n
+            rest = [i for i in range(len(batch)) if int(batch.group_id[i]) not in informative]
+            if rest:
+                dropped.append(batch.select(rest))
+        if have < want:  # the cap was reached: fill up with uninformative groups (zero advantage)
+            pool = Batch.concat(dropped)
+            kept.append(pool.select(list(range((want - have) * n))))
+        batch = Batch.concat(kept)
+        metrics: dict[str, float] = {}
+        if a.dynamic_sampling:
+            metrics["sampling/rounds"] = float(rounds)
+            metrics["sampling/informative_frac"] = informative_seen / max(1, seen)
+        return batch, metrics
 
     def sync_weights(self) -> float:
         """Learner rank 0's full weights (ZeRO-3 gathers first) into every rollout engine."""
@@ -264,6 +302,17 @@ def batch_fields_for(fn: Any, batch: Batch) -> dict[str, Any]:
         if name in params and value is not None and (not isinstance(value, list) or value):
             out[name] = value
     return out
+
+
+def apply_length_shaping(batch: Batch, a: Any, max_new_tokens: int) -> None:
+    """DAPO overlong handling: optionally mask truncated completions out of the loss, and add the soft
+    overlong penalty to the reward (in place)."""
+    if a.overlong_buffer > 0:
+        lengths = batch.response_attn.sum(-1)
+        batch.rewards = batch.rewards + soft_overlong_penalty(lengths, max_new_tokens, a.overlong_buffer,
+                                                              a.overlong_penalty)
+    if a.mask_truncated and bool(batch.truncated.any()):
+        batch.response_mask = batch.response_mask * (~batch.truncated).unsqueeze(1).to(batch.response_mask.dtype)
 
 
 def reward_items(batch: Batch) -> list[dict]:

@@ -54,3 +54,24 @@ def test_pickles():
     import pickle
     b = _batch()
     assert torch.equal(pickle.loads(pickle.dumps(b)).response_ids, b.response_ids)
+
+
+def test_length_shaping_masks_truncated_and_penalises_long():
+    from types import SimpleNamespace
+
+    from rl.trainer import apply_length_shaping
+    b = _batch(3, 2, 4)
+    b.response_attn = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
+    b.truncated = torch.tensor([False, True, False])
+    b.rewards = torch.tensor([1.0, 1.0, 1.0])
+    apply_length_shaping(b, SimpleNamespace(overlong_buffer=2, overlong_penalty=1.0, mask_truncated=True), 4)
+    assert torch.allclose(b.rewards, torch.tensor([1.0, 0.0, 0.5]))
+    assert b.response_mask[1].sum() == 0 and b.response_mask[0].sum() == 4
+
+
+def test_token_step_pads_with_minus_one():
+    a, b = _batch(1, 2, 3), _batch(1, 2, 5, seed=1)
+    a.token_step = torch.tensor([[0, 0, 1]])
+    b.token_step = torch.tensor([[0, 1, 1, 2, 2]])
+    c = Batch.concat([a, b])
+    assert c.token_step[0].tolist() == [0, 0, 1, -1, -1]

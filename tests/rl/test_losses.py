@@ -322,3 +322,11 @@ def test_tgpo_entropy_gate_and_errors():
     _, m = tgpo_loss(z, z, -torch.ones(1, 2), torch.ones(1, 2), trust="step_frac",
                      step_verified_frac=torch.tensor([0.25]))
     assert m["trust_mean"] == 0.25
+
+
+def test_soft_overlong_penalty_ramp():
+    from rl.losses import soft_overlong_penalty
+    lengths = torch.tensor([10, 16, 18, 20, 25])
+    # max 20, buffer 4: no penalty up to 16, then linear to -factor at 20
+    assert torch.allclose(soft_overlong_penalty(lengths, 20, 4, 1.0), torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+    assert torch.allclose(soft_overlong_penalty(lengths, 20, 4, 0.5), torch.tensor([0.0, 0.0, -0.25, -0.5, -0.5]))

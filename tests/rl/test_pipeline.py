@@ -117,7 +117,11 @@ def test_missing_column_is_named(tmp_path):
     # KL in the reward, two PPO epochs x two mini-batches (old logprobs recomputed, ratios != 1)
     ["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.ppo_epochs=2",
      "algorithm.mini_batches=2", "algorithm.loss_agg=seq-mean-token-sum-norm"],
-], ids=["zero3-2ranks-split-kl-loss", "kl-reward-ppo-epochs"])
+    # DAPO options: dynamic sampling, truncated completions masked, soft overlong penalty; GSPO loss
+    ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", "algorithm.mask_truncated=true",
+     "algorithm.overlong_buffer=4", "algorithm.kl_coef=0.05", "algorithm.loss=gspo",
+     "algorithm.advantage=rloo"],
+], ids=["zero3-2ranks-split-kl-loss", "kl-reward-ppo-epochs", "dapo-options-gspo-rloo"])
 def test_variants_run(ray_cluster, tmp_path, variant):
     cfg = _cfg(tmp_path, "v", "trainer.steps=2", "learner.lr=5e-3", _digit_reward(tmp_path), *variant)
     summary = run(cfg)
@@ -129,6 +133,11 @@ def test_variants_run(ray_cluster, tmp_path, variant):
         # updates after the first one in a step are off-policy: the ratio moves off 1
         assert metrics[0]["actor/ratio_mean"] != pytest.approx(1.0, abs=1e-7)
         assert metrics[0]["rollout/logprob_abs_diff"] < 1e-4  # rollout and learner agree on-policy
+    if "algorithm.dynamic_sampling=true" in variant:
+        assert all(1 <= m["sampling/rounds"] <= 3 for m in metrics)
+        assert all(0 <= m["sampling/informative_frac"] <= 1 for m in metrics)
+        # the batch keeps its size: prompts_per_step x n samples every step
+        assert all(m["batch/samples"] == 4 * 4 for m in metrics)
     if "trainer.save_hf=true" in variant:
         from transformers import AutoModelForCausalLM
         AutoModelForCausalLM.from_pretrained(summary["hf_model"])

@@ -249,20 +249,38 @@ def _merge(base: DictConfig, data: dict, source: str) -> DictConfig:
         raise ConfigError(f"{source}: invalid value for {key!r}: {msg}") from None
 
 
+def _read_recipe(p: Path) -> dict:
+    if not p.is_file():
+        raise ConfigError(f"recipe {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: malformed YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: a recipe must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _recipe_chain(p: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """A recipe and the recipes it builds on: `base: other.yaml` (relative to the recipe) is loaded
+    first and this recipe's keys override it."""
+    if p.resolve() in seen:
+        raise ConfigError(f"{p}: recipe 'base' chain loops back on itself")
+    data = _read_recipe(p)
+    base = data.pop("base", None)
+    if base is None:
+        return [(p, data)]
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: 'base' must be a path to another recipe, got {base!r}")
+    return _recipe_chain(p.parent / base, (*seen, p.resolve())) + [(p, data)]
+
+
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Recipe YAML + dotted overrides → typed, validated config (an OmegaConf DictConfig over `Config`)."""
     cfg: DictConfig = OmegaConf.structured(Config)
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: malformed YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: a recipe must be a mapping of keys, got {type(data).__name__}")
-        cfg = _merge(cfg, data, str(p))
+        for p, data in _recipe_chain(Path(path)):
+            cfg = _merge(cfg, data, str(p))
     if overrides:
         cfg = _merge(cfg, _overrides_to_dict(overrides), "command-line override")
     validate(cfg)

@@ -87,3 +87,20 @@ def test_cli_config_show_and_error_exit(tmp_path):
                           "trainer.stepz=7"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2
     assert "trainer.stepz" in bad.stderr and "did you mean 'trainer.steps'" in bad.stderr
+
+
+def test_base_recipe_is_merged_first(tmp_path):
+    (tmp_path / "a.yaml").write_text("trainer: {steps: 5, prompts_per_step: 8}\nlearner: {lr: 0.5}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\ntrainer: {steps: 9}\n")
+    cfg = config.load(tmp_path / "b.yaml")
+    assert (cfg.trainer.steps, cfg.trainer.prompts_per_step, cfg.learner.lr) == (9, 8, 0.5)
+    (tmp_path / "c.yaml").write_text("base: d.yaml\n")
+    (tmp_path / "d.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        config.load(tmp_path / "c.yaml")
+    (tmp_path / "e.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        config.load(tmp_path / "e.yaml")
+    (tmp_path / "f.yaml").write_text("base: a.yaml\nlearner: {lrr: 1}\n")
+    with pytest.raises(ConfigError, match=r"f.yaml: unknown key 'learner.lrr'"):
+        config.load(tmp_path / "f.yaml")

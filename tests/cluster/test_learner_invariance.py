@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
     return path, batch
 
 
-def _train(path, batch, world_size, grad_accum, zero_stage, agg):
+def _train(path, batch, world_size, grad_accum, zero_stage, agg, loss="ppo_clip", params=None):
     # AdamW with a large epsilon is close to SGD on the first step (update ~ lr * grad), so weight
     # differences measure gradient differences rather than Adam's sign-like normalisation.
     group = LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), lr=1.0, adam_eps=1.0,
@@ -33,7 +33,7 @@ def _train(path, batch, world_size, grad_accum, zero_stage, agg):
                          micro_batch_size=max(1, len(batch) // world_size // grad_accum), grad_accum=grad_accum,
                          grad_clip=0.0)
     try:
-        m = group.train_step(batch, grad_accum, "ppo_clip", {"agg": agg, "eps_high": 0.28})
+        m = group.train_step(batch, grad_accum, loss, {"agg": agg, **(params or {"eps_high": 0.28})})
         state = group.full_state_dict()
     finally:
         group.shutdown()
@@ -63,3 +63,20 @@ def setup_initial(path):
         from transformers import AutoModelForCausalLM
         _INITIAL[path] = AutoModelForCausalLM.from_pretrained(path).state_dict()
     return _INITIAL[path]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss,params", [
+    ("gspo", {"eps_low": 0.2, "eps_high": 0.2}),
+    ("cispo", {}),
+    ("tgpo", {"tau": 0.2, "eps_low": 0.2, "eps_high": 0.2}),
+])
+def test_every_loss_same_update_on_two_ranks_with_micro_batches(ray_cluster, setup, loss, params):
+    path, batch = setup
+    ref_m, ref_state = _train(path, batch, 1, 1, 0, "seq-mean-token-mean", loss, params)
+    m, state = _train(path, batch, 2, 2, 0, "seq-mean-token-mean", loss, params)
+    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
+    assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4)
+    assert ref_m["grad_norm"] > 0
+    for k, v in ref_state.items():
+        assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), k

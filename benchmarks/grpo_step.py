@@ -3,8 +3,8 @@
     python benchmarks/grpo_step.py [--models tiny 85m] [--steps 8] [--trl-python /path/to/trl-env/bin/python]
 
 Workload (matches ../shared/peers/trl_grpo_baseline.py): 2 prompts x 4 samples per step, 32 new
-tokens, no reference model (beta 0), lr 1e-4, fp32, one thread per process. Models: the quickstart's
-tiny Llama (hidden 128, 3 layers) and an ~85M-parameter one (hidden 768, 12 layers, 12 heads). looprl
+tokens, no reference model (beta 0), lr 1e-4, fp32; 1 and 2 torch threads per process. Models: the peer's
+shapes, a tiny one (hidden 128, 2 layers) and an ~85M-parameter one (hidden 768, 14 layers). looprl
 runs through the real pipeline (Ray actors, DeepSpeed learner, hf engine, math-verify reward service);
 the step breakdown is read from metrics.jsonl. The TRL peer runs in its own environment (trl pins
 differ) with its own tiny Qwen2 of the same width/depth; the ratio is TRL s/step over looprl s/step.
@@ -24,20 +24,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT.parent / "shared" / "peers" / "trl_grpo_baseline.py"
+# The peer's shapes: intermediate = 2 * hidden, heads = hidden / 64 (its Qwen2 vs our Llama: same blocks
+# apart from Qwen2's qkv biases; its vocab is a 1024-token BPE, ours 101 characters).
 MODELS = {
-    "tiny": {"hidden_size": 128, "num_layers": 3, "num_heads": 4, "intermediate_size": 256},
-    "85m": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072},
+    "tiny": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
+    "85m": {"hidden_size": 768, "num_layers": 14, "num_heads": 12, "intermediate_size": 1536},
 }
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "other")
 
 
-def run_looprl(model: str, steps: int, out: Path) -> dict:
+def run_looprl(model: str, steps: int, out: Path, threads: int) -> dict:
     m = MODELS[model]
     overrides = [f"output_dir={out}", "sft.enabled=false", f"trainer.steps={steps}", "trainer.prompts_per_step=2",
                  "rollout.n=4", "rollout.max_new_tokens=32", "learner.lr=1e-4", "learner.micro_batch_size=8",
                  "algorithm.kl_coef=0.0", "data.synthetic.num_train=64", "data.synthetic.num_eval=2",
                  "trainer.eval_max_prompts=2", "trainer.save_hf=false", "logging.progress_bar=false",
                  "logging.tensorboard=false", "reward.num_workers=1", "model.tiny.max_position_embeddings=64",
+                 f"learner.threads={threads}", f"rollout.threads={threads}",
                  *[f"model.tiny.{k}={v}" for k, v in m.items()]]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "rl.cli", "run", str(ROOT / "recipes/quickstart.yaml"), *overrides],
@@ -46,11 +49,14 @@ def run_looprl(model: str, steps: int, out: Path) -> dict:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"looprl run failed ({model})")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    from transformers import AutoConfig, AutoModelForCausalLM
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(out / "base_model")).parameters())
     steady = rows[1:] if len(rows) > 1 else rows  # the first step pays one-off warm-up
     step_s = statistics.median(r["perf/step_s"] for r in steady)
     phases = {p: statistics.median(r[f"time/{p}"] for r in steady) for p in PHASES}
     return {
-        "steps": len(rows), "step_s_median_excl_first": step_s,
+        "params": params, "threads_per_actor": threads, "steps": len(rows), "step_s_median_excl_first": step_s,
         "step_s_mean_excl_first": statistics.mean(r["perf/step_s"] for r in steady), "phase_s_median": phases,
         "phase_share": {p: v / step_s for p, v in phases.items()},
         "tokens_per_s_median": statistics.median(r["perf/tokens_per_s"] for r in steady),
@@ -58,9 +64,9 @@ def run_looprl(model: str, steps: int, out: Path) -> dict:
     }
 
 
-def run_trl(python: str, model: str, steps: int, workdir: Path) -> dict:
+def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int) -> dict:
     m = MODELS[model]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [python, str(PEER), "--steps", str(steps), "--model-dir", str(workdir / f"trl-{model}"),
            "--out", str(workdir / f"trl-out-{model}"), "--hidden", str(m["hidden_size"]),
            "--layers", str(m["num_layers"])]
@@ -76,6 +82,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["tiny", "85m"], choices=list(MODELS))
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                   help="torch threads per process (looprl: per learner rank and rollout worker; TRL: its one process)")
     p.add_argument("--trl-python", default=None, help="python of an environment with trl installed")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/grpo_step.json"))
     p.add_argument("--workdir", default=str(ROOT / "runs/bench_grpo_step"))
@@ -83,15 +91,19 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"workload": {"prompts_per_step": 2, "n": 4, "max_new_tokens": 32, "beta": 0.0, "dtype": "fp32",
-                                 "threads_per_process": 1}, "models": {}}
+    report: dict = {"workload": {"prompts_per_step": 2, "n": 4, "max_new_tokens": 32, "beta": 0.0, "dtype": "fp32"},
+                    "models": {}}
     for model in args.models:
-        entry = {"looprl": run_looprl(model, args.steps, work / f"looprl-{model}")}
-        if args.trl_python:
-            trl = run_trl(args.trl_python, model, args.steps, work)
-            entry["trl"] = trl
-            # both are means over steps 2..N of wall time per step
-            entry["speedup_vs_trl"] = trl["step_s_mean_excl_first"] / entry["looprl"]["step_s_mean_excl_first"]
+        entry: dict = {}
+        for threads in args.threads:
+            key = f"threads{threads}"
+            entry[key] = {"looprl": run_looprl(model, args.steps, work / f"looprl-{model}-{key}", threads)}
+            if args.trl_python:
+                trl = run_trl(args.trl_python, model, args.steps, work, threads)
+                entry[key]["trl"] = trl
+                # both are means over steps 2..N of wall time per step, same thread count per process
+                entry[key]["speedup_vs_trl"] = (trl["step_s_mean_excl_first"]
+                                                / entry[key]["looprl"]["step_s_mean_excl_first"])
         report["models"][model] = entry
         print(json.dumps({model: entry}, indent=1), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

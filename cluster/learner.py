@@ -195,7 +195,14 @@ class LearnerWorker:
             return sd
         if self.rank != 0:
             return None
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        # No clone: Ray serialises (copies) the tensors when the result is stored.
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+    def weights_for_sync(self):
+        """Rank 0's full weights packed for the object store (see rollout.weight_sync); None elsewhere."""
+        from rollout.weight_sync import pack_state
+        sd = self.full_state_dict()
+        return pack_state(sd) if sd is not None else None
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
         self.engine.save_checkpoint(path, tag="ds", client_state=client_state)

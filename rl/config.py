@@ -85,6 +85,7 @@ class RolloutConfig:
     eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
     generation_batch_size: int = 256  # prompts*n per generate call inside a worker
     num_cpus: float = 0.5  # CPUs reserved per worker in the placement group
+    threads: int = 1  # torch intra-op threads per worker (colocated roles take turns, so they may each use all cores)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class LearnerConfig:
     grad_clip: float = 1.0  # global gradient-norm clip (0 disables)
     warmup_steps: int = 0  # linear learning-rate warm-up steps, constant afterwards
     num_cpus: float = 0.5  # CPUs reserved per rank in the placement group
+    threads: int = 1  # torch intra-op threads per rank
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
 

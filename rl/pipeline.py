@@ -228,6 +228,7 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
                          micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),
                          grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend,
                          schedule="cosine", warmup_steps=s.warmup_steps, total_steps=s.steps, seed=cfg.seed,
+                         threads=lc.threads,
                          trust_remote_code=cfg.model.trust_remote_code)
     out = Path(out_path)
     log_path = Path(cfg.output_dir) / "sft_metrics.jsonl"

@@ -85,7 +85,7 @@ class RLTrainer:
             micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, grad_clip=lc.grad_clip,
             dtype=cfg.model.dtype, backend=lc.backend, with_ref=self.need_ref, schedule="constant",
             warmup_steps=lc.warmup_steps, total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
-            gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
+            gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed, threads=lc.threads,
             trust_remote_code=cfg.model.trust_remote_code)
         self.rollout = make_rollout_workers(cfg, model_path, placement)
 
@@ -218,7 +218,7 @@ class RLTrainer:
 
     def sync_weights(self) -> float:
         """Learner rank 0's full weights (ZeRO-3 gathers first) into every rollout engine."""
-        refs = [w.full_state_dict.remote() for w in self.learners.workers]
+        refs = [w.weights_for_sync.remote() for w in self.learners.workers]
         state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
         times = ray.get([r.load_weights.remote(state, self.step_idx) for r in self.rollout])
         ray.get(refs[1:])
@@ -263,7 +263,7 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
         if placement.gpus_per_actor:
             opts["num_gpus"] = placement.gpus_per_actor
         workers.append(cls.options(**opts).remote(
-            cfg.rollout.engine, model_path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+            cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
             batch_size=cfg.rollout.generation_batch_size,
             device="cuda" if placement.gpus_per_actor else "cpu"))
     ray.get([w.pid.remote() for w in workers])

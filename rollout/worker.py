@@ -11,6 +11,7 @@ import torch
 from rl.batch import Batch
 from rl.registry import get
 from rollout.hf_engine import SamplingParams
+from rollout.weight_sync import PackedState, unpack_state
 
 
 class RolloutWorker:
@@ -28,9 +29,10 @@ class RolloutWorker:
         batch.policy_version = self.policy_version
         return batch
 
-    def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
+    def load_weights(self, packed: PackedState, version: int) -> float:
+        """Load weights sent by the learner (`cluster.weight_sync.pack_state`) and tag the new policy version."""
         t0 = time.perf_counter()
-        self.engine.load_weights(named_tensors)
+        self.engine.load_weights(unpack_state(packed))
         self.policy_version = version
         return time.perf_counter() - t0
 

@@ -55,3 +55,12 @@ def test_load_weights_changes_outputs_and_rejects_unknown_names(engine):
     assert torch.equal(before.response_ids, after.response_ids)
     with pytest.raises(KeyError, match="not in the rollout model"):
         engine.load_weights({"no.such.weight": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_sync_roundtrip_through_object_store(ray_cluster, dtype):
+    from rollout.weight_sync import pack_state, unpack_state
+    state = {"a": torch.randn(3, 4).to(dtype), "b": torch.arange(5, dtype=torch.float32)}
+    back = unpack_state(ray_cluster.get(ray_cluster.put(pack_state(state))))
+    for k, v in state.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)

@@ -67,7 +67,9 @@ def run_looprl(model: str, steps: int, out: Path, threads: int) -> dict:
 def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int) -> dict:
     m = MODELS[model]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    cmd = [python, str(PEER), "--steps", str(steps), "--model-dir", str(workdir / f"trl-{model}"),
+    # the peer builds its model only when the folder is missing: name the folder by its shapes
+    model_dir = workdir / f"trl-{model}-h{m['hidden_size']}-l{m['num_layers']}"
+    cmd = [python, str(PEER), "--steps", str(steps), "--model-dir", str(model_dir),
            "--out", str(workdir / f"trl-out-{model}"), "--hidden", str(m["hidden_size"]),
            "--layers", str(m["num_layers"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)

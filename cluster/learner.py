@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from typing import Any
 
 import ray
@@ -45,7 +46,7 @@ class LearnerWorker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  *, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
-                 adam_eps: float = 1e-8,
+                 adam_eps: float = 1e-8, fused_adam: bool = True,
                  zero_stage: int = 0, micro_batch_size: int = 8, grad_accum: int = 1, grad_clip: float = 1.0,
                  dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
                  schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
@@ -81,8 +82,9 @@ class LearnerWorker:
                                                      trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        # The fused AdamW kernel (CPU and CUDA) is ~3x faster than the default per-tensor loop on CPU.
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
-                                      weight_decay=weight_decay)
+                                      weight_decay=weight_decay, fused=fused_adam or None)
 
         def lr_lambda(step: int) -> float:
             if warmup_steps and step < warmup_steps:
@@ -137,6 +139,7 @@ class LearnerWorker:
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"rank {self.rank}: got {len(micro_batches)} micro-batches, "
                              f"DeepSpeed was configured for {self.grad_accum}")
+        t_start = time.perf_counter()
         self.engine.train()
         sums: dict[str, float] = {}
         total_loss = 0.0
@@ -160,6 +163,7 @@ class LearnerWorker:
         sums["loss"] = total_loss  # this rank's share; the group sums shares to the global loss
         sums["grad_norm"] = self._grad_norm_after_step(grad_norm)
         sums["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0
+        sums["compute_s"] = time.perf_counter() - t_start  # inside the rank, without Ray transfer
         return sums
 
     def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:

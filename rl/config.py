@@ -97,6 +97,7 @@ class LearnerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     adam_eps: float = 1e-8  # AdamW epsilon
+    fused_adam: bool = True  # use torch's fused AdamW kernel (CPU and CUDA)
     grad_clip: float = 1.0  # global gradient-norm clip (0 disables)
     warmup_steps: int = 0  # linear learning-rate warm-up steps, constant afterwards
     num_cpus: float = 0.5  # CPUs reserved per rank in the placement group

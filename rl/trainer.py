@@ -81,7 +81,7 @@ class RLTrainer:
         self.learners = LearnerGroup(
             lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
             num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=env,
-            lr=lc.lr, betas=tuple(lc.betas), adam_eps=lc.adam_eps, weight_decay=lc.weight_decay, zero_stage=lc.zero_stage,
+            lr=lc.lr, betas=tuple(lc.betas), adam_eps=lc.adam_eps, fused_adam=lc.fused_adam, weight_decay=lc.weight_decay, zero_stage=lc.zero_stage,
             micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, grad_clip=lc.grad_clip,
             dtype=cfg.model.dtype, backend=lc.backend, with_ref=self.need_ref, schedule="constant",
             warmup_steps=lc.warmup_steps, total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,

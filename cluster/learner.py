@@ -74,10 +74,18 @@ class LearnerWorker:
         self.ds_config = deepspeed_config(zero_stage, micro_batch_size, grad_accum, world_size,
                                           0.0 if self.manual_clip else grad_clip, bf16)
         self.grad_accum = grad_accum
+        load_dtype = torch.bfloat16 if bf16 else torch.float32
+        self.ref = None
+        if with_ref:
+            # The frozen reference is a full (unsharded) copy on every rank: it only runs forward. It is
+            # loaded before the ZeRO-3 config below exists, which would otherwise partition it too.
+            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
+                                                            trust_remote_code=trust_remote_code).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
         # ZeRO-3: transformers must see the DeepSpeed config *before* from_pretrained so that the
         # weights are partitioned at load time; the object must stay alive.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config) if zero_stage == 3 else None
-        load_dtype = torch.bfloat16 if bf16 else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
                                                      trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
@@ -101,13 +109,6 @@ class LearnerWorker:
             # Nothing to all-reduce with a single rank; skipping DeepSpeed's flatten/reduce/unflatten
             # copies of every gradient saves ~20% of a CPU training step.
             self.engine.enable_backward_allreduce = False
-        self.ref = None
-        if with_ref:
-            # The frozen reference is a full (unsharded) copy on every rank: it only runs forward.
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
-                                                            trust_remote_code=trust_remote_code).eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
         self.device = self.engine.device
 
     # ------------------------------------------------------------------ forward-only

@@ -25,6 +25,7 @@ from rewards.service import RewardService, RewardSpec
 from rl.config import as_container, to_yaml
 from rl.data import format_prompt, load_rows
 from rl.evaluate import evaluate
+from rl.registry import check_params
 from rl.sft import run_sft
 from rl.tracking import MetricsLogger
 from rl.trainer import RLTrainer, latest_checkpoint
@@ -126,6 +127,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     elif cfg.resume != "no":
         ckpt = Path(cfg.resume)
 
+    a = cfg.algorithm
+    check_params("advantage", a.advantage, as_container(a.advantage_params), "algorithm.advantage_params",
+                 supplied=("rewards", "group_id", "response_mask"))
+    check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
+                 supplied=("logp", "old_logp", "advantages", "response_mask", "ref_logp", "entropy", "agg",
+                           "num_tokens", "num_seqs", "norm_len", "kl_coef", "kl_estimator", "entropy_coef"))
     specs = [RewardSpec(f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
     mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)

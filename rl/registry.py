@@ -111,3 +111,26 @@ def get(kind: str, spec: str) -> Any:
     eps = sorted(ep.name for ep in entry_points(group=f"looprl.{kind}"))
     raise RegistryError(f"unknown {kind} {spec!r}; known: {sorted(_REGISTRY[kind]) + eps} "
                         f"(or give 'package.module:attr' / 'path/to/file.py:attr')")
+
+
+def check_params(kind: str, spec: str, params: dict[str, Any], key: str,
+                 supplied: tuple[str, ...] = ()) -> None:
+    """Fail early when recipe `params` name keywords that the `kind` function `spec` does not take.
+
+    `supplied` are keywords the framework passes itself (they may not be set in the recipe either).
+    """
+    import inspect
+    fn = get(kind, spec)
+    sig = inspect.signature(fn)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    if takes_any and not any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in sig.parameters.values()):
+        return  # a function taking only **kwargs accepts anything
+    accepted = [n for n, p in sig.parameters.items()
+                if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for name in params:
+        if name in supplied:
+            raise RegistryError(f"{key}.{name}: looprl sets {name!r} itself (from the recipe's algorithm "
+                                f"section or the batch); remove it here")
+        if name not in accepted:
+            raise RegistryError(f"{key}.{name}: {kind} {spec!r} has no parameter {name!r}; "
+                                f"its parameters are {[a for a in accepted if a not in supplied]}")

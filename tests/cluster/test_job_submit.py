@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,12 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
     assert ray_bin, "the ray CLI must be installed with looprl"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
     gcs_port, dash_port = free_port(), free_port()
+    # Ray's socket paths must stay under 108 bytes: a short temp dir, not pytest's deep tmp_path
+    ray_tmp = Path(tempfile.mkdtemp(prefix="lrl", dir="/tmp"))
     start = subprocess.run([ray_bin, "start", "--head", "--port", str(gcs_port), "--num-cpus", "2",
                             "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
                             "--dashboard-port", str(dash_port), "--disable-usage-stats",
-                            "--temp-dir", str(tmp_path / "ray")], env=env, capture_output=True, text=True, timeout=120)
+                            "--temp-dir", str(ray_tmp)], env=env, capture_output=True, text=True, timeout=120)
     assert start.returncode == 0, start.stderr[-2000:]
     out_dir = tmp_path / "run"
     try:
@@ -44,7 +47,8 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
         assert summary["steps"] == 2
         assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 2
     finally:
-        _stop_head(tmp_path / "ray")
+        _stop_head(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _stop_head(temp_dir: Path) -> None:

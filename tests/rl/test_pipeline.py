@@ -92,6 +92,9 @@ def _cli(*args, timeout=300):
     (["reward.functions=[{name: '/nonexistent/plugin.py:fn'}]"], "does not exist"),
     (["learner.zero_stage=5"], "learner.zero_stage"),
     (["rollout.n=two"], "rollout.n"),
+    (["algorithm.advantage=rloo", "algorithm.advantage_params={eps: 0.1}"],
+     "algorithm.advantage_params.eps: advantage 'rloo' has no parameter 'eps'"),
+    (["algorithm.loss_params={kl_coef: 0.1}"], "algorithm.loss_params.kl_coef: looprl sets 'kl_coef' itself"),
 ])
 def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path, overrides, expected):
     res = _cli("run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", *overrides)

@@ -28,7 +28,7 @@ from rl.evaluate import evaluate
 from rl.registry import check_params
 from rl.sft import run_sft
 from rl.tracking import MetricsLogger
-from rl.trainer import RLTrainer, latest_checkpoint
+from rl.trainer import BATCH_FIELDS_FOR_ESTIMATORS, RLTrainer, latest_checkpoint
 from rollout.hf_engine import load_tokenizer
 
 
@@ -129,7 +129,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     a = cfg.algorithm
     check_params("advantage", a.advantage, as_container(a.advantage_params), "algorithm.advantage_params",
-                 supplied=("rewards", "group_id", "response_mask"))
+                 supplied=("rewards", "group_id", "response_mask", *BATCH_FIELDS_FOR_ESTIMATORS))
     check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
                  supplied=("logp", "old_logp", "advantages", "response_mask", "ref_logp", "entropy", "agg",
                            "num_tokens", "num_seqs", "norm_len", "kl_coef", "kl_estimator", "entropy_coef"))

@@ -305,12 +305,14 @@ def batch_fields_for(fn: Any, batch: Batch) -> dict[str, Any]:
 
 
 def apply_length_shaping(batch: Batch, a: Any, max_new_tokens: int) -> None:
-    """DAPO overlong handling: optionally mask truncated completions out of the loss, and add the soft
-    overlong penalty to the reward (in place)."""
+    """Loss masking and length shaping (in place): environment/tool-output tokens leave the loss; DAPO
+    overlong handling optionally masks truncated completions and adds the soft overlong penalty."""
     if a.overlong_buffer > 0:
         lengths = batch.response_attn.sum(-1)
         batch.rewards = batch.rewards + soft_overlong_penalty(lengths, max_new_tokens, a.overlong_buffer,
                                                               a.overlong_penalty)
+    if batch.observation_mask is not None:  # environment/tool-output tokens are never trained on
+        batch.response_mask = batch.response_mask * (1 - batch.observation_mask.to(batch.response_mask.dtype))
     if a.mask_truncated and bool(batch.truncated.any()):
         batch.response_mask = batch.response_mask * (~batch.truncated).unsqueeze(1).to(batch.response_mask.dtype)
 

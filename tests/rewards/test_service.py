@@ -1,7 +1,6 @@
 """The reward service against real worker processes: every kind of bad plugin becomes a recorded failure."""
 
 import textwrap
-import time
 
 import pytest
 
@@ -78,15 +77,13 @@ def test_exception_is_recorded_per_sample(plugin_file):
 def test_timeout_marks_only_the_hanging_sample(plugin_file):
     s = _service(plugin_file, "hangs", timeout_s=1.0)
     try:
-        t0 = time.monotonic()
         out = s.score(_items("ok", "hang", "ok2"))
-        elapsed = time.monotonic() - t0
     finally:
         s.close()
+    # the hanging call was interrupted (had it run its 60 s sleep it would have scored 1.0)
     assert [o["failed"] for o in out] == [False, True, False]
-    assert "timed out" in out[1]["error"]
+    assert "timed out after 1.0s" in out[1]["error"]
     assert out[0]["score"] == 1.0
-    assert elapsed < 30  # it did not wait for the 60 s sleep
 
 
 def test_nan_and_wrong_type_are_failures(plugin_file):

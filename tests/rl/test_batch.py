@@ -75,3 +75,15 @@ def test_token_step_pads_with_minus_one():
     b.token_step = torch.tensor([[0, 1, 1, 2, 2]])
     c = Batch.concat([a, b])
     assert c.token_step[0].tolist() == [0, 0, 1, -1, -1]
+
+
+def test_observation_tokens_leave_the_loss():
+    from types import SimpleNamespace
+
+    from rl.trainer import apply_length_shaping
+    b = _batch(2, 2, 4)
+    b.response_attn = torch.ones(2, 4, dtype=torch.long)
+    b.truncated = torch.tensor([False, False])
+    b.observation_mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0]])
+    apply_length_shaping(b, SimpleNamespace(overlong_buffer=0, overlong_penalty=1.0, mask_truncated=False), 4)
+    assert b.response_mask.tolist() == [[1, 0, 0, 1], [1, 1, 1, 1]]

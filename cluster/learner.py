@@ -145,8 +145,10 @@ class LearnerWorker:
         sums: dict[str, float] = {}
         total_loss = 0.0
         grad_norm = None
+        entropy_grad = bool(loss_params.get("entropy_coef"))
         for i, mb in enumerate(micro_batches):
-            logp, entropy = response_logprobs(self.engine, mb, temperature, with_entropy=need_entropy)
+            logp, entropy = response_logprobs(self.engine, mb, temperature, with_entropy=need_entropy or entropy_grad,
+                                              entropy_grad=entropy_grad)
             old = mb.old_logp.to(self.device) if mb.old_logp is not None else logp.detach()
             ref = mb.ref_logp.to(self.device) if mb.ref_logp is not None else None
             loss, metrics = loss_fn(logp, old, mb.advantages.to(self.device), mb.response_mask.to(self.device),

@@ -8,8 +8,11 @@ from rl.batch import Batch
 
 
 def response_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, entropy_grad: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[N, L]` logprobs of `batch.response_ids` under `model` at `temperature` (and entropy if asked).
+
+    The entropy is a metric unless `entropy_grad` (an entropy bonus in the loss): then it keeps its graph.
 
     Logits are divided by the rollout temperature before the log-softmax, so that the ratio to the
     rollout engine's logprobs is 1 on-policy.
@@ -26,5 +29,6 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, temperature: float =
     logp = logsm.gather(-1, batch.response_ids.to(device).unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        entropy = -(logsm.exp() * logsm).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(logsm.exp() * logsm).sum(-1)
     return logp, entropy

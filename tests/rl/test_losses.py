@@ -330,3 +330,17 @@ def test_soft_overlong_penalty_ramp():
     # max 20, buffer 4: no penalty up to 16, then linear to -factor at 20
     assert torch.allclose(soft_overlong_penalty(lengths, 20, 4, 1.0), torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
     assert torch.allclose(soft_overlong_penalty(lengths, 20, 4, 0.5), torch.tensor([0.0, 0.0, -0.25, -0.5, -0.5]))
+
+
+def test_entropy_is_a_metric_unless_the_bonus_needs_its_gradient():
+    from models.tiny import build_tiny_model, build_tiny_tokenizer
+    from rl.batch import Batch
+    from rl.logprobs import response_logprobs
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    b = Batch(prompt_ids=torch.tensor([[7, 8]]), prompt_mask=torch.ones(1, 2, dtype=torch.long),
+              response_ids=torch.tensor([[9, 10]]), response_mask=torch.ones(1, 2), group_id=torch.zeros(1))
+    _, ent = response_logprobs(model, b, with_entropy=True)
+    assert not ent.requires_grad and (ent > 0).all()
+    _, ent_g = response_logprobs(model, b, with_entropy=True, entropy_grad=True)
+    assert ent_g.requires_grad and torch.allclose(ent, ent_g)

@@ -153,10 +153,8 @@ class LearnerWorker:
             ref = mb.ref_logp.to(self.device) if mb.ref_logp is not None else None
             loss, metrics = loss_fn(logp, old, mb.advantages.to(self.device), mb.response_mask.to(self.device),
                                     ref_logp=ref, entropy=entropy, **loss_params)
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            if i == len(micro_batches) - 1:
-                grad_norm = self._grad_norm_before_step()
-            self.engine.step()
+            norm = self._backward_and_step(loss, last=i == len(micro_batches) - 1)
+            grad_norm = norm if norm is not None else grad_norm
             total_loss += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v / len(micro_batches)
@@ -178,13 +176,21 @@ class LearnerWorker:
             logp, _ = response_logprobs(self.engine, mb)
             mask = mb.response_mask.to(logp.device)
             loss = -(logp * mask).sum() / num_tokens
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            if i == len(micro_batches) - 1:
-                grad_norm = self._grad_norm_before_step()
-            self.engine.step()
+            norm = self._backward_and_step(loss, last=i == len(micro_batches) - 1)
+            grad_norm = norm if norm is not None else grad_norm
             total += float(loss.detach())
         return {"loss": total, "grad_norm": self._grad_norm_after_step(grad_norm),
                 "lr": float(self.scheduler.get_last_lr()[0])}
+
+    def _backward_and_step(self, loss: torch.Tensor, last: bool) -> float | None:
+        """Backward of one micro-batch's share of the global loss, then DeepSpeed's step (which only
+        updates at the accumulation boundary). DeepSpeed averages gradients over ranks, hence
+        `* world_size`; the loss is already a share, hence no division by the accumulation steps.
+        Returns the stage-0 pre-clip gradient norm on the last micro-batch, else None."""
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        norm = self._grad_norm_before_step() if last else None
+        self.engine.step()
+        return norm
 
     def _grad_norm_before_step(self) -> float | None:
         """Stage 0 fp32: gradients are reduced and still in `.grad` before step(); clip them here and

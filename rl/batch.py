@@ -54,13 +54,6 @@ class Batch:
         return int(self.response_ids.shape[0])
 
     # ------------------------------------------------------------------ structure
-    def tensor_fields(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)]
-
-    def list_fields(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), list)]
-
     def select(self, index: torch.Tensor | list[int] | slice) -> Batch:
         """Rows `index` (tensor/list of ints or a slice) as a new Batch."""
         if isinstance(index, slice):

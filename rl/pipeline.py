@@ -19,7 +19,6 @@ import ray
 import torch
 from omegaconf import DictConfig
 
-from cluster.learner import LearnerGroup
 from cluster.ray_utils import actor_env, init_ray, make_placement
 from rewards.service import RewardService, RewardSpec
 from rl.config import as_container, to_yaml
@@ -28,7 +27,7 @@ from rl.evaluate import evaluate
 from rl.registry import check_params
 from rl.sft import run_sft
 from rl.tracking import MetricsLogger
-from rl.trainer import BATCH_FIELDS_FOR_ESTIMATORS, RLTrainer, latest_checkpoint
+from rl.trainer import BATCH_FIELDS_FOR_ESTIMATORS, RLTrainer, latest_checkpoint, make_learner_group
 from rollout.hf_engine import load_tokenizer
 
 
@@ -228,15 +227,10 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
     s, lc, d = cfg.sft, cfg.learner, cfg.data
     _say(f"sft: {s.steps} steps, batch {s.batch_size}, lr {s.lr}")
     grad_accum = max(1, -(-s.batch_size // (lc.world_size * lc.micro_batch_size)))
-    group = LearnerGroup(lc.world_size, model_path, placement_group=placement.group,
-                         bundle_indices=placement.learner_bundles, num_cpus=lc.num_cpus,
-                         num_gpus=placement.gpus_per_actor, env=actor_env(),
-                         lr=s.lr, weight_decay=s.weight_decay, fused_adam=lc.fused_adam, zero_stage=lc.zero_stage,
-                         micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),
-                         grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend,
-                         schedule="cosine", warmup_steps=s.warmup_steps, total_steps=s.steps, seed=cfg.seed,
-                         threads=lc.threads,
-                         trust_remote_code=cfg.model.trust_remote_code)
+    group = make_learner_group(cfg, model_path, placement, lr=s.lr, weight_decay=s.weight_decay,
+                               micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),
+                               grad_accum=grad_accum, schedule="cosine", warmup_steps=s.warmup_steps,
+                               total_steps=s.steps)
     out = Path(out_path)
     log_path = Path(cfg.output_dir) / "sft_metrics.jsonl"
     log_path.unlink(missing_ok=True)
@@ -252,8 +246,7 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
     t0 = time.perf_counter()
     try:
         hist = run_sft(group, tokenizer, rows, prompt_key=d.prompt_column, target_key=d.target_column,
-                       steps=s.steps, batch_size=s.batch_size, micro_batch_size=lc.micro_batch_size,
-                       world_size=lc.world_size, seed=cfg.seed,
+                       steps=s.steps, batch_size=s.batch_size, grad_accum=grad_accum, seed=cfg.seed,
                        format_prompt=lambda p: format_prompt(p, tokenizer, d.prompt_prefix, d.chat_template),
                        log=log)
         bar.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import Any
@@ -27,12 +26,11 @@ def make_sft_batch(tokenizer: Any, prompts: list[str], targets: list[str]) -> Ba
 
 
 def run_sft(learners: Any, tokenizer: Any, rows: list[dict], *, prompt_key: str, target_key: str,
-            steps: int, batch_size: int, micro_batch_size: int, world_size: int, seed: int,
+            steps: int, batch_size: int, grad_accum: int, seed: int,
             format_prompt: Any, log: Any = None) -> list[dict]:
     """`steps` optimizer steps over shuffled `rows`; returns per-step metrics."""
     rng = random.Random(seed)
     order: list[int] = []
-    grad_accum = max(1, math.ceil(batch_size / world_size / micro_batch_size))
     history = []
     for step in range(1, steps + 1):
         if len(order) < batch_size:

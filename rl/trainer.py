@@ -77,16 +77,11 @@ class RLTrainer:
         self.grad_accum = max(1, math.ceil(self.samples_per_update / lc.world_size / lc.micro_batch_size))
         self.adv_fn = get("advantage", a.advantage)
         get("loss", a.loss)  # fail now, not after the first rollout
-        env = actor_env()
-        self.learners = LearnerGroup(
-            lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
-            num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=env,
-            lr=lc.lr, betas=tuple(lc.betas), adam_eps=lc.adam_eps, fused_adam=lc.fused_adam, weight_decay=lc.weight_decay, zero_stage=lc.zero_stage,
-            micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, grad_clip=lc.grad_clip,
-            dtype=cfg.model.dtype, backend=lc.backend, with_ref=self.need_ref, schedule="constant",
-            warmup_steps=lc.warmup_steps, total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
-            gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed, threads=lc.threads,
-            trust_remote_code=cfg.model.trust_remote_code)
+        self.learners = make_learner_group(
+            cfg, model_path, placement, lr=lc.lr, weight_decay=lc.weight_decay,
+            micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
+            schedule="constant", warmup_steps=lc.warmup_steps,
+            total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches)
         self.rollout = make_rollout_workers(cfg, model_path, placement)
 
     # ------------------------------------------------------------------ one step
@@ -251,7 +246,23 @@ class RLTrainer:
             ray.kill(w)
 
 
-# ---------------------------------------------------------------------- helpers shared with evaluation
+# ---------------------------------------------------------------------- helpers shared with other stages
+def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
+                       micro_batch_size: int, grad_accum: int, schedule: str, warmup_steps: int, total_steps: int,
+                       with_ref: bool = False) -> LearnerGroup:
+    """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
+    settings are arguments, everything else comes from the recipe's `learner`/`model` sections."""
+    lc = cfg.learner
+    return LearnerGroup(
+        lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
+        num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=actor_env(),
+        lr=lr, betas=tuple(lc.betas), adam_eps=lc.adam_eps, fused_adam=lc.fused_adam, weight_decay=weight_decay,
+        zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size, grad_accum=grad_accum, grad_clip=lc.grad_clip,
+        dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref, schedule=schedule, warmup_steps=warmup_steps,
+        total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
+        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code)
+
+
 def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement) -> list[Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     cls = ray.remote(RolloutWorker)

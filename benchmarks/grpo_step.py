@@ -1,9 +1,12 @@
 """Per-phase GRPO step time and tokens/s, looprl vs TRL's GRPOTrainer on the same workload.
 
-    python benchmarks/grpo_step.py [--models tiny 85m] [--steps 8] [--trl-python /path/to/trl-env/bin/python]
+    python benchmarks/grpo_step.py [--models tiny 85m] [--steps 16] [--dtypes float32 bfloat16]
+                                   [--trl-python /path/to/trl-env/bin/python]
 
 Workload (matches ../shared/peers/trl_grpo_baseline.py): 2 prompts x 4 samples per step, 32 new
-tokens, no reference model (beta 0), lr 1e-4, fp32; 1 and 2 torch threads per process. Models: the peer's
+tokens, no reference model (beta 0), lr 1e-4; 1 and 2 torch threads per process; fp32, and bf16
+(looprl: `model.dtype=bfloat16`, i.e. bf16 rollout weights and DeepSpeed bf16 training with fp32
+master weights; TRL: its `bf16=True` mixed precision, which is TRL's default). Models: the peer's
 shapes, a tiny one (hidden 128, 2 layers) and an ~85M-parameter one (hidden 768, 14 layers). looprl
 runs through the real pipeline (Ray actors, DeepSpeed learner, hf engine, math-verify reward service);
 the step breakdown is read from metrics.jsonl. The TRL peer runs in its own environment (trl pins
@@ -14,6 +17,7 @@ Results: benchmarks/results/grpo_step.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -33,14 +37,15 @@ MODELS = {
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "other")
 
 
-def run_looprl(model: str, steps: int, out: Path, threads: int) -> dict:
+def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, staleness: int = 0) -> dict:
     m = MODELS[model]
     overrides = [f"output_dir={out}", "sft.enabled=false", f"trainer.steps={steps}", "trainer.prompts_per_step=2",
                  "rollout.n=4", "rollout.max_new_tokens=32", "learner.lr=1e-4", "learner.micro_batch_size=8",
                  "algorithm.kl_coef=0.0", "data.synthetic.num_train=64", "data.synthetic.num_eval=2",
                  "trainer.eval_max_prompts=2", "trainer.save_hf=false", "logging.progress_bar=false",
                  "logging.tensorboard=false", "reward.num_workers=1", "model.tiny.max_position_embeddings=64",
-                 f"learner.threads={threads}", f"rollout.threads={threads}",
+                 f"learner.threads={threads}", f"rollout.threads={threads}", f"model.dtype={dtype}",
+                 f"trainer.max_staleness={staleness}", f"algorithm.is_correction={'token' if staleness else 'none'}",
                  *[f"model.tiny.{k}={v}" for k, v in m.items()]]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "rl.cli", "run", str(ROOT / "recipes/quickstart.yaml"), *overrides],
@@ -64,14 +69,14 @@ def run_looprl(model: str, steps: int, out: Path, threads: int) -> dict:
     }
 
 
-def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int) -> dict:
+def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dtype: str) -> dict:
     m = MODELS[model]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     # the peer builds its model only when the folder is missing: name the folder by its shapes
     model_dir = workdir / f"trl-{model}-h{m['hidden_size']}-l{m['num_layers']}"
     cmd = [python, str(PEER), "--steps", str(steps), "--model-dir", str(model_dir),
            "--out", str(workdir / f"trl-out-{model}"), "--hidden", str(m["hidden_size"]),
-           "--layers", str(m["num_layers"])]
+           "--layers", str(m["num_layers"]), *(["--bf16"] if dtype == "bfloat16" else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BASELINE_RESULT ")), None)
     if line is None:
@@ -83,7 +88,11 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int) ->
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["tiny", "85m"], choices=list(MODELS))
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1],
+                   help="looprl trainer.max_staleness values (k > 0 only with 1 thread per actor: the overlap "
+                        "needs a core per role)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                    help="torch threads per process (looprl: per learner rank and rollout worker; TRL: its one process)")
     p.add_argument("--trl-python", default=None, help="python of an environment with trl installed")
@@ -93,19 +102,22 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"workload": {"prompts_per_step": 2, "n": 4, "max_new_tokens": 32, "beta": 0.0, "dtype": "fp32"},
-                    "models": {}}
+    report: dict = {"workload": {"prompts_per_step": 2, "n": 4, "max_new_tokens": 32, "beta": 0.0,
+                                 "steps": args.steps}, "models": {}}
     for model in args.models:
         entry: dict = {}
-        for threads in args.threads:
-            key = f"threads{threads}"
-            entry[key] = {"looprl": run_looprl(model, args.steps, work / f"looprl-{model}-{key}", threads)}
-            if args.trl_python:
-                trl = run_trl(args.trl_python, model, args.steps, work, threads)
-                entry[key]["trl"] = trl
-                # both are means over steps 2..N of wall time per step, same thread count per process
-                entry[key]["speedup_vs_trl"] = (trl["step_s_mean_excl_first"]
-                                                / entry[key]["looprl"]["step_s_mean_excl_first"])
+        for dtype, threads in itertools.product(args.dtypes, args.threads):
+            trl = run_trl(args.trl_python, model, args.steps, work, threads, dtype) if args.trl_python else None
+            for k in args.staleness:
+                if k and threads > 1:
+                    continue
+                key = f"{dtype}_threads{threads}" + (f"_staleness{k}" if k else "")
+                entry[key] = {"looprl": run_looprl(model, args.steps, work / f"looprl-{model}-{key}", threads, dtype, k)}
+                if trl is not None:
+                    entry[key]["trl"] = trl
+                    # both are means over steps 2..N of wall time per step, same thread count per process
+                    entry[key]["speedup_vs_trl"] = (trl["step_s_mean_excl_first"]
+                                                    / entry[key]["looprl"]["step_s_mean_excl_first"])
         report["models"][model] = entry
         print(json.dumps({model: entry}, indent=1), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -128,13 +128,19 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
     def train_step(self, micro_batches: list[Batch], loss_fn_spec: str, loss_params: dict[str, Any],
-                   temperature: float = 1.0, need_entropy: bool = False) -> dict[str, float]:
+                   temperature: float = 1.0, need_entropy: bool = False,
+                   rollout_correction: dict[str, Any] | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (its share of the global batch).
 
         `loss_params` carries the global `num_tokens`/`num_seqs`, so each micro-batch loss is its
         share of the global loss; DeepSpeed averages gradients over ranks, hence `* world_size`.
+        `rollout_correction` (`level`, `mode`, `cap`) weights each token's advantage by the importance
+        weight between the learner's old logprobs and the rollout engine's; every built-in loss is
+        linear in the advantage, so this equals weighting the per-token policy-gradient term (KL and
+        entropy terms stay unweighted, as in verl and TRL).
         """
         from rl.logprobs import response_logprobs
+        from rl.losses import rollout_importance_weights
         from rl.registry import get
         loss_fn = get("loss", loss_fn_spec)
         if len(micro_batches) != self.grad_accum:
@@ -151,8 +157,16 @@ class LearnerWorker:
                                               entropy_grad=entropy_grad)
             old = mb.old_logp.to(self.device) if mb.old_logp is not None else logp.detach()
             ref = mb.ref_logp.to(self.device) if mb.ref_logp is not None else None
-            loss, metrics = loss_fn(logp, old, mb.advantages.to(self.device), mb.response_mask.to(self.device),
-                                    ref_logp=ref, entropy=entropy, **loss_params)
+            mask = mb.response_mask.to(self.device)
+            advantages = mb.advantages.to(self.device)
+            metrics: dict[str, float] = {}
+            if mb.rollout_logp is not None:  # measured every step; applied when a correction is configured
+                weights, metrics = rollout_importance_weights(
+                    old, mb.rollout_logp.to(self.device), mask, **(rollout_correction or {"level": "none"}))
+                if weights is not None:
+                    advantages = advantages * weights
+            loss, loss_metrics = loss_fn(logp, old, advantages, mask, ref_logp=ref, entropy=entropy, **loss_params)
+            metrics.update(loss_metrics)
             norm = self._backward_and_step(loss, last=i == len(micro_batches) - 1)
             grad_norm = norm if norm is not None else grad_norm
             total_loss += float(loss.detach())
@@ -288,13 +302,15 @@ class LearnerGroup:
         return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs], 0)
 
     def train_step(self, batch: Batch, grad_accum: int, loss_fn_spec: str, loss_params: dict[str, Any],
-                   temperature: float = 1.0, need_entropy: bool = False) -> dict[str, float]:
+                   temperature: float = 1.0, need_entropy: bool = False,
+                   rollout_correction: dict[str, Any] | None = None) -> dict[str, float]:
         """Split `batch` over ranks and `grad_accum` micro-batches each; one optimizer step."""
         mask = batch.response_mask
         params = dict(loss_params)
         params["num_tokens"] = float(mask.sum())
         params["num_seqs"] = float((mask.sum(-1) > 0).sum())
-        futures = [w.train_step.remote(shard.split(grad_accum), loss_fn_spec, params, temperature, need_entropy)
+        futures = [w.train_step.remote(shard.split(grad_accum), loss_fn_spec, params, temperature, need_entropy,
+                                       rollout_correction)
                    for w, shard in zip(self.workers, self._shards(batch))]
         results = ray.get(futures)
         out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}

@@ -10,7 +10,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 
 # Environment every looprl actor gets: one intra-op thread per rank avoids 10-100x slow-downs from
 # oversubscribed cores on CPU; quiet transformers/datasets progress bars; auth mode passed through.
+# The two glibc malloc settings keep freed activation/gradient blocks in the heap instead of handing
+# them back to the kernel after every step and page-faulting them in again on the next one (CPU
+# training steps of the 85M benchmark model otherwise swing between 1.3 s and 2 s); values already
+# in the driver's environment win.
 ACTOR_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(32 << 20)),
+    "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_", str(64 << 30)),
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "TRANSFORMERS_VERBOSITY": "error",

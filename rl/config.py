@@ -76,12 +76,14 @@ class SFTConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"  # generation engine (registry kind "engine"): hf
+    engine_params: dict[str, Any] = field(default_factory=dict)  # engine keyword arguments, e.g. vllm {kv_cache_gib: 1, max_model_len: 512}
     num_workers: int = 1  # rollout worker actors
     n: int = 8  # samples per prompt (group size)
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling
     top_k: int = 0  # 0 disables top-k
     max_new_tokens: int = 32  # response length cap
+    stop: list[str] = field(default_factory=list)  # stop strings: a response ends after the first one it produces
     eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
     generation_batch_size: int = 256  # prompts*n per generate call inside a worker
     num_cpus: float = 0.5  # CPUs reserved per worker in the placement group
@@ -123,6 +125,9 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0  # reward penalty at max_new_tokens, ramping linearly over the buffer
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass (split of the rollout batch)
+    is_correction: str = "none"  # rollout/learner mismatch correction: none | token | sequence importance weights
+    is_mode: str = "truncate"  # truncate: cap importance weights at is_cap; mask: zero those above it
+    is_cap: float = 2.0  # importance-weight cap (truncated IS, as verl's TIS; TRL uses 3.0)
 
 
 @dataclass
@@ -150,6 +155,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     save_hf: bool = True  # export the final policy with save_pretrained
     log_every: int = 1  # print/log every N steps
+    max_staleness: int = 0  # asynchronous rollout: the rollout of step t+k is generated while step t trains (0: synchronous, 1: one-step-off)
 
 
 @dataclass
@@ -313,6 +319,11 @@ def validate(cfg: DictConfig) -> None:
          f"must divide prompts_per_step*n = {total}")
     need(per_update % cfg.learner.world_size == 0, "learner.world_size",
          f"must divide the samples per optimizer step ({per_update})")
+    need(cfg.trainer.max_staleness >= 0, "trainer.max_staleness", "must be >= 0")
+    need(cfg.algorithm.is_correction in ("none", "token", "sequence"), "algorithm.is_correction",
+         "must be none, token or sequence")
+    need(cfg.algorithm.is_mode in ("truncate", "mask"), "algorithm.is_mode", "must be truncate or mask")
+    need(cfg.algorithm.is_cap > 0, "algorithm.is_cap", "must be > 0")
     need(cfg.algorithm.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", "must be >= 1")
     need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")

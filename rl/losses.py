@@ -49,6 +49,48 @@ def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, fact
     return -factor * (over / max(buffer, 1)).clamp(max=1.0)
 
 
+IS_LEVELS = ("none", "token", "sequence")
+IS_MODES = ("truncate", "mask")
+
+
+def rollout_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor,
+                               level: str = "token", mode: str = "truncate", cap: float = 2.0
+                               ) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Importance weights that correct for the rollout engine sampling from a slightly different policy
+    than the learner's `old_logp` (numerics of another engine, or an older policy version under
+    asynchronous rollout); detached, `[N, L]`, zero outside the mask, or None for `level="none"`.
+
+    token: w_t = pi_old(y_t) / pi_rollout(y_t); sequence: one weight per sequence, the product over its
+    response tokens. `truncate` caps weights at `cap` (truncated IS, Yao et al. 2025, verl's TIS, TRL's
+    `*_truncate`); `mask` zeroes weights above `cap` (TRL's `*_mask`). The metrics measure the mismatch
+    whatever the level: `mismatch_kl` is the k3 estimate of KL(pi_rollout || pi_old) per token and
+    `mismatch_abs_diff` the mean |old - rollout| logprob gap.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance-sampling level {level!r}; choose one of {IS_LEVELS}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-sampling mode {mode!r}; choose one of {IS_MODES}")
+    if cap <= 0:
+        raise ValueError(f"importance-sampling cap must be > 0, got {cap}")
+    with torch.no_grad():
+        mask = response_mask.to(old_logp.dtype)
+        log_ratio = (old_logp - rollout_logp) * mask
+        metrics = {"mismatch_kl": float(_masked_mean(kl_penalty(rollout_logp, old_logp, "k3"), mask)),
+                   "mismatch_abs_diff": float(_masked_mean(log_ratio.abs(), mask))}
+        if level == "none":
+            return None, metrics
+        if level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+        log_ratio = log_ratio.clamp(max=20.0)  # exp stays finite; anything this large is capped anyway
+        over = log_ratio > torch.log(torch.tensor(cap, dtype=log_ratio.dtype))
+        weights = torch.exp(log_ratio)
+        weights = torch.where(over, torch.full_like(weights, cap) if mode == "truncate" else torch.zeros_like(weights),
+                              weights) * mask
+        metrics["is_weight_mean"] = float(_masked_mean(weights, mask))
+        metrics["is_capped_frac"] = float(_masked_mean(over.to(mask.dtype), mask))
+    return weights, metrics
+
+
 def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
                    num_tokens: float | None = None, num_seqs: float | None = None,
                    norm_len: float | None = None) -> torch.Tensor:

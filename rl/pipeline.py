@@ -132,6 +132,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
                  supplied=("logp", "old_logp", "advantages", "response_mask", "ref_logp", "entropy", "agg",
                            "num_tokens", "num_seqs", "norm_len", "kl_coef", "kl_estimator", "entropy_coef"))
+    check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
+                 supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
     specs = [RewardSpec(f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
     mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)

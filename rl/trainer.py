@@ -12,6 +12,7 @@ import math
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,15 @@ from rl.data import format_prompt
 from rl.losses import kl_in_reward, soft_overlong_penalty
 from rl.registry import get
 from rollout.worker import RolloutWorker
+
+
+@dataclass
+class PendingRollout:
+    """A submitted generation: the step it is for, the rollout workers' ObjectRefs, and the prompt
+    sampler's state before its prompts were drawn (what a checkpoint must store to redraw them)."""
+    step: int
+    refs: list[Any]
+    sampler_state: dict[str, int]
 
 
 class PromptSampler:
@@ -83,6 +93,9 @@ class RLTrainer:
             schedule="constant", warmup_steps=lc.warmup_steps,
             total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches)
         self.rollout = make_rollout_workers(cfg, model_path, placement)
+        self.pending: list[PendingRollout] = []  # submitted rollouts, oldest first
+        self.next_submit = 0  # first step whose rollout is not submitted yet
+        self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -95,9 +108,6 @@ class RLTrainer:
         multi_update = a.ppo_epochs * a.mini_batches > 1
         if multi_update:
             batch.old_logp = self.learners.compute_logprobs(batch, "policy", cfg.rollout.temperature)
-            metrics["rollout/logprob_abs_diff"] = float(
-                ((batch.old_logp - batch.rollout_logp).abs() * batch.response_mask).sum()
-                / batch.response_mask.sum().clamp(min=1))
         if self.need_ref:
             batch.ref_logp = self.learners.compute_logprobs(batch, "ref", cfg.rollout.temperature)
         timing["logprobs"] = time.perf_counter() - t0
@@ -119,18 +129,21 @@ class RLTrainer:
             loss_params.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
         if a.entropy_coef:
             loss_params["entropy_coef"] = a.entropy_coef
+        correction = {"level": a.is_correction, "mode": a.is_mode, "cap": a.is_cap}
         train_metrics: list[dict] = []
         gen = torch.Generator().manual_seed(cfg.seed * 31 + self.step_idx)
         for _ in range(a.ppo_epochs):
             order = torch.randperm(len(batch), generator=gen) if a.mini_batches > 1 else torch.arange(len(batch))
             for mb in batch.select(order).split(a.mini_batches):
                 train_metrics.append(self.learners.train_step(
-                    mb, self.grad_accum, a.loss, loss_params, cfg.rollout.temperature, need_entropy=True))
+                    mb, self.grad_accum, a.loss, loss_params, cfg.rollout.temperature, need_entropy=True,
+                    rollout_correction=correction))
         timing["train"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         self.step_idx += 1
-        self.sync_weights()
+        # the engines' load time (with max_staleness > 0: of the previous update, loaded in the background)
+        metrics["rollout/weight_load_s"] = self.sync_weights()
         timing["sync"] = time.perf_counter() - t0
 
         step_s = time.perf_counter() - t_start
@@ -170,15 +183,19 @@ class RLTrainer:
         kept: list[Batch] = []
         dropped: list[Batch] = []
         have, rounds, seen, informative_seen = 0, 0, 0, 0
+        staleness: list[int] = []
         timing["generate"] = timing["reward"] = 0.0
         while have < want and rounds < (a.max_sampling_rounds if a.dynamic_sampling else 1):
-            idx = self.sampler.next(want)
-            group_base = (self.step_idx * a.max_sampling_rounds + rounds) * want
             t0 = time.perf_counter()
-            batch = generate(self.rollout, self.tokenizer, cfg, [self.rows[i] for i in idx],
-                             temperature=cfg.rollout.temperature, n=n,
-                             seed=cfg.seed * 1_000_003 + self.step_idx + 7919 * rounds, group_base=group_base)
+            if rounds == 0:  # from the rollout pipeline (submitted up to max_staleness steps ago)
+                self._fill_pipeline()
+                pending = self.pending.pop(0)
+                self._fill_pipeline()  # the next step's rollout overlaps this step's update
+            else:  # dynamic-sampling top-ups are generated now, with the current weights
+                pending = self._submit(self.step_idx, rounds)
+            batch = _gather(pending.refs)
             batch.check_groups(n)
+            staleness.append(self.step_idx - batch.policy_version)
             timing["generate"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             attach_rewards(batch, ray.get(self.rewards.score.remote(reward_items(batch))))
@@ -205,29 +222,62 @@ class RLTrainer:
             pool = Batch.concat(dropped)
             kept.append(pool.select(list(range((want - have) * n))))
         batch = Batch.concat(kept)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"rollout/staleness": float(max(staleness))}
         if a.dynamic_sampling:
             metrics["sampling/rounds"] = float(rounds)
             metrics["sampling/informative_frac"] = informative_seen / max(1, seen)
         return batch, metrics
 
+    # ------------------------------------------------------------------ rollout pipeline
+    def _submit(self, step: int, round_: int) -> PendingRollout:
+        """Draw the prompts of (`step`, `round_`) and submit their generation; seeds and group ids
+        depend only on (step, round), so synchronous and pipelined runs sample the same prompts."""
+        cfg, want = self.cfg, self.cfg.trainer.prompts_per_step
+        sampler_state = self.sampler.state()
+        idx = self.sampler.next(want)
+        refs = submit_generation(
+            self.rollout, self.tokenizer, cfg, [self.rows[i] for i in idx], temperature=cfg.rollout.temperature,
+            n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + step + 7919 * round_,
+            group_base=(step * cfg.algorithm.max_sampling_rounds + round_) * want)
+        return PendingRollout(step, refs, sampler_state)
+
+    def _fill_pipeline(self) -> None:
+        """Keep the rollouts of steps `step_idx .. step_idx + max_staleness` submitted (never past the
+        last step). With max_staleness k, the rollout of step t+k is generated by the weights of step t."""
+        last = min(self.step_idx + self.cfg.trainer.max_staleness, self.cfg.trainer.steps - 1)
+        self.next_submit = max(self.next_submit, self.step_idx)
+        while self.next_submit <= last:
+            self.pending.append(self._submit(self.next_submit, 0))
+            self.next_submit += 1
+
     def sync_weights(self) -> float:
-        """Learner rank 0's full weights (ZeRO-3 gathers first) into every rollout engine."""
+        """Learner rank 0's full weights (ZeRO-3 gathers first) into every rollout engine.
+
+        Synchronous runs wait for the rollout engines to load them and return the longest load time.
+        With max_staleness > 0 the loads are queued behind the in-flight generations (each rollout
+        worker runs its calls in order) and this returns at once; their times are read on the next call.
+        """
         refs = [w.weights_for_sync.remote() for w in self.learners.workers]
         state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
-        times = ray.get([r.load_weights.remote(state, self.step_idx) for r in self.rollout])
-        ray.get(refs[1:])
-        return max(times)
+        loads = [r.load_weights.remote(state, self.step_idx) for r in self.rollout]
+        if self.cfg.trainer.max_staleness == 0:
+            ray.get(refs[1:])
+            return max(ray.get(loads))
+        done, self.pending_loads = self.pending_loads, loads + refs[1:]
+        times = [t for t in ray.get(done) if isinstance(t, float)]
+        return max(times) if times else 0.0
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         ckpt = self.out / "checkpoints" / f"step_{self.step_idx}"
         if ckpt.exists():
             shutil.rmtree(ckpt)
-        state = {"step": self.step_idx, "sampler": self.sampler.state(),
+        # prompts already submitted for later steps are drawn again after a resume
+        sampler = self.pending[0].sampler_state if self.pending else self.sampler.state()
+        state = {"step": self.step_idx, "sampler": sampler,
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         self.learners.save_checkpoint(str(ckpt), state)
-        (ckpt / "trainer_state.json").write_text(json.dumps({"step": self.step_idx, "sampler": self.sampler.state()}))
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": self.step_idx, "sampler": sampler}))
         (ckpt / "COMPLETE").write_text("")
         prune_checkpoints(self.out / "checkpoints", self.cfg.trainer.keep_checkpoints)
         return ckpt
@@ -276,14 +326,16 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
         workers.append(cls.options(**opts).remote(
             cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
             batch_size=cfg.rollout.generation_batch_size,
-            device="cuda" if placement.gpus_per_actor else "cpu"))
+            device="cuda" if placement.gpus_per_actor else "cpu", **as_container(cfg.rollout.engine_params)))
     ray.get([w.pid.remote() for w in workers])
     return workers
 
 
-def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *, temperature: float,
-             n: int, seed: int, group_base: int = 0) -> Batch:
-    """Spread prompts over the rollout workers; returns one Batch (prompt-major rows)."""
+def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *,
+                      temperature: float, n: int, seed: int, group_base: int = 0) -> list[Any]:
+    """Spread prompts over the rollout workers without waiting; returns the workers' ObjectRefs
+    (`Batch.concat(ray.get(refs))` is the prompt-major batch). Each worker runs its calls in order, so
+    a generation submitted before a weight update samples from the weights before it."""
     d = cfg.data
     prompts = [format_prompt(r[d.prompt_column], tokenizer, d.prompt_prefix, d.chat_template) for r in rows]
     answers = [r.get(d.answer_column) for r in rows]
@@ -293,11 +345,27 @@ def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dic
     for w in range(k):
         lo, hi = bounds[w], bounds[w + 1]
         sampling = {"n": n, "temperature": temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
-                    "max_new_tokens": cfg.rollout.max_new_tokens, "seed": seed * 131 + w}
+                    "max_new_tokens": cfg.rollout.max_new_tokens, "seed": seed * 131 + w,
+                    "stop": list(cfg.rollout.stop) or None}
         futures.append(workers[w].generate.remote(
             prompts[lo:hi], sampling, list(range(group_base + lo, group_base + hi)), answers[lo:hi],
             [{"row": group_base + i} for i in range(lo, hi)]))
-    return Batch.concat(ray.get(futures))
+    return futures
+
+
+def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *, temperature: float,
+             n: int, seed: int, group_base: int = 0) -> Batch:
+    """Spread prompts over the rollout workers; returns one Batch (prompt-major rows)."""
+    return _gather(submit_generation(workers, tokenizer, cfg, rows, temperature=temperature, n=n, seed=seed,
+                                     group_base=group_base))
+
+
+def _gather(refs: list[Any]) -> Batch:
+    parts = ray.get(refs)
+    batch = Batch.concat(parts)
+    # a batch mixes the versions of its workers only if they were out of step: keep the oldest
+    batch.policy_version = min(p.policy_version for p in parts)
+    return batch
 
 
 # Batch fields an estimator may ask for by naming them as keyword parameters (multi-turn/step data).

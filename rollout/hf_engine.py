@@ -29,6 +29,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 32
     seed: int | None = None
+    stop: list[str] | None = None  # stop strings: a response ends after the first one it produces
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
@@ -83,6 +84,8 @@ class HFEngine:
                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         if not greedy:
             kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+        if sp.stop:
+            kwargs.update(stop_strings=list(sp.stop), tokenizer=tok)
         t0 = time.perf_counter()
         out = self.model.generate(**enc, **kwargs)
         gen_s = time.perf_counter() - t0
@@ -90,18 +93,30 @@ class HFEngine:
         resp = out.sequences[:, P:].cpu()
         scores = torch.stack(out.scores, 1).float().cpu()  # [B, L, V] processed logits
         logp = torch.log_softmax(scores, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        L = resp.shape[1]
         is_eos = resp == tok.eos_token_id
         has_eos = is_eos.any(1)
-        first_eos = torch.where(has_eos, is_eos.float().argmax(1), torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
-        lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, resp.shape[1]))
-        attn = (torch.arange(resp.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        lengths = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, L, dtype=torch.long))
+        stopped = has_eos.clone()
+        if sp.stop:
+            # generate() fills a row with pad tokens once it has produced a stop string: the row ends
+            # where its trailing run of pads starts exactly when the text up to there ends with a stop
+            # string (pads the model sampled itself do not end it). Also right for pad == eos tokenizers.
+            content = (resp != tok.pad_token_id).long()
+            fill_start = torch.where(content.any(1), L - content.flip(1).argmax(1), 0)
+            for i in range(len(resp)):
+                p = int(fill_start[i])
+                if tok.decode(resp[i, :p], skip_special_tokens=True).endswith(tuple(sp.stop)):
+                    lengths[i] = min(int(lengths[i]), p)
+                    stopped[i] = True
+        attn = (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)).long()
         resp = torch.where(attn.bool(), resp, torch.full_like(resp, tok.pad_token_id))
         texts = tok.batch_decode([r[: int(n)] for r, n in zip(resp, lengths)], skip_special_tokens=True)
         return Batch(prompt_ids=enc["input_ids"].cpu(), prompt_mask=enc["attention_mask"].cpu(),
                      response_ids=resp, response_mask=attn.float(), response_attn=attn,
                      group_id=torch.zeros(len(prompts), dtype=torch.long),
                      rollout_logp=torch.where(attn.bool(), logp, torch.zeros_like(logp)),
-                     truncated=~has_eos, responses=texts,
+                     truncated=~stopped, responses=texts,
                      metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:

@@ -330,3 +330,63 @@ def test_entropy_is_a_metric_unless_the_bonus_needs_its_gradient():
     assert not ent.requires_grad and (ent > 0).all()
     _, ent_g = response_logprobs(model, b, with_entropy=True, entropy_grad=True)
     assert ent_g.requires_grad and torch.allclose(ent, ent_g)
+
+
+# --------------------------------------------------------------------------- rollout IS correction
+def _is_case():
+    old = torch.tensor([[-1.0, -2.0, -3.0]])
+    rollout = torch.tensor([[-1.5, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: ignored everywhere
+    return old, rollout, mask
+
+
+def test_token_level_truncated_and_masked_weights_hand_values():
+    from rl.losses import rollout_importance_weights
+    old, rollout, mask = _is_case()
+    # log ratios 0.5 and -1.0: weights e^0.5 = 1.6487 and e^-1 = 0.3679
+    w, m = rollout_importance_weights(old, rollout, mask, level="token", mode="truncate", cap=10.0)
+    assert torch.allclose(w, torch.tensor([[math.exp(0.5), math.exp(-1.0), 0.0]]))
+    w, m = rollout_importance_weights(old, rollout, mask, level="token", mode="truncate", cap=1.5)
+    assert torch.allclose(w, torch.tensor([[1.5, math.exp(-1.0), 0.0]]))
+    assert m["is_capped_frac"] == pytest.approx(0.5)
+    assert m["is_weight_mean"] == pytest.approx((1.5 + math.exp(-1.0)) / 2)
+    w, _ = rollout_importance_weights(old, rollout, mask, level="token", mode="mask", cap=1.5)
+    assert torch.allclose(w, torch.tensor([[0.0, math.exp(-1.0), 0.0]]))
+
+
+def test_sequence_level_weights_and_mismatch_metrics_hand_values():
+    from rl.losses import rollout_importance_weights
+    old, rollout, mask = _is_case()
+    # sequence log ratio 0.5 - 1.0 = -0.5 -> e^-0.5 = 0.6065 on every response token
+    w, m = rollout_importance_weights(old, rollout, mask, level="sequence", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[math.exp(-0.5), math.exp(-0.5), 0.0]]))
+    assert rollout_importance_weights(old, rollout, mask, level="sequence", cap=0.5)[0][0, :2].tolist() == [0.5, 0.5]
+    assert rollout_importance_weights(old, rollout, mask, level="sequence", mode="mask", cap=0.5)[0].abs().sum() == 0
+    # k3 of KL(rollout || old) per token: exp(d) - d - 1 with d = old - rollout
+    k3 = [math.exp(d) - d - 1 for d in (0.5, -1.0)]
+    assert m["mismatch_kl"] == pytest.approx(sum(k3) / 2)
+    assert m["mismatch_abs_diff"] == pytest.approx(0.75)
+    none_w, none_m = rollout_importance_weights(old, rollout, mask, level="none")
+    assert none_w is None and none_m["mismatch_kl"] == pytest.approx(m["mismatch_kl"])
+    with pytest.raises(ValueError, match="level"):
+        rollout_importance_weights(old, rollout, mask, level="tokens")
+    with pytest.raises(ValueError, match="mode"):
+        rollout_importance_weights(old, rollout, mask, mode="clip")
+
+
+def test_weighting_advantages_equals_weighting_the_ppo_term():
+    """The learner applies the correction by scaling advantages; for PPO-clip (also with dual-clip)
+    that is the same as scaling each token's clipped policy-gradient term, as verl and TRL do."""
+    from rl.losses import rollout_importance_weights
+    torch.manual_seed(0)
+    logp = torch.randn(4, 6) * 0.3 - 1.0
+    old = logp + torch.randn(4, 6) * 0.2
+    rollout = old + torch.randn(4, 6) * 0.4
+    adv = torch.randn(4, 1).expand(4, 6).clone()
+    mask = (torch.rand(4, 6) > 0.2).float()
+    w, _ = rollout_importance_weights(old, rollout, mask, level="token", cap=1.3)
+    weighted, _ = ppo_clip_loss(logp, old, adv * w, mask, dual_clip=3.0)
+    ratio = torch.exp(logp - old)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * 3.0), pg)
+    assert torch.allclose(weighted, (pg * w * mask).sum() / mask.sum(), atol=1e-6)

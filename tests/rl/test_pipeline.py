@@ -64,6 +64,31 @@ def test_run_and_resume_matches_uninterrupted(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_path):
+    common = ["trainer.checkpoint_every=2", "learner.lr=5e-3", "algorithm.is_correction=token", _digit_reward(tmp_path)]
+    run(_cfg(tmp_path, "k0", "trainer.max_staleness=0", "trainer.steps=4", *common))
+    run(_cfg(tmp_path, "k1", "trainer.max_staleness=1", "trainer.steps=4", *common))
+    sync, one_off = read_metrics(tmp_path / "k0"), read_metrics(tmp_path / "k1")
+    assert [m["rollout/staleness"] for m in sync] == [0, 0, 0, 0]
+    assert [m["rollout/staleness"] for m in one_off] == [0, 1, 1, 1]
+    # step 1 of both: same weights, prompts and seeds, hence the same samples and the same update
+    for key in COMPARE:
+        assert sync[0][key] == pytest.approx(one_off[0][key], rel=1e-5, abs=1e-7), key
+    # synchronous samples are on-policy; one-step-off samples come from the previous policy, which the
+    # learner's logprobs now differ from: the importance weights move off 1
+    assert all(m["actor/mismatch_kl"] < 1e-6 for m in sync)
+    assert all(m["actor/mismatch_kl"] > 1e-5 and m["actor/is_weight_mean"] != pytest.approx(1.0, abs=1e-4)
+               for m in one_off[1:])
+    # the step-2 checkpoint stores the prompt sampler as it was before the in-flight step-3 prompts
+    # were drawn, so a resume draws them again
+    state = [json.loads((tmp_path / k / "checkpoints/step_2/trainer_state.json").read_text()) for k in ("k0", "k1")]
+    assert state[0]["sampler"] == state[1]["sampler"]
+    resumed = run(_cfg(tmp_path, "k1", "trainer.max_staleness=1", "trainer.steps=5", "resume=auto", *common))
+    # the pipeline restarts from the checkpoint's weights: the first rollout after a resume is on-policy
+    assert resumed["steps"] == 5 and read_metrics(tmp_path / "k1")[-1]["rollout/staleness"] == 0
+
+
+@pytest.mark.slow
 def test_failing_reward_plugin_marks_samples_and_run_completes(ray_cluster, tmp_path):
     plugin = tmp_path / "flaky.py"
     plugin.write_text("def flaky(prompt, response, **kw):\n"
@@ -117,9 +142,11 @@ def test_missing_column_is_named(tmp_path):
     # two DeepSpeed ranks under ZeRO-3 in their own bundles, KL (k3) to a frozen reference in the loss
     ["learner.world_size=2", "learner.zero_stage=3", "cluster.placement=split", "learner.micro_batch_size=4",
      "algorithm.kl_coef=0.05", "trainer.save_hf=true"],
-    # KL in the reward, two PPO epochs x two mini-batches (old logprobs recomputed, ratios != 1)
+    # KL in the reward, two PPO epochs x two mini-batches (old logprobs recomputed, ratios != 1),
+    # sequence-level truncated IS correction between rollout and learner logprobs
     ["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.ppo_epochs=2",
-     "algorithm.mini_batches=2", "algorithm.loss_agg=seq-mean-token-sum-norm"],
+     "algorithm.mini_batches=2", "algorithm.loss_agg=seq-mean-token-sum-norm",
+     "algorithm.is_correction=sequence"],
     # DAPO options: dynamic sampling, truncated completions masked, soft overlong penalty; GSPO loss
     ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", "algorithm.mask_truncated=true",
      "algorithm.overlong_buffer=4", "algorithm.kl_coef=0.05", "algorithm.loss=gspo",
@@ -135,7 +162,10 @@ def test_variants_run(ray_cluster, tmp_path, variant):
     if "algorithm.ppo_epochs=2" in variant:
         # updates after the first one in a step are off-policy: the ratio moves off 1
         assert metrics[0]["actor/ratio_mean"] != pytest.approx(1.0, abs=1e-7)
-        assert metrics[0]["rollout/logprob_abs_diff"] < 1e-4  # rollout and learner agree on-policy
+        # rollout and learner agree on-policy, so the importance weights are ~1 and none is capped
+        assert all(m["actor/mismatch_abs_diff"] < 1e-4 and m["actor/mismatch_kl"] < 1e-6 for m in metrics)
+        assert all(m["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) for m in metrics)
+        assert all(m["actor/is_capped_frac"] == 0.0 for m in metrics)
     if "algorithm.dynamic_sampling=true" in variant:
         assert all(1 <= m["sampling/rounds"] <= 3 for m in metrics)
         assert all(0 <= m["sampling/informative_frac"] <= 1 for m in metrics)

@@ -26,6 +26,24 @@ def test_groups_masks_and_lengths(engine):
         assert b.rollout_logp[i, n:].abs().sum() == 0
 
 
+def test_stop_strings_end_responses_and_are_not_truncation(engine):
+    stops = list("0123456789")
+    b = engine.generate(["12+3*4=", "5+6*7="], SamplingParams(n=4, max_new_tokens=30, seed=3, stop=stops))
+    lengths = b.response_attn.sum(-1)
+    ended_by_stop = 0
+    for i, text in enumerate(b.responses):
+        ids = b.response_ids[i, : int(lengths[i])].tolist()
+        digits = [j for j, c in enumerate(text) if c.isdigit()]
+        if digits:  # the response ends right after its first digit
+            assert text.endswith(text[digits[0]]) and len(digits) == 1
+            assert not b.truncated[i]
+            ended_by_stop += 1
+        else:
+            assert bool(b.truncated[i]) == (engine.tokenizer.eos_token_id not in ids)
+        assert (b.response_ids[i, int(lengths[i]):] == engine.tokenizer.pad_token_id).all()
+    assert ended_by_stop > 0
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logprobs_match_learner_forward(engine, temperature):
     b = engine.generate(["12+3*4=", "5+6*7=", "1+2*3="], SamplingParams(n=2, temperature=temperature,

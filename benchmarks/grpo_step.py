@@ -37,7 +37,8 @@ MODELS = {
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "other")
 
 
-def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, staleness: int = 0) -> dict:
+def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, staleness: int = 0,
+               engine: str = "hf") -> dict:
     m = MODELS[model]
     overrides = [f"output_dir={out}", "sft.enabled=false", f"trainer.steps={steps}", "trainer.prompts_per_step=2",
                  "rollout.n=4", "rollout.max_new_tokens=32", "learner.lr=1e-4", "learner.micro_batch_size=8",
@@ -45,7 +46,7 @@ def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, stal
                  "trainer.eval_max_prompts=2", "trainer.save_hf=false", "logging.progress_bar=false",
                  "logging.tensorboard=false", "reward.num_workers=1", "model.tiny.max_position_embeddings=64",
                  f"learner.threads={threads}", f"rollout.threads={threads}", f"model.dtype={dtype}",
-                 f"trainer.max_staleness={staleness}", f"algorithm.is_correction={'token' if staleness else 'none'}",
+                 f"trainer.max_staleness={staleness}", f"rollout.engine={engine}", f"algorithm.is_correction={'token' if staleness else 'none'}",
                  *[f"model.tiny.{k}={v}" for k, v in m.items()]]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "rl.cli", "run", str(ROOT / "recipes/quickstart.yaml"), *overrides],
@@ -57,6 +58,7 @@ def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, stal
     from transformers import AutoConfig, AutoModelForCausalLM
     params = sum(p.numel() for p in AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(out / "base_model")).parameters())
+    summary = json.loads((out / "summary.json").read_text())
     steady = rows[1:] if len(rows) > 1 else rows  # the first step pays one-off warm-up
     step_s = statistics.median(r["perf/step_s"] for r in steady)
     phases = {p: statistics.median(r[f"time/{p}"] for r in steady) for p in PHASES}
@@ -66,7 +68,44 @@ def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, stal
         "phase_share": {p: v / step_s for p, v in phases.items()},
         "tokens_per_s_median": statistics.median(r["perf/tokens_per_s"] for r in steady),
         "run_wall_s_incl_startup": time.perf_counter() - t0,
+        "peak_rss_gib": summary.get("peak_rss_gib"),
+        "generated_tokens_per_s_during_generate": statistics.median(
+            r["perf/tokens"] / r["time/generate"] for r in steady),
     }
+
+
+def run_raw_vllm(model_dir: Path, threads: int, dtype: str, steps: int) -> dict:
+    """vLLM alone on the same batch (2 prompts x 4 samples x 32 tokens) in a fresh process: the ceiling
+    for looprl's rollout phase with engine=vllm."""
+    code = f"""
+import json, statistics, time, torch
+torch.set_num_threads({threads})
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from rollout.vllm_engine import VLLMEngine
+from rl.data import format_prompt
+if __name__ == "__main__":
+    eng = VLLMEngine({str(model_dir)!r}, dtype={dtype!r})  # only for its LLM, built with looprl's settings
+    ids = [eng.tokenizer(format_prompt(p, eng.tokenizer, "", True), add_special_tokens=False)["input_ids"]
+           for p in ("12+34*5=", "67+8*9=")]
+    times, toks = [], []
+    for s in range({steps}):
+        t = time.perf_counter()
+        outs = eng.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids],
+                                SamplingParams(n=4, max_tokens=32, seed=s, logprobs=0), use_tqdm=False)
+        times.append(time.perf_counter() - t)
+        toks.append(float(sum(len(c.token_ids) for o in outs for c in o.outputs)))
+    rate = [k / t for k, t in zip(toks[1:], times[1:])]
+    print("RAW " + json.dumps({{"s_per_batch_median": statistics.median(times[1:]),
+                               "tokens_per_s_median": statistics.median(rate)}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RAW ")), None)
+    if line is None:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit("raw vLLM run failed")
+    return json.loads(line[4:])
 
 
 def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dtype: str) -> dict:
@@ -93,6 +132,8 @@ def main() -> None:
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1],
                    help="looprl trainer.max_staleness values (k > 0 only with 1 thread per actor: the overlap "
                         "needs a core per role)")
+    p.add_argument("--engines", nargs="+", default=["hf"], choices=["hf", "vllm"],
+                   help="looprl rollout engines (vllm: also measured alone on the same batch)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                    help="torch threads per process (looprl: per learner rank and rollout worker; TRL: its one process)")
     p.add_argument("--trl-python", default=None, help="python of an environment with trl installed")
@@ -108,11 +149,17 @@ def main() -> None:
         entry: dict = {}
         for dtype, threads in itertools.product(args.dtypes, args.threads):
             trl = run_trl(args.trl_python, model, args.steps, work, threads, dtype) if args.trl_python else None
-            for k in args.staleness:
+            for engine, k in itertools.product(args.engines, args.staleness):
                 if k and threads > 1:
                     continue
-                key = f"{dtype}_threads{threads}" + (f"_staleness{k}" if k else "")
-                entry[key] = {"looprl": run_looprl(model, args.steps, work / f"looprl-{model}-{key}", threads, dtype, k)}
+                key = ("vllm_" if engine == "vllm" else "") + f"{dtype}_threads{threads}" + (f"_staleness{k}" if k else "")
+                out = work / f"looprl-{model}-{key}"
+                entry[key] = {"looprl": run_looprl(model, args.steps, out, threads, dtype, k, engine)}
+                if engine == "vllm" and not k:
+                    raw = run_raw_vllm(out / "base_model", threads, dtype, args.steps)
+                    entry[key]["raw_vllm"] = raw
+                    entry[key]["rollout_vs_raw_vllm"] = (
+                        entry[key]["looprl"]["generated_tokens_per_s_during_generate"] / raw["tokens_per_s_median"])
                 if trl is not None:
                     entry[key]["trl"] = trl
                     # both are means over steps 2..N of wall time per step, same thread count per process

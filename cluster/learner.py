@@ -262,11 +262,23 @@ class LearnerWorker:
                 from rollout.hf_engine import load_tokenizer
                 load_tokenizer(tokenizer_path).save_pretrained(path)
 
+    def peak_rss_gib(self) -> float:
+        from cluster.ray_utils import peak_rss_gib
+        return peak_rss_gib()
+
+    def node_id(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+class LearnerDied(RuntimeError):
+    """A learner rank's process died (killed, out of memory, a crashed collective)."""
 
 
 class LearnerGroup:
@@ -292,12 +304,29 @@ class LearnerGroup:
                                                                  **worker_kwargs))
         ray.get([w.__ray_ready__.remote() for w in self.workers])
 
+    def _get_all(self, futures: list[Any], what: str) -> list[Any]:
+        """`ray.get` of one call per rank; a dead rank becomes a `LearnerDied` naming it (a DeepSpeed
+        rank cannot rejoin its process group, so the run stops and resumes from a checkpoint)."""
+        try:
+            return ray.get(futures)
+        except ray.exceptions.RayActorError as exc:
+            dead = []
+            for rank, f in enumerate(futures):
+                try:
+                    ray.get(f, timeout=10)
+                except ray.exceptions.RayActorError:
+                    dead.append(rank)
+                except Exception:  # noqa: BLE001 - a rank that failed otherwise, or is still busy, is not dead
+                    pass
+            raise LearnerDied(f"learner rank(s) {dead or '?'} died during {what}") from exc
+
     def _shards(self, batch: Batch) -> list[Batch]:
         return batch.split(self.world_size)
 
     def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0) -> torch.Tensor:
         shards = self._shards(batch)
-        outs = ray.get([w.compute_logprobs.remote(s, which, temperature) for w, s in zip(self.workers, shards)])
+        outs = self._get_all([w.compute_logprobs.remote(s, which, temperature) for w, s in zip(self.workers, shards)],
+                             f"{which} logprobs")
         width = batch.response_ids.shape[1]
         return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs], 0)
 
@@ -312,7 +341,7 @@ class LearnerGroup:
         futures = [w.train_step.remote(shard.split(grad_accum), loss_fn_spec, params, temperature, need_entropy,
                                        rollout_correction)
                    for w, shard in zip(self.workers, self._shards(batch))]
-        results = ray.get(futures)
+        results = self._get_all(futures, "a training step")
         out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         out["loss"] = sum(r["loss"] for r in results)
         out["grad_norm"] = results[0]["grad_norm"]
@@ -320,7 +349,7 @@ class LearnerGroup:
 
     def sft_step(self, batch: Batch, grad_accum: int) -> dict[str, float]:
         num_tokens = float(batch.response_mask.sum())
-        results = ray.get([w.sft_step.remote(shard.split(grad_accum), num_tokens)
+        results = self._get_all([w.sft_step.remote(shard.split(grad_accum), num_tokens)
                            for w, shard in zip(self.workers, self._shards(batch))])
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
                 "lr": results[0]["lr"]}
@@ -329,7 +358,7 @@ class LearnerGroup:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
-        ray.get([w.save_checkpoint.remote(path, client_state) for w in self.workers])
+        self._get_all([w.save_checkpoint.remote(path, client_state) for w in self.workers], "a checkpoint save")
 
     def load_checkpoint(self, path: str) -> dict:
         return ray.get([w.load_checkpoint.remote(path) for w in self.workers])[0]

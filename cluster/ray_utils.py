@@ -26,6 +26,12 @@ ACTOR_ENV = {
 }
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory in GiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def actor_env() -> dict[str, str]:
     env = {k: v for k, v in ACTOR_ENV.items() if v}
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")
@@ -70,20 +76,24 @@ class Placement:
 
 def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollout_cpus: float,
                    mode: str = "colocated", strategy: str = "PACK", use_gpu: bool = False,
-                   timeout_s: float = 120.0) -> Placement:
+                   timeout_s: float = 120.0, learner_resources: dict[str, float] | None = None,
+                   rollout_resources: dict[str, float] | None = None) -> Placement:
     """One placement group for learners and rollout workers.
 
     colocated: bundle i holds learner rank i and rollout worker i (they take turns on the same
     resources, as in verl's hybrid engine); split: learners and rollout workers get their own bundles.
+    `learner_resources` / `rollout_resources` are extra Ray resources each role's bundles ask for
+    (custom node resources such as `{"trainer_node": 1}` pin roles to the nodes that offer them).
     """
     gpu = {"GPU": 1} if use_gpu else {}
+    extra_l, extra_r = dict(learner_resources or {}), dict(rollout_resources or {})
     if mode == "colocated":
         n = max(world_size, num_rollout)
-        bundles = [{"CPU": learner_cpus + rollout_cpus, **gpu} for _ in range(n)]
+        bundles = [{"CPU": learner_cpus + rollout_cpus, **gpu, **extra_l, **extra_r} for _ in range(n)]
         learner, rollout = list(range(world_size)), list(range(num_rollout))
     elif mode == "split":
-        bundles = [{"CPU": learner_cpus, **gpu} for _ in range(world_size)] + \
-                  [{"CPU": rollout_cpus, **gpu} for _ in range(num_rollout)]
+        bundles = [{"CPU": learner_cpus, **gpu, **extra_l} for _ in range(world_size)] + \
+                  [{"CPU": rollout_cpus, **gpu, **extra_r} for _ in range(num_rollout)]
         learner = list(range(world_size))
         rollout = list(range(world_size, world_size + num_rollout))
     else:

@@ -117,6 +117,8 @@ class RewardService:
         self.failure_reward = failure_reward
         self._pool = None
         self.restarts = 0
+        self.worker_deaths = 0  # worker processes that died; their chunks were scored again
+        self.max_worker_deaths = 3  # per score() call; beyond that, unfinished samples are marked failed
 
     def _ensure_pool(self):
         if self._pool is None:
@@ -129,6 +131,10 @@ class RewardService:
             self._pool.join()
         self._pool = None
         self.restarts += 1
+
+    def peak_rss_gib(self) -> float:
+        from cluster.ray_utils import peak_rss_gib
+        return peak_rss_gib()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -144,31 +150,49 @@ class RewardService:
         """
         if not items:
             return []
-        pool = self._ensure_pool()
         n_chunks = min(len(items), self.num_workers * 2)
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
-        jobs = []
-        for f in self.functions:
-            for c in range(n_chunks):
-                chunk = items[bounds[c]:bounds[c + 1]]
-                jobs.append((f, bounds[c], len(chunk),
-                             pool.apply_async(_score_chunk, (f.name, dict(f.params), chunk, self.timeout_s))))
-        waves = math.ceil(len(jobs) / self.num_workers)
+        tasks = [(f, bounds[c], items[bounds[c]:bounds[c + 1]]) for f in self.functions for c in range(n_chunks)]
+        waves = math.ceil(len(tasks) / self.num_workers)
         deadline = time.monotonic() + self.timeout_s * (max(bounds[i + 1] - bounds[i] for i in range(n_chunks))
                                                         * waves + 1) + 30.0
         raw: dict[str, list[tuple[Any, str | None]]] = {f.name: [(None, None)] * len(items) for f in self.functions}
-        stuck = False
-        for f, start, size, res in jobs:
-            try:
-                out = res.get(timeout=max(0.0, deadline - time.monotonic()))
-            except mp.TimeoutError:
-                stuck = True
-                out = [(None, f"reward {f.name!r} worker did not answer in time (killed and restarted)")] * size
-            except Exception as exc:
-                out = [(None, f"reward {f.name!r} worker failed: {type(exc).__name__}: {exc}")] * size
-            raw[f.name][start:start + size] = out
-        if stuck:
-            self._restart_pool()
+        todo = list(range(len(tasks)))
+        deaths = 0
+        while todo:
+            pool = self._ensure_pool()
+            workers = list(pool._pool)  # multiprocessing.Pool has no public handle on its processes
+            running = {t: pool.apply_async(_score_chunk, (tasks[t][0].name, dict(tasks[t][0].params), tasks[t][2],
+                                                          self.timeout_s)) for t in todo}
+            todo = []
+            while running:
+                for t, res in list(running.items()):
+                    if res.ready():
+                        f, start, chunk = tasks[t]
+                        try:
+                            out = res.get()
+                        except Exception as exc:
+                            out = [(None, f"reward {f.name!r} worker failed: {type(exc).__name__}: {exc}")] * len(chunk)
+                        raw[f.name][start:start + len(chunk)] = out
+                        del running[t]
+                if not running:
+                    break
+                if any(w.exitcode is not None for w in workers) and deaths < self.max_worker_deaths:
+                    # A worker process died (killed, out of memory): the pool replaces it but silently
+                    # drops its task. Restart the pool and score every unfinished chunk again.
+                    deaths += 1
+                    self.worker_deaths += 1
+                    todo = sorted(running)
+                    self._restart_pool()
+                    break
+                if time.monotonic() > deadline:  # stuck past every per-sample timer: kill the pool
+                    for t in running:
+                        f, start, chunk = tasks[t]
+                        raw[f.name][start:start + len(chunk)] = [
+                            (None, f"reward {f.name!r} worker did not answer in time (killed and restarted)")] * len(chunk)
+                    self._restart_pool()
+                    break
+                time.sleep(0.005)
         return [self._combine({f.name: raw[f.name][i] for f in self.functions}) for i in range(len(items))]
 
     def _combine(self, per_fn: dict[str, tuple[Any, str | None]]) -> dict:

@@ -1,4 +1,4 @@
-"""`looprl` command line: run, config show, plot."""
+"""`looprl` command line: run, submit, slurm, config show, plot."""
 
 from __future__ import annotations
 
@@ -40,6 +40,31 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from rl import config
+    config.load(args.recipe, args.overrides)  # a bad recipe fails here, not on the cluster
+    from cluster.launch import submit_job
+    address = args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or "http://127.0.0.1:8265"
+    return submit_job(args.recipe, args.overrides, address, working_dir=args.working_dir, follow=not args.no_follow)
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from rl import config
+    config.load(args.recipe, args.overrides)
+    from cluster.launch import render_sbatch
+    script = render_sbatch(args.recipe, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                           cpus_per_node=args.cpus_per_node, partition=args.partition, time_limit=args.time,
+                           job_name=args.job_name, log_dir=args.log_dir, extra_sbatch=args.sbatch)
+    out = args.out or f"{args.job_name}.sbatch"
+    with open(out, "w") as f:
+        f.write(script)
+    print(f"wrote {out}")
+    if args.submit:
+        import subprocess
+        return subprocess.run(["sbatch", out]).returncode
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from rl.plot import plot_run
     path = plot_run(args.run_dir, args.out)
@@ -54,6 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("recipe")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5 learner.lr=1e-5")
     r.set_defaults(fn=cmd_run)
+    sj = sub.add_parser("submit", help="submit a recipe to a running Ray cluster (job API), stream its logs")
+    sj.add_argument("recipe")
+    sj.add_argument("overrides", nargs="*")
+    sj.add_argument("--address", default=None,
+                    help="dashboard address, e.g. http://HEAD:8265 (default: $RAY_DASHBOARD_ADDRESS or local)")
+    sj.add_argument("--working-dir", default=".", help="folder shipped to the cluster (default: .)")
+    sj.add_argument("--no-follow", action="store_true", help="return once the job is accepted")
+    sj.set_defaults(fn=cmd_submit)
+    sl = sub.add_parser("slurm", help="write (and with --submit, sbatch) a multi-node SLURM script for a recipe")
+    sl.add_argument("recipe")
+    sl.add_argument("overrides", nargs="*")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, default=0)
+    sl.add_argument("--cpus-per-node", type=int, default=8)
+    sl.add_argument("--partition", default=None)
+    sl.add_argument("--time", default=None, help="SLURM time limit, e.g. 24:00:00")
+    sl.add_argument("--job-name", default="looprl")
+    sl.add_argument("--log-dir", default=".", help="where SLURM writes the job's output")
+    sl.add_argument("--sbatch", action="append", default=[], help="extra #SBATCH line, e.g. --sbatch=--account=X")
+    sl.add_argument("--out", default=None, help="script path (default JOB_NAME.sbatch)")
+    sl.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
+    sl.set_defaults(fn=cmd_slurm)
     c = sub.add_parser("config", help="inspect recipes")
     csub = c.add_subparsers(dest="config_command", required=True)
     s = csub.add_parser("show", help="print the resolved config with every default")
@@ -70,7 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_env()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # overrides may also follow the options (`looprl slurm R --nodes 2 trainer.steps=3`)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     from rl.config import ConfigError
     from rl.registry import RegistryError
     try:

@@ -87,6 +87,7 @@ class RolloutConfig:
     eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
     generation_batch_size: int = 256  # prompts*n per generate call inside a worker
     num_cpus: float = 0.5  # CPUs reserved per worker in the placement group
+    max_restarts: int = 3  # Ray restarts of a dead rollout worker (its rollout is then generated again)
     threads: int = 1  # torch intra-op threads per worker (colocated roles take turns, so they may each use all cores)
 
 
@@ -164,6 +165,8 @@ class ClusterConfig:
     num_cpus: int | None = None  # CPUs for a locally started Ray (null: all)
     placement: str = "colocated"  # colocated (learner rank i shares a bundle with rollout worker i) | split
     placement_strategy: str = "PACK"  # Ray placement-group strategy: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    learner_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per learner bundle, e.g. {trainer_node: 1} to pin learners to nodes started with that resource
+    rollout_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per rollout bundle (split placement pins rollout workers the same way)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import ray
 import torch
 from omegaconf import DictConfig
 
+from cluster.learner import LearnerDied
 from cluster.ray_utils import actor_env, init_ray, make_placement
 from rewards.service import RewardService, RewardSpec
 from rl.config import as_container, to_yaml
@@ -145,7 +146,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     use_gpu = torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0
     lc = cfg.learner
     placement = make_placement(lc.world_size, cfg.rollout.num_workers, lc.num_cpus, cfg.rollout.num_cpus,
-                               cfg.cluster.placement, cfg.cluster.placement_strategy, use_gpu=use_gpu)
+                               cfg.cluster.placement, cfg.cluster.placement_strategy, use_gpu=use_gpu,
+                               learner_resources=as_container(cfg.cluster.learner_resources),
+                               rollout_resources=as_container(cfg.cluster.rollout_resources))
     summary: dict[str, Any] = {}
     trainer = None
     try:
@@ -187,7 +190,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         t_rl = time.perf_counter()
         try:
             while trainer.step_idx < tc.steps:
-                metrics = trainer.step()
+                try:
+                    metrics = trainer.step()
+                except LearnerDied as exc:
+                    ckpt = latest_checkpoint(out)
+                    where = (f"resume with resume=auto from {ckpt}" if ckpt is not None else
+                             "no checkpoint had been written yet (set trainer.checkpoint_every)")
+                    raise LearnerDied(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
                 step = trainer.step_idx
                 if eval_rows and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     ev = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
@@ -204,6 +213,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         summary.update({k: v for k, v in last.items()})
         summary["steps"] = trainer.step_idx
         summary["rl_wall_s"] = rl_s
+        summary["peak_rss_gib"] = trainer.peak_memory()
+        summary["actor_nodes"] = trainer.actor_nodes()
         if eval_rows:
             after = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
             summary["accuracy_before_rl"] = before["accuracy"]

@@ -12,6 +12,7 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from rl.config import as_container
 from rl.data import format_prompt
 from rl.losses import kl_in_reward, soft_overlong_penalty
 from rl.registry import get
-from rollout.worker import RolloutWorker
+from rollout.worker import RolloutWorker, RolloutWorkerRestarted
 
 
 @dataclass
@@ -37,6 +38,7 @@ class PendingRollout:
     step: int
     refs: list[Any]
     sampler_state: dict[str, int]
+    resubmit: Callable[[], list[Any]]  # the same prompts and seeds again (after a rollout worker died)
 
 
 class PromptSampler:
@@ -96,6 +98,7 @@ class RLTrainer:
         self.pending: list[PendingRollout] = []  # submitted rollouts, oldest first
         self.next_submit = 0  # first step whose rollout is not submitted yet
         self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
+        self.rollout_restarts = 0  # rollouts regenerated because a rollout worker died
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -163,6 +166,7 @@ class RLTrainer:
             "response/truncated_frac": float(batch.truncated.float().mean()),
             "perf/step_s": step_s, "perf/tokens": n_tokens, "perf/tokens_per_s": n_tokens / step_s,
             "policy_version": float(self.step_idx), "batch/samples": float(len(batch)),
+            "rollout/restarts": float(self.rollout_restarts),
         })
         for comp_name in sorted({k for c in batch.reward_components for k in c}):
             vals = [c[comp_name] for c in batch.reward_components if comp_name in c]
@@ -193,7 +197,7 @@ class RLTrainer:
                 self._fill_pipeline()  # the next step's rollout overlaps this step's update
             else:  # dynamic-sampling top-ups are generated now, with the current weights
                 pending = self._submit(self.step_idx, rounds)
-            batch = _gather(pending.refs)
+            batch = self._gather_rollout(pending)
             batch.check_groups(n)
             staleness.append(self.step_idx - batch.policy_version)
             timing["generate"] += time.perf_counter() - t0
@@ -234,12 +238,50 @@ class RLTrainer:
         depend only on (step, round), so synchronous and pipelined runs sample the same prompts."""
         cfg, want = self.cfg, self.cfg.trainer.prompts_per_step
         sampler_state = self.sampler.state()
-        idx = self.sampler.next(want)
-        refs = submit_generation(
-            self.rollout, self.tokenizer, cfg, [self.rows[i] for i in idx], temperature=cfg.rollout.temperature,
-            n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + step + 7919 * round_,
-            group_base=(step * cfg.algorithm.max_sampling_rounds + round_) * want)
-        return PendingRollout(step, refs, sampler_state)
+        rows = [self.rows[i] for i in self.sampler.next(want)]
+
+        def submit() -> list[Any]:
+            return submit_generation(
+                self.rollout, self.tokenizer, cfg, rows, temperature=cfg.rollout.temperature, n=cfg.rollout.n,
+                seed=cfg.seed * 1_000_003 + step + 7919 * round_,
+                group_base=(step * cfg.algorithm.max_sampling_rounds + round_) * want)
+        return PendingRollout(step, submit(), sampler_state, submit)
+
+    def _gather_rollout(self, pending: PendingRollout) -> Batch:
+        """The batch of a submitted rollout. A rollout worker that dies meanwhile is restarted by Ray
+        (`rollout.max_restarts`); it then gets the current weights and the whole rollout is generated
+        again from the same prompts and seeds, so no sample is lost or counted twice."""
+        for attempt in range(self.cfg.rollout.max_restarts + 1):
+            try:
+                return _gather(pending.refs)
+            except (ray.exceptions.RayActorError, RolloutWorkerRestarted) as exc:
+                if attempt == self.cfg.rollout.max_restarts:
+                    raise RuntimeError(f"rollout for step {pending.step + 1} failed {attempt + 1} times; last "
+                                       f"error: {exc}") from exc
+                print(f"[looprl] a rollout worker died during step {pending.step + 1} ({type(exc).__name__}); "
+                      "regenerating its rollout", flush=True)
+                self.rollout_restarts += 1
+                self._resync_rollout_workers()
+                pending.refs = pending.resubmit()
+        raise AssertionError("unreachable")
+
+    def _resync_rollout_workers(self) -> None:
+        """Wait until every rollout worker is alive again and give them all the current weights."""
+        deadline = time.monotonic() + 600
+        for i, w in enumerate(self.rollout):
+            while True:
+                try:
+                    ray.get(w.pid.remote(), timeout=60)
+                    break
+                except ray.exceptions.ActorDiedError as exc:
+                    raise RuntimeError(f"rollout worker {i} is dead and was not restarted (rollout.max_restarts="
+                                       f"{self.cfg.rollout.max_restarts} exhausted): {exc}") from exc
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as exc:
+                    if time.monotonic() > deadline:  # still restarting (loading its model) after 10 minutes
+                        raise RuntimeError(f"rollout worker {i} did not come back within 600 s: {exc}") from exc
+                    time.sleep(0.5)
+        state = self.learners.workers[0].weights_for_sync.remote()
+        ray.get([w.load_weights.remote(state, self.step_idx) for w in self.rollout])
 
     def _fill_pipeline(self) -> None:
         """Keep the rollouts of steps `step_idx .. step_idx + max_staleness` submitted (never past the
@@ -262,9 +304,20 @@ class RLTrainer:
         loads = [r.load_weights.remote(state, self.step_idx) for r in self.rollout]
         if self.cfg.trainer.max_staleness == 0:
             ray.get(refs[1:])
-            return max(ray.get(loads))
+            try:
+                return max(ray.get(loads))
+            except ray.exceptions.RayActorError:  # died after generating: restart it with these weights
+                self._resync_rollout_workers()
+                return 0.0
         done, self.pending_loads = self.pending_loads, loads + refs[1:]
-        times = [t for t in ray.get(done) if isinstance(t, float)]
+        times = []
+        for ref in done:
+            try:
+                t = ray.get(ref)
+            except ray.exceptions.RayActorError:  # a rollout worker died: recovered when its rollout is gathered
+                continue
+            if isinstance(t, float):
+                times.append(t)
         return max(times) if times else 0.0
 
     # ------------------------------------------------------------------ checkpoints
@@ -289,6 +342,21 @@ class RLTrainer:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.sync_weights()
+
+    def peak_memory(self) -> dict[str, float]:
+        """Peak resident memory (GiB) of every actor of the run and of the driver."""
+        from cluster.ray_utils import peak_rss_gib
+        out = {f"learner{i}": v for i, v in enumerate(ray.get([w.peak_rss_gib.remote() for w in self.learners.workers]))}
+        out.update({f"rollout{i}": v for i, v in enumerate(ray.get([w.peak_rss_gib.remote() for w in self.rollout]))})
+        out["reward_service"] = ray.get(self.rewards.peak_rss_gib.remote())
+        out["driver"] = peak_rss_gib()
+        return out
+
+    def actor_nodes(self) -> dict[str, str]:
+        """The Ray node id each learner rank and rollout worker runs on."""
+        out = {f"learner{i}": v for i, v in enumerate(ray.get([w.node_id.remote() for w in self.learners.workers]))}
+        out.update({f"rollout{i}": v for i, v in enumerate(ray.get([w.node_id.remote() for w in self.rollout]))})
+        return out
 
     def close(self) -> None:
         self.learners.shutdown()
@@ -323,6 +391,8 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
                                     placement_group=placement.group, placement_group_bundle_index=b)}
         if placement.gpus_per_actor:
             opts["num_gpus"] = placement.gpus_per_actor
+        # restarted by Ray if its process dies; the trainer then resends the weights and regenerates
+        opts["max_restarts"] = cfg.rollout.max_restarts
         workers.append(cls.options(**opts).remote(
             cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
             batch_size=cfg.rollout.generation_batch_size,

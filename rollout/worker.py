@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -14,16 +15,28 @@ from rollout.hf_engine import SamplingParams
 from rollout.weight_sync import PackedState, unpack_state
 
 
+class RolloutWorkerRestarted(RuntimeError):
+    """Raised by a rollout worker that Ray restarted and that has not received the current weights yet."""
+
+
 class RolloutWorker:
     """Generates samples with the engine named in the recipe and receives weight updates."""
 
     def __init__(self, engine: str, model_path: str, threads: int = 1, **engine_kwargs: Any):
+        import ray
         torch.set_num_threads(threads)
         self.engine = get("engine", engine)(model_path, **engine_kwargs)
         self.policy_version = 0
+        # A restarted actor is rebuilt from its constructor arguments, i.e. the initial weights: it
+        # must not generate until the trainer has sent the current ones.
+        with warnings.catch_warnings():  # Ray's property uses a deprecated accessor internally
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.needs_weights = ray.get_runtime_context().was_current_actor_reconstructed
 
     def generate(self, prompts: list[str], sampling: dict, group_ids: list[int],
                  ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
+        if self.needs_weights:
+            raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
         batch = self.engine.generate(prompts, SamplingParams(**sampling), group_ids=group_ids,
                                      ground_truth=ground_truth, metadata=metadata)
         batch.policy_version = self.policy_version
@@ -34,7 +47,16 @@ class RolloutWorker:
         t0 = time.perf_counter()
         self.engine.load_weights(unpack_state(packed))
         self.policy_version = version
+        self.needs_weights = False
         return time.perf_counter() - t0
 
     def pid(self) -> int:
         return os.getpid()
+
+    def peak_rss_gib(self) -> float:
+        from cluster.ray_utils import peak_rss_gib
+        return peak_rss_gib()
+
+    def node_id(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()

@@ -1,4 +1,5 @@
-"""`ray start --head` + `ray job submit --working-dir . -- looprl run recipes/quickstart.yaml` on loopback."""
+"""`ray start --head`, then `ray job submit --working-dir . -- looprl run recipes/quickstart.yaml` and
+`looprl submit recipes/quickstart.yaml`, on loopback."""
 
 import json
 import os
@@ -30,14 +31,15 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
                             "--temp-dir", str(ray_tmp)], env=env, capture_output=True, text=True, timeout=120)
     assert start.returncode == 0, start.stderr[-2000:]
     out_dir = tmp_path / "run"
+    tiny = ["sft.enabled=false", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+            "data.synthetic.num_train=40", "data.synthetic.num_eval=4", "rollout.n=2", "rollout.max_new_tokens=8",
+            "trainer.prompts_per_step=2", "reward.num_workers=1", "logging.progress_bar=false"]
+    address = f"http://127.0.0.1:{dash_port}"
     try:
         submit = subprocess.run(
-            [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
+            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT),
              "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "runs", "benchmarks/results"]}),
-             "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "sft.enabled=false",
-             "trainer.steps=2", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
-             "data.synthetic.num_train=40", "data.synthetic.num_eval=4", "rollout.n=2", "rollout.max_new_tokens=8",
-             "trainer.prompts_per_step=2", "reward.num_workers=1", "logging.progress_bar=false"],
+             "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "trainer.steps=2", *tiny],
             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert submit.returncode == 0, (submit.stdout[-3000:], submit.stderr[-3000:])
         assert "succeeded" in submit.stdout + submit.stderr
@@ -46,6 +48,19 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
         summary = json.loads((out_dir / "summary.json").read_text())
         assert summary["steps"] == 2
         assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+        # looprl's own submit: streams the job's logs and returns its exit code
+        looprl = [sys.executable, "-m", "rl.cli", "submit", "recipes/quickstart.yaml", "--address", address]
+        ok = subprocess.run([*looprl, f"output_dir={tmp_path / 'via-looprl'}", "trainer.steps=1", *tiny],
+                            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert ok.returncode == 0, (ok.stdout[-3000:], ok.stderr[-3000:])
+        assert "held-out accuracy" in ok.stdout and "succeeded" in ok.stdout  # the job's log came through
+        assert json.loads((tmp_path / "via-looprl" / "summary.json").read_text())["steps"] == 1
+        # a recipe that fails on the cluster (an unimportable reward plugin) fails the command
+        bad = subprocess.run([*looprl, f"output_dir={tmp_path / 'bad'}", "trainer.steps=1", *tiny,
+                              "reward.functions=[{name: 'no_such_module:fn'}]"],
+                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert bad.returncode != 0 and "no_such_module" in bad.stdout + bad.stderr
     finally:
         _stop_head(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)

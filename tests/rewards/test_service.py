@@ -45,6 +45,13 @@ PLUGINS = textwrap.dedent('''
 
     def scaled(prompt, response, factor=1.0, **kw):
         return factor
+
+    def dies_once(prompt, response, marker="", **kw):
+        import os, signal
+        if response == "die" and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker process is killed mid-task
+        return float(len(response))
 ''')
 
 
@@ -144,3 +151,15 @@ def test_math_in_worker_processes():
     finally:
         s.close()
     assert [o["score"] for o in out] == [1.0, 0.0, 0.0]
+
+
+def test_killed_worker_is_replaced_and_its_samples_scored_again(plugin_file, tmp_path):
+    s = _service(plugin_file, "dies_once", dies_once={"marker": str(tmp_path / "died")})
+    try:
+        out = s.score(_items("a", "bb", "die", "dddd", "eeeee", "ffffff"))
+    finally:
+        s.close()
+    assert (tmp_path / "died").exists() and s.worker_deaths == 1
+    # every sample scored exactly once, none lost to the dead worker
+    assert [o["score"] for o in out] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert not any(o["failed"] for o in out)

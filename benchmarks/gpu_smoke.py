@@ -1,0 +1,76 @@
+"""A few GRPO steps on one GPU with the vLLM engine (and the hf engine beside it), timings as JSON.
+
+    python benchmarks/gpu_smoke.py [--steps 8] [--out benchmarks/results/gpu_smoke.json]
+
+Needs a CUDA device and `pip install -e ".[dev,gpu,vllm]"`. Colocated placement (learner and vLLM share
+the GPU, vLLM capped at `gpu_memory_utilization`), bf16, the quickstart's tiny model widened to a
+~85M-parameter one so the GPU has work to do, synchronous and one-step-off rollout. Each run's
+per-phase medians, peak memory per actor and the vLLM/learner logprob mismatch are recorded; the
+script exits non-zero if any run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["model.tiny.hidden_size=768", "model.tiny.num_layers=14", "model.tiny.num_heads=12",
+         "model.tiny.intermediate_size=1536", "model.tiny.max_position_embeddings=256"]
+RUNS = {
+    "vllm_sync": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}"],
+    "vllm_one_step_off": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}",
+                          "trainer.max_staleness=1", "algorithm.is_correction=token"],
+    "hf_sync": ["rollout.engine=hf"],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_smoke.json"))
+    args = p.parse_args()
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_smoke.py needs a CUDA device")
+    report: dict = {"device": torch.cuda.get_device_name(0), "steps": args.steps, "runs": {}}
+    failed = False
+    for name, extra in RUNS.items():
+        out = ROOT / "runs" / "gpu_smoke" / name
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "rl.cli", "run", "recipes/quickstart.yaml", f"output_dir={out}",
+             "sft.enabled=false", f"trainer.steps={args.steps}", "trainer.prompts_per_step=16", "rollout.n=8",
+             "rollout.max_new_tokens=64", "model.dtype=bfloat16", "trainer.save_hf=false",
+             "logging.progress_bar=false", "logging.tensorboard=false", "trainer.eval_max_prompts=32", *MODEL,
+             *extra], cwd=ROOT, capture_output=True, text=True)
+        entry: dict = {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0}
+        if proc.returncode != 0:
+            failed = True
+            entry["stderr_tail"] = proc.stderr[-3000:]
+        else:
+            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            steady = rows[1:] or rows
+            entry.update({
+                "step_s_median": statistics.median(r["perf/step_s"] for r in steady),
+                "phase_s_median": {k[5:]: statistics.median(r[k] for r in steady)
+                                   for k in rows[0] if k.startswith("time/")},
+                "weight_load_s_median": statistics.median(r["rollout/weight_load_s"] for r in steady),
+                "mismatch_abs_diff_first_step": rows[0]["actor/mismatch_abs_diff"],
+                "tokens_per_s_median": statistics.median(r["perf/tokens_per_s"] for r in steady),
+                "peak_rss_gib": json.loads((out / "summary.json").read_text()).get("peak_rss_gib"),
+            })
+        report["runs"][name] = entry
+        print(json.dumps({name: entry}, indent=1), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

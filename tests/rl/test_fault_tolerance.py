@@ -1,0 +1,67 @@
+"""Processes killed mid-run (SIGKILL, as the OOM killer or a failed node would): the run recovers, or
+stops with a message that says how to resume."""
+
+import pytest
+
+from cluster.learner import LearnerDied
+from rl.pipeline import run
+from rl.tracking import read_metrics
+from tests.rl.test_pipeline import COMPARE, _cfg, _digit_reward
+
+DYING_ENGINE = '''
+import os, signal
+from rollout.hf_engine import HFEngine
+
+class DiesOnStepTwo(HFEngine):
+    def generate(self, prompts, sampling, *, group_ids=None, **kw):
+        # step 2's rollout carries group ids from 16 on (4 prompts per step x 4 sampling rounds)
+        if group_ids and group_ids[0] == 16 and not os.path.exists({marker!r}):
+            open({marker!r}, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().generate(prompts, sampling, group_ids=group_ids, **kw)
+'''
+
+DYING_LOSS = '''
+import os, signal
+from rl.losses import ppo_clip_loss
+
+def dies_on_step_two(logp, old_logp, advantages, response_mask, **kw):
+    calls = int(open({count!r}).read()) if os.path.exists({count!r}) else 0
+    open({count!r}, "w").write(str(calls + 1))
+    if calls == 2 and not os.path.exists({marker!r}):  # two micro-batches per step: call 3 is step 2
+        open({marker!r}, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ppo_clip_loss(logp, old_logp, advantages, response_mask, **kw)
+'''
+
+
+@pytest.mark.slow
+def test_killed_rollout_worker_is_restarted_and_its_rollout_regenerated(ray_cluster, tmp_path):
+    engine = tmp_path / "dying_engine.py"
+    engine.write_text(DYING_ENGINE.format(marker=str(tmp_path / "worker_was_killed")))
+    common = ["trainer.steps=3", "learner.lr=5e-3", _digit_reward(tmp_path)]
+    run(_cfg(tmp_path, "plain", *common))
+    summary = run(_cfg(tmp_path, "killed", *common, f"rollout.engine={engine}:DiesOnStepTwo"))
+    assert (tmp_path / "worker_was_killed").exists()  # the worker really was killed during step 2
+    plain, killed = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "killed")
+    assert summary["steps"] == 3 and [m["rollout/restarts"] for m in killed] == [0, 1, 1]
+    # the regenerated rollout has the same prompts and seeds and the restarted worker the current
+    # weights: every step is what it is without the failure, so nothing was lost or counted twice
+    for a, b in zip(plain, killed):
+        assert a["batch/samples"] == b["batch/samples"] == 16
+        for key in COMPARE:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_killed_learner_stops_the_run_with_a_resumable_checkpoint(ray_cluster, tmp_path):
+    loss = tmp_path / "dying_loss.py"
+    loss.write_text(DYING_LOSS.format(count=str(tmp_path / "calls"), marker=str(tmp_path / "rank_was_killed")))
+    args = ["trainer.steps=3", "trainer.checkpoint_every=1", "learner.lr=5e-3", _digit_reward(tmp_path),
+            f"algorithm.loss={loss}:dies_on_step_two"]
+    with pytest.raises(LearnerDied, match=r"learner rank\(s\) \[0\] died during a training step at step 2.*"
+                                          r"resume=auto from .*step_1"):
+        run(_cfg(tmp_path, "run", *args))
+    resumed = run(_cfg(tmp_path, "run", *args, "resume=auto"))
+    assert resumed["steps"] == 3
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]

@@ -1,12 +1,16 @@
 """Processes killed mid-run (SIGKILL, as the OOM killer or a failed node would): the run recovers, or
 stops with a message that says how to resume."""
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from cluster.learner import LearnerDied
 from rl.pipeline import run
 from rl.tracking import read_metrics
-from tests.rl.test_pipeline import COMPARE, _cfg, _digit_reward
+from tests.rl.test_pipeline import COMPARE, ROOT, TINY, _cfg, _digit_reward
 
 DYING_ENGINE = '''
 import os, signal
@@ -65,3 +69,28 @@ def test_killed_learner_stops_the_run_with_a_resumable_checkpoint(ray_cluster, t
     resumed = run(_cfg(tmp_path, "run", *args, "resume=auto"))
     assert resumed["steps"] == 3
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_killed_driver_resumes_to_the_metrics_of_an_uninterrupted_run(ray_cluster, tmp_path):
+    common = ["trainer.steps=4", "trainer.checkpoint_every=1", "learner.lr=5e-3", _digit_reward(tmp_path)]
+    run(_cfg(tmp_path, "full", *common))
+    # the same run as a `looprl run` process (attached to the running cluster), SIGKILLed once its
+    # step-2 checkpoint is complete
+    cmd = [sys.executable, "-m", "rl.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path / 'killed'}",
+           "sft.enabled=false", *TINY, *common]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = tmp_path / "killed" / "checkpoints" / "step_2" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert marker.exists() and not (tmp_path / "killed" / "summary.json").exists()  # it died mid-run
+    resumed = run(_cfg(tmp_path, "killed", *common, "resume=auto"))
+    assert resumed["steps"] == 4
+    full, again = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "killed")
+    assert [m["step"] for m in again] == [1, 2, 3, 4]
+    for a, b in zip(full, again):
+        for key in COMPARE:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)

@@ -4,7 +4,8 @@
 
 Needs a CUDA device and `pip install -e ".[dev,gpu,vllm]"`. Colocated placement (learner and vLLM share
 the GPU, vLLM capped at `gpu_memory_utilization`), bf16, the quickstart's tiny model widened to a
-~85M-parameter one so the GPU has work to do, synchronous and one-step-off rollout. Each run's
+~85M-parameter one so the GPU has work to do, synchronous and one-step-off rollout, weights through
+the object store and by NCCL broadcast (`rollout.weight_sync=collective`). Each run's
 per-phase medians, peak memory per actor and the vLLM/learner logprob mismatch are recorded; the
 script exits non-zero if any run fails.
 """
@@ -26,6 +27,8 @@ RUNS = {
     "vllm_sync": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}"],
     "vllm_one_step_off": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}",
                           "trainer.max_staleness=1", "algorithm.is_correction=token"],
+    "vllm_sync_nccl_broadcast": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}",
+                                 "rollout.weight_sync=collective"],
     "hf_sync": ["rollout.engine=hf"],
 }
 

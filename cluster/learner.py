@@ -246,6 +246,32 @@ class LearnerWorker:
         sd = self.full_state_dict()
         return pack_state(sd) if sd is not None else None
 
+    # ------------------------------------------------------------------ collective weight sync
+    def weight_sync_endpoint(self) -> tuple[str, int]:
+        """Address for the weight-sync group's rendezvous, hosted by this rank (call on rank 0)."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_weight_sync_group(self, host: str, port: int, world_size: int, backend: str) -> list | None:
+        """Rank 0 joins the weight-sync group as its rank 0 and returns the tensor metadata the
+        receivers need; all ranks must call (ZeRO-3 gathers the full weights to read their shapes)."""
+        from rollout.weight_sync import make_sync_group, state_meta
+        sd = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        self.sync_meta = state_meta(sd)
+        self.sync_group = make_sync_group(host, port, 0, world_size, backend)
+        self.sync_device = "cuda" if backend == "nccl" else "cpu"
+        return self.sync_meta
+
+    def broadcast_weights(self, bucket_bytes: int) -> float:
+        """Rank 0 broadcasts its full weights to the rollout workers; all ranks must call (ZeRO-3)."""
+        from rollout.weight_sync import broadcast_state
+        t0 = time.perf_counter()
+        sd = self.full_state_dict()
+        if self.rank == 0:
+            broadcast_state(self.sync_group, sd, self.sync_meta, bucket_bytes, self.sync_device)
+        return time.perf_counter() - t0
+
     def save_checkpoint(self, path: str, client_state: dict) -> None:
         self.engine.save_checkpoint(path, tag="ds", client_state=client_state)
 
@@ -304,7 +330,7 @@ class LearnerGroup:
                                                                  **worker_kwargs))
         ray.get([w.__ray_ready__.remote() for w in self.workers])
 
-    def _get_all(self, futures: list[Any], what: str) -> list[Any]:
+    def get_all(self, futures: list[Any], what: str) -> list[Any]:
         """`ray.get` of one call per rank; a dead rank becomes a `LearnerDied` naming it (a DeepSpeed
         rank cannot rejoin its process group, so the run stops and resumes from a checkpoint)."""
         try:
@@ -325,7 +351,7 @@ class LearnerGroup:
 
     def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0) -> torch.Tensor:
         shards = self._shards(batch)
-        outs = self._get_all([w.compute_logprobs.remote(s, which, temperature) for w, s in zip(self.workers, shards)],
+        outs = self.get_all([w.compute_logprobs.remote(s, which, temperature) for w, s in zip(self.workers, shards)],
                              f"{which} logprobs")
         width = batch.response_ids.shape[1]
         return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs], 0)
@@ -341,7 +367,7 @@ class LearnerGroup:
         futures = [w.train_step.remote(shard.split(grad_accum), loss_fn_spec, params, temperature, need_entropy,
                                        rollout_correction)
                    for w, shard in zip(self.workers, self._shards(batch))]
-        results = self._get_all(futures, "a training step")
+        results = self.get_all(futures, "a training step")
         out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         out["loss"] = sum(r["loss"] for r in results)
         out["grad_norm"] = results[0]["grad_norm"]
@@ -349,7 +375,7 @@ class LearnerGroup:
 
     def sft_step(self, batch: Batch, grad_accum: int) -> dict[str, float]:
         num_tokens = float(batch.response_mask.sum())
-        results = self._get_all([w.sft_step.remote(shard.split(grad_accum), num_tokens)
+        results = self.get_all([w.sft_step.remote(shard.split(grad_accum), num_tokens)
                            for w, shard in zip(self.workers, self._shards(batch))])
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
                 "lr": results[0]["lr"]}
@@ -358,7 +384,7 @@ class LearnerGroup:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
-        self._get_all([w.save_checkpoint.remote(path, client_state) for w in self.workers], "a checkpoint save")
+        self.get_all([w.save_checkpoint.remote(path, client_state) for w in self.workers], "a checkpoint save")
 
     def load_checkpoint(self, path: str) -> dict:
         return ray.get([w.load_checkpoint.remote(path) for w in self.workers])[0]

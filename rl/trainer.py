@@ -99,6 +99,8 @@ class RLTrainer:
         self.next_submit = 0  # first step whose rollout is not submitted yet
         self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
         self.rollout_restarts = 0  # rollouts regenerated because a rollout worker died
+        if cfg.rollout.weight_sync == "collective":
+            self._init_collective_sync()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -265,6 +267,18 @@ class RLTrainer:
                 pending.refs = pending.resubmit()
         raise AssertionError("unreachable")
 
+    def _init_collective_sync(self) -> None:
+        """Form the weight-sync process group: learner rank 0 and every rollout worker (NCCL when the
+        roles have GPUs, else gloo). Formed again after a rollout worker is restarted."""
+        host, port = ray.get(self.learners.workers[0].weight_sync_endpoint.remote())
+        world = 1 + len(self.rollout)
+        backend = "nccl" if self.placement.gpus_per_actor else "gloo"
+        senders = [w.init_weight_sync_group.remote(host, port, world, backend) for w in self.learners.workers]
+        receivers = [r.init_weight_sync_group.remote(host, port, i + 1, world, backend)
+                     for i, r in enumerate(self.rollout)]
+        self.sync_meta = ray.get(senders)[0]
+        ray.get(receivers)
+
     def _resync_rollout_workers(self) -> None:
         """Wait until every rollout worker is alive again and give them all the current weights."""
         deadline = time.monotonic() + 600
@@ -282,6 +296,8 @@ class RLTrainer:
                     time.sleep(0.5)
         state = self.learners.workers[0].weights_for_sync.remote()
         ray.get([w.load_weights.remote(state, self.step_idx) for w in self.rollout])
+        if self.cfg.rollout.weight_sync == "collective":  # the restarted worker left the old group
+            self._init_collective_sync()
 
     def _fill_pipeline(self) -> None:
         """Keep the rollouts of steps `step_idx .. step_idx + max_staleness` submitted (never past the
@@ -299,6 +315,12 @@ class RLTrainer:
         With max_staleness > 0 the loads are queued behind the in-flight generations (each rollout
         worker runs its calls in order) and this returns at once; their times are read on the next call.
         """
+        if self.cfg.rollout.weight_sync == "collective":
+            bucket = self.cfg.rollout.sync_bucket_mb << 20
+            sends = [w.broadcast_weights.remote(bucket) for w in self.learners.workers]
+            loads = [r.receive_weights.remote(self.step_idx, self.sync_meta, bucket) for r in self.rollout]
+            self.learners.get_all(sends, "the weight broadcast")
+            return max(ray.get(loads))
         refs = [w.weights_for_sync.remote() for w in self.learners.workers]
         state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
         loads = [r.load_weights.remote(state, self.step_idx) for r in self.rollout]

@@ -50,6 +50,23 @@ class RolloutWorker:
         self.needs_weights = False
         return time.perf_counter() - t0
 
+    def init_weight_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        from rollout.weight_sync import make_sync_group
+        self.sync_group = make_sync_group(host, port, rank, world_size, backend)
+        self.sync_device = "cuda" if backend == "nccl" else "cpu"
+
+    def receive_weights(self, version: int, meta: list, bucket_bytes: int) -> float:
+        """Receive learner rank 0's broadcast (`rollout.weight_sync: collective`) and load it."""
+        from rollout.weight_sync import receive_state
+        t0 = time.perf_counter()
+        named: dict[str, torch.Tensor] = {}
+        for part in receive_state(self.sync_group, meta, bucket_bytes, self.sync_device):
+            named.update(part)
+        self.engine.load_weights(named)
+        self.policy_version = version
+        self.needs_weights = False
+        return time.perf_counter() - t0
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -82,3 +82,12 @@ def test_weight_sync_roundtrip_through_object_store(ray_cluster, dtype):
     back = unpack_state(ray_cluster.get(ray_cluster.put(pack_state(state))))
     for k, v in state.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+
+
+def test_bucket_plan_keeps_order_splits_by_dtype_and_size():
+    from rollout.weight_sync import plan_buckets
+    meta = [("a", (4, 4), "float32"), ("b", (8,), "float32"), ("c", (100,), "float32"),
+            ("d", (2,), "bfloat16"), ("e", (2,), "float32")]
+    # 64 + 32 bytes fit a 100-byte bucket; 400 bytes get one of their own; dtype changes start a new one
+    assert plan_buckets(meta, 100) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets(meta, 1 << 20) == [[0, 1, 2], [3], [4]]

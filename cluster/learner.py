@@ -376,7 +376,7 @@ class LearnerGroup:
     def sft_step(self, batch: Batch, grad_accum: int) -> dict[str, float]:
         num_tokens = float(batch.response_mask.sum())
         results = self.get_all([w.sft_step.remote(shard.split(grad_accum), num_tokens)
-                           for w, shard in zip(self.workers, self._shards(batch))])
+                                for w, shard in zip(self.workers, self._shards(batch))], "an SFT step")
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
                 "lr": results[0]["lr"]}
 

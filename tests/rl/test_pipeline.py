@@ -64,6 +64,20 @@ def test_run_and_resume_matches_uninterrupted(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_sft_warm_up_stage_lowers_its_loss_and_is_reused(ray_cluster, tmp_path):
+    args = ["sft.enabled=true", "sft.steps=30", "sft.batch_size=16", "sft.warmup_steps=2", "sft.lr=5e-3",
+            "trainer.steps=1"]
+    summary = run(_cfg(tmp_path, "sft", *args))
+    hist = [json.loads(x) for x in (tmp_path / "sft" / "sft_metrics.jsonl").read_text().splitlines()]
+    assert len(hist) == 30 and summary["sft_final_loss"] == hist[-1]["sft/loss"]
+    first, last = sum(h["sft/loss"] for h in hist[:5]) / 5, sum(h["sft/loss"] for h in hist[-5:]) / 5
+    assert last < 0.8 * first  # the warm-up fits the synthetic targets
+    # a second run of the same recipe reuses the warmed-up policy instead of training it again
+    again = run(_cfg(tmp_path, "sft", *args))
+    assert "sft_final_loss" not in again
+
+
+@pytest.mark.slow
 def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_path):
     common = ["trainer.checkpoint_every=2", "learner.lr=5e-3", "algorithm.is_correction=token", _digit_reward(tmp_path)]
     run(_cfg(tmp_path, "k0", "trainer.max_staleness=0", "trainer.steps=4", *common))

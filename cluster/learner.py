@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import torch
 
+from cluster.ray_utils import ActorProbes
 from rl.batch import Batch
 
 
@@ -41,7 +42,7 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_accum: int, wo
     }
 
 
-class LearnerWorker:
+class LearnerWorker(ActorProbes):
     """One learner rank. Plain class; `LearnerGroup` wraps it as a Ray actor."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
@@ -287,14 +288,6 @@ class LearnerWorker:
             if tokenizer_path:
                 from rollout.hf_engine import load_tokenizer
                 load_tokenizer(tokenizer_path).save_pretrained(path)
-
-    def peak_rss_gib(self) -> float:
-        from cluster.ray_utils import peak_rss_gib
-        return peak_rss_gib()
-
-    def node_id(self) -> str:
-        import ray
-        return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.ray_utils import ActorProbes
 from rewards.base import RewardResult, is_batched, normalize_result
 
 
@@ -101,7 +102,7 @@ def _score_chunk(spec: str, params: dict, items: list[dict], timeout_s: float) -
     return results
 
 
-class RewardService:
+class RewardService(ActorProbes):
     """Scores samples with weighted reward functions in `num_workers` spawned processes."""
 
     def __init__(self, functions: list[RewardSpec], num_workers: int = 2, timeout_s: float = 10.0,
@@ -131,10 +132,6 @@ class RewardService:
             self._pool.join()
         self._pool = None
         self.restarts += 1
-
-    def peak_rss_gib(self) -> float:
-        from cluster.ray_utils import peak_rss_gib
-        return peak_rss_gib()
 
     def close(self) -> None:
         if self._pool is not None:

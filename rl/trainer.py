@@ -365,20 +365,23 @@ class RLTrainer:
         random.setstate(state["python_rng"])
         self.sync_weights()
 
+    def _ask_learners_and_rollout(self, method: str) -> dict[str, Any]:
+        """`method()` of every learner rank and rollout worker, keyed learner0.., rollout0.."""
+        roles = {"learner": self.learners.workers, "rollout": self.rollout}
+        refs = {f"{role}{i}": getattr(w, method).remote() for role, ws in roles.items() for i, w in enumerate(ws)}
+        return dict(zip(refs, ray.get(list(refs.values()))))
+
     def peak_memory(self) -> dict[str, float]:
         """Peak resident memory (GiB) of every actor of the run and of the driver."""
         from cluster.ray_utils import peak_rss_gib
-        out = {f"learner{i}": v for i, v in enumerate(ray.get([w.peak_rss_gib.remote() for w in self.learners.workers]))}
-        out.update({f"rollout{i}": v for i, v in enumerate(ray.get([w.peak_rss_gib.remote() for w in self.rollout]))})
+        out = self._ask_learners_and_rollout("peak_rss_gib")
         out["reward_service"] = ray.get(self.rewards.peak_rss_gib.remote())
         out["driver"] = peak_rss_gib()
         return out
 
     def actor_nodes(self) -> dict[str, str]:
         """The Ray node id each learner rank and rollout worker runs on."""
-        out = {f"learner{i}": v for i, v in enumerate(ray.get([w.node_id.remote() for w in self.learners.workers]))}
-        out.update({f"rollout{i}": v for i, v in enumerate(ray.get([w.node_id.remote() for w in self.rollout]))})
-        return out
+        return self._ask_learners_and_rollout("node_id")
 
     def close(self) -> None:
         self.learners.shutdown()

@@ -44,6 +44,18 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     return tok
 
 
+def attach_prompt_fields(batch: Batch, prompts: list[str], n: int, group_ids: list[int] | None,
+                        ground_truth: list[Any] | None, metadata: list[dict] | None) -> Batch:
+    """Give each of the `n` rows per prompt (prompt-major) its prompt's text, group id, ground truth and
+    metadata; shared by the engines so their batches carry the same fields."""
+    group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
+    batch.group_id = torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long)
+    batch.prompts = [p for p in prompts for _ in range(n)]
+    batch.ground_truth = [g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)]
+    batch.metadata = [dict(m) for m in (metadata or [{} for _ in prompts]) for _ in range(n)]
+    return batch
+
+
 @register("engine", "hf")
 class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
@@ -59,7 +71,6 @@ class HFEngine:
                  ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
         """Sample `sampling.n` responses per prompt; row order is prompt-major (p0s0, p0s1, ...)."""
         n = sampling.n
-        group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
         rows_prompt = [p for p in prompts for _ in range(n)]
         chunks = []
         seed = sampling.seed if sampling.seed is not None else 0
@@ -67,13 +78,7 @@ class HFEngine:
             # Seeded per call and chunk, so a resumed run samples exactly what an uninterrupted one did.
             torch.manual_seed(seed * 1_000_003 + start)
             chunks.append(self._generate_chunk(rows_prompt[start:start + self.batch_size], sampling))
-        batch = Batch.concat(chunks)
-        batch.group_id = torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long)
-        batch.prompts = rows_prompt
-        batch.ground_truth = [g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)]
-        metas = metadata or [{} for _ in prompts]
-        batch.metadata = [dict(m) for m in metas for _ in range(n)]
-        return batch
+        return attach_prompt_fields(Batch.concat(chunks), prompts, n, group_ids, ground_truth, metadata)
 
     def _generate_chunk(self, prompts: list[str], sp: SamplingParams) -> Batch:
         tok = self.tokenizer

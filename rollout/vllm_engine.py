@@ -23,7 +23,7 @@ import torch
 
 from rl.batch import Batch
 from rl.registry import register
-from rollout.hf_engine import SamplingParams, load_tokenizer
+from rollout.hf_engine import SamplingParams, attach_prompt_fields, load_tokenizer
 
 
 def _reload_weights(worker: Any, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -67,7 +67,9 @@ class VLLMEngine:
 
         tok, n = self.tokenizer, sampling.n
         greedy = sampling.temperature <= 0
-        enc = tok(prompts, add_special_tokens=False)["input_ids"]
+        # tokenised once: left-padded rows for the Batch, unpadded ids for vLLM
+        padded = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = [ids[mask.bool()].tolist() for ids, mask in zip(padded["input_ids"], padded["attention_mask"])]
         base_seed = sampling.seed if sampling.seed is not None else 0
         # One request per sample, each with its own seed: vLLM derives the streams of an n > 1 request
         # from one seed, which correlates sample j of prompt i with sample j-1 of prompt i+1.
@@ -98,17 +100,12 @@ class VLLMEngine:
             resp[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             logp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
         attn = (torch.arange(L).unsqueeze(0) < torch.tensor([len(r) for r in rows_resp]).unsqueeze(1)).long()
-        padded = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True,
-                     add_special_tokens=False)
-        group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
-        metas = metadata or [{} for _ in prompts]
-        return Batch(prompt_ids=padded["input_ids"], prompt_mask=padded["attention_mask"],
-                     response_ids=resp, response_mask=attn.float(), response_attn=attn,
-                     group_id=torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long),
-                     rollout_logp=logp, truncated=torch.tensor(rows_trunc), responses=texts,
-                     prompts=[p for p in prompts for _ in range(n)],
-                     ground_truth=[g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)],
-                     metadata=[dict(m) for m in metas for _ in range(n)])
+        batch = Batch(prompt_ids=padded["input_ids"].repeat_interleave(n, 0),
+                      prompt_mask=padded["attention_mask"].repeat_interleave(n, 0),
+                      response_ids=resp, response_mask=attn.float(), response_attn=attn,
+                      group_id=torch.zeros(B, dtype=torch.long), rollout_logp=logp,
+                      truncated=torch.tensor(rows_trunc), responses=texts)
+        return attach_prompt_fields(batch, prompts, n, group_ids, ground_truth, metadata)
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """New weights into the running engine (HF names; vLLM maps them onto its fused layers)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from cluster.ray_utils import ActorProbes
 from rl.batch import Batch
 from rl.registry import get
 from rollout.hf_engine import SamplingParams
@@ -19,7 +20,7 @@ class RolloutWorkerRestarted(RuntimeError):
     """Raised by a rollout worker that Ray restarted and that has not received the current weights yet."""
 
 
-class RolloutWorker:
+class RolloutWorker(ActorProbes):
     """Generates samples with the engine named in the recipe and receives weight updates."""
 
     def __init__(self, engine: str, model_path: str, threads: int = 1, **engine_kwargs: Any):
@@ -69,11 +70,3 @@ class RolloutWorker:
 
     def pid(self) -> int:
         return os.getpid()
-
-    def peak_rss_gib(self) -> float:
-        from cluster.ray_utils import peak_rss_gib
-        return peak_rss_gib()
-
-    def node_id(self) -> str:
-        import ray
-        return ray.get_runtime_context().get_node_id()

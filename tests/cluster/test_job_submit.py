@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.learner import free_port
+from tests.cluster import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,15 +32,12 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
                             "--temp-dir", str(ray_tmp)], env=env, capture_output=True, text=True, timeout=120)
     assert start.returncode == 0, start.stderr[-2000:]
     out_dir = tmp_path / "run"
-    tiny = ["sft.enabled=false", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
-            "data.synthetic.num_train=40", "data.synthetic.num_eval=4", "rollout.n=2", "rollout.max_new_tokens=8",
-            "trainer.prompts_per_step=2", "reward.num_workers=1", "logging.progress_bar=false"]
     address = f"http://127.0.0.1:{dash_port}"
     try:
         submit = subprocess.run(
             [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT),
              "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "runs", "benchmarks/results"]}),
-             "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "trainer.steps=2", *tiny],
+             "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "trainer.steps=2", *TINY_RUN],
             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert submit.returncode == 0, (submit.stdout[-3000:], submit.stderr[-3000:])
         assert "succeeded" in submit.stdout + submit.stderr
@@ -51,13 +49,13 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
 
         # looprl's own submit: streams the job's logs and returns its exit code
         looprl = [sys.executable, "-m", "rl.cli", "submit", "recipes/quickstart.yaml", "--address", address]
-        ok = subprocess.run([*looprl, f"output_dir={tmp_path / 'via-looprl'}", "trainer.steps=1", *tiny],
+        ok = subprocess.run([*looprl, f"output_dir={tmp_path / 'via-looprl'}", "trainer.steps=1", *TINY_RUN],
                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert ok.returncode == 0, (ok.stdout[-3000:], ok.stderr[-3000:])
         assert "held-out accuracy" in ok.stdout and "succeeded" in ok.stdout  # the job's log came through
         assert json.loads((tmp_path / "via-looprl" / "summary.json").read_text())["steps"] == 1
         # a recipe that fails on the cluster (an unimportable reward plugin) fails the command
-        bad = subprocess.run([*looprl, f"output_dir={tmp_path / 'bad'}", "trainer.steps=1", *tiny,
+        bad = subprocess.run([*looprl, f"output_dir={tmp_path / 'bad'}", "trainer.steps=1", *TINY_RUN,
                               "reward.functions=[{name: 'no_such_module:fn'}]"],
                              env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert bad.returncode != 0 and "no_such_module" in bad.stdout + bad.stderr

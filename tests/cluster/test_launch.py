@@ -12,11 +12,10 @@ import pytest
 
 from cluster.launch import render_sbatch
 from cluster.learner import free_port
+from tests.cluster import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["sft.enabled=false", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
-        "data.synthetic.num_train=40", "data.synthetic.num_eval=4", "rollout.n=2", "rollout.max_new_tokens=8",
-        "trainer.prompts_per_step=2", "reward.num_workers=1", "logging.progress_bar=false", "trainer.steps=1"]
+TINY = [*TINY_RUN, "trainer.steps=1"]
 
 
 def test_rendered_script_is_valid_bash_with_the_requested_allocation(tmp_path):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster import TINY_RUN
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
@@ -33,10 +35,7 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.slow
 def test_roles_land_on_the_nodes_the_recipe_names(tmp_path):
     out = tmp_path / "run"
-    overrides = [f"output_dir={out}", "sft.enabled=false", "trainer.steps=2", "model.tiny.hidden_size=32",
-                 "model.tiny.num_layers=1", "model.tiny.num_heads=2", "data.synthetic.num_train=40",
-                 "data.synthetic.num_eval=4", "rollout.n=2", "rollout.max_new_tokens=8", "trainer.prompts_per_step=2",
-                 "reward.num_workers=1", "logging.progress_bar=false", "cluster.placement=split",
+    overrides = [f"output_dir={out}", *TINY_RUN, "trainer.steps=2", "cluster.placement=split",
                  "cluster.placement_strategy=SPREAD", "cluster.learner_resources={trainer_node: 1}",
                  "cluster.rollout_resources={rollout_node: 1}", "learner.num_cpus=1", "rollout.num_cpus=1"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

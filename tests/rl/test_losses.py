@@ -13,6 +13,19 @@ def _ratio_inputs(ratios, advs):
     return logp, old, torch.tensor([advs], dtype=torch.float32), torch.ones(1, len(ratios))
 
 
+def _assert_same_loss_and_grad(loss_a, loss_b, logp, atol):
+    """`loss_a(logp)` and `loss_b(logp)` give the same loss and the same gradient w.r.t. `logp`;
+    returns loss_a's metrics and gradient for further checks."""
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    la, metrics = loss_a(a)
+    lb, _ = loss_b(b)
+    la.backward()
+    lb.backward()
+    assert la.item() == pytest.approx(lb.item(), abs=atol)
+    assert torch.allclose(a.grad, b.grad, atol=atol)
+    return metrics, a.grad
+
+
 def test_ppo_clip_hand_value():
     # ratios 0.5/1.0/1.5, advantages [1,-1,2], eps 0.2 -> per-token [-0.5, 1.0, -2.4], mean -0.63333
     logp, old, adv, mask = _ratio_inputs([0.5, 1.0, 1.5], [1.0, -1.0, 2.0])
@@ -153,14 +166,8 @@ def test_gspo_token_equals_gspo_with_sequence_advantages():
     adv = torch.randn(4, 1, generator=g).expand(4, 5).clone()
     mask = (torch.rand(4, 5, generator=g) > 0.2).float()
     mask[:, 0] = 1
-    a = base.clone().requires_grad_(True)
-    b = base.clone().requires_grad_(True)
-    la, _ = gspo_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.2)
-    lb, _ = gspo_token_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.2)
-    la.backward()
-    lb.backward()
-    assert la.item() == pytest.approx(lb.item(), abs=1e-7)
-    assert torch.allclose(a.grad, b.grad, atol=1e-7)
+    _assert_same_loss_and_grad(lambda x: gspo_loss(x, old, adv, mask, eps_low=0.2, eps_high=0.2),
+                               lambda x: gspo_token_loss(x, old, adv, mask, eps_low=0.2, eps_high=0.2), base, 1e-7)
 
 
 def test_gspo_on_policy_equals_ppo_clip_seq_mean():
@@ -168,13 +175,8 @@ def test_gspo_on_policy_equals_ppo_clip_seq_mean():
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     adv = torch.tensor([[0.7] * 3, [-0.4] * 3])
-    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
-    lg, _ = gspo_loss(a, logp, adv, mask)
-    lp, _ = ppo_clip_loss(b, logp, adv, mask, agg="seq-mean-token-mean")
-    lg.backward()
-    lp.backward()
-    assert lg.item() == pytest.approx(lp.item(), abs=1e-7)
-    assert torch.allclose(a.grad, b.grad, atol=1e-7)
+    _assert_same_loss_and_grad(lambda x: gspo_loss(x, logp, adv, mask),
+                               lambda x: ppo_clip_loss(x, logp, adv, mask, agg="seq-mean-token-mean"), logp, 1e-7)
 
 
 def test_cispo_clipped_stop_gradient_weight():
@@ -242,13 +244,9 @@ def test_tgpo_reduces_to_gspo_token_when_gates_and_trust_are_one():
     base = old + torch.randn(4, 5, generator=g) * 0.05
     adv = torch.tensor([[1.0], [-0.5], [0.3], [-1.2]]).expand(4, 5).clone()
     mask = torch.ones(4, 5)
-    a, b = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
-    lt, _ = tgpo_loss(a, old, adv, mask, tau=1e9, w_min=1.0, eps_low=0.2, eps_high=0.28)
-    lg, _ = gspo_token_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.28)
-    lt.backward()
-    lg.backward()
-    assert lt.item() == pytest.approx(lg.item(), abs=1e-6)
-    assert torch.allclose(a.grad, b.grad, atol=1e-6)
+    _assert_same_loss_and_grad(
+        lambda x: tgpo_loss(x, old, adv, mask, tau=1e9, w_min=1.0, eps_low=0.2, eps_high=0.28),
+        lambda x: gspo_token_loss(x, old, adv, mask, eps_low=0.2, eps_high=0.28), base, 1e-6)
 
 
 def test_tgpo_token_anchor_equals_ppo_clip():
@@ -258,13 +256,9 @@ def test_tgpo_token_anchor_equals_ppo_clip():
     base = old + torch.randn(3, 4, generator=g) * 0.3
     adv = torch.tensor([[1.0], [-1.0], [0.5]]).expand(3, 4).clone()
     mask = torch.ones(3, 4)
-    a, b = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
-    lt, _ = tgpo_loss(a, old, adv, mask, anchor="token", eps_low=0.2, eps_high=0.2, agg="token-mean")
-    lp, _ = ppo_clip_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.2, agg="token-mean")
-    lt.backward()
-    lp.backward()
-    assert lt.item() == pytest.approx(lp.item(), abs=1e-6)
-    assert torch.allclose(a.grad, b.grad, atol=1e-6)
+    _assert_same_loss_and_grad(
+        lambda x: tgpo_loss(x, old, adv, mask, anchor="token", eps_low=0.2, eps_high=0.2, agg="token-mean"),
+        lambda x: ppo_clip_loss(x, old, adv, mask, eps_low=0.2, eps_high=0.2, agg="token-mean"), base, 1e-6)
 
 
 def test_tgpo_on_policy_first_step_equals_grpo_and_reinforce_gradient():
@@ -272,15 +266,11 @@ def test_tgpo_on_policy_first_step_equals_grpo_and_reinforce_gradient():
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
     adv = torch.tensor([[0.8] * 3, [-0.8] * 3])
     mask = torch.ones(2, 3)
-    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
-    lt, m = tgpo_loss(a, logp, adv, mask)
-    lg, _ = gspo_loss(b, logp, adv, mask)
-    lt.backward()
-    lg.backward()
+    m, grad = _assert_same_loss_and_grad(lambda x: tgpo_loss(x, logp, adv, mask),
+                                         lambda x: gspo_loss(x, logp, adv, mask), logp, 1e-7)
     assert m["gate_mean"] == 1.0 and m["trust_mean"] == 1.0
-    assert lt.item() == pytest.approx(lg.item(), abs=1e-7)
     # REINFORCE: d loss / d logp_it = -A_i / |y_i| / G
-    assert torch.allclose(a.grad, -adv / 3 / 2, atol=1e-7)
+    assert torch.allclose(grad, -adv / 3 / 2, atol=1e-7)
 
 
 def test_tgpo_retains_drifting_negative_trajectories_with_w_min():

@@ -1,18 +1,21 @@
-"""A few GRPO steps on one GPU with the vLLM engine (and the hf engine beside it), timings as JSON.
+"""A few GRPO steps on one GPU with each rollout engine and weight-sync path, timings as JSON.
 
-    python benchmarks/gpu_smoke.py [--steps 8] [--out benchmarks/results/gpu_smoke.json]
+    python benchmarks/gpu_smoke.py [--steps 6] [--out benchmarks/results/gpu_smoke.json]
 
-Needs a CUDA device and `pip install -e ".[dev,gpu,vllm]"`. Colocated placement (learner and vLLM share
-the GPU, vLLM capped at `gpu_memory_utilization`), bf16, the quickstart's tiny model widened to a
-~85M-parameter one so the GPU has work to do, synchronous and one-step-off rollout, weights through
-the object store and by NCCL broadcast (`rollout.weight_sync=collective`). Each run's
-per-phase medians, peak memory per actor and the vLLM/learner logprob mismatch are recorded; the
-script exits non-zero if any run fails.
+Needs a CUDA device and `pip install -e ".[dev,gpu]"` (plus `.[vllm]` for the vLLM runs, which are
+recorded as skipped without it). Colocated placement (learner and rollout engine share the GPU; vLLM is
+capped at `gpu_memory_utilization`), bf16, the quickstart's tiny model widened to a ~85M-parameter one
+so the GPU has work to do; synchronous and one-step-off rollout; weights through the object store and
+by CUDA IPC (`rollout.weight_sync=cuda_ipc`; NCCL broadcast needs a second GPU, see
+tests/cluster/test_gpu.py). Each run's per-phase medians, the weight sync's share of the step, peak
+memory per actor and the engine/learner logprob mismatch are recorded; the script exits non-zero if any
+run that could run failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -23,19 +26,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.tiny.hidden_size=768", "model.tiny.num_layers=14", "model.tiny.num_heads=12",
          "model.tiny.intermediate_size=1536", "model.tiny.max_position_embeddings=256"]
+VLLM = ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}"]
+ASYNC = ["trainer.max_staleness=1", "algorithm.is_correction=token"]
 RUNS = {
-    "vllm_sync": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}"],
-    "vllm_one_step_off": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}",
-                          "trainer.max_staleness=1", "algorithm.is_correction=token"],
-    "vllm_sync_nccl_broadcast": ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}",
-                                 "rollout.weight_sync=collective"],
-    "hf_sync": ["rollout.engine=hf"],
+    "hf_sync_object_store": ["rollout.engine=hf"],
+    "hf_sync_cuda_ipc": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc"],
+    "hf_one_step_off_cuda_ipc": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc", *ASYNC],
+    "vllm_sync_cuda_ipc": [*VLLM, "rollout.weight_sync=cuda_ipc"],
+    "vllm_one_step_off_cuda_ipc": [*VLLM, "rollout.weight_sync=cuda_ipc", *ASYNC],
 }
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_smoke.json"))
     args = p.parse_args()
     import torch
@@ -43,7 +48,12 @@ def main() -> None:
         raise SystemExit("gpu_smoke.py needs a CUDA device")
     report: dict = {"device": torch.cuda.get_device_name(0), "steps": args.steps, "runs": {}}
     failed = False
-    for name, extra in RUNS.items():
+    for name in args.runs:
+        extra = RUNS[name]
+        if "rollout.engine=vllm" in extra and importlib.util.find_spec("vllm") is None:
+            report["runs"][name] = {"skipped": "vllm is not installed"}
+            print(json.dumps({name: report["runs"][name]}), flush=True)
+            continue
         out = ROOT / "runs" / "gpu_smoke" / name
         t0 = time.perf_counter()
         proc = subprocess.run(
@@ -64,6 +74,7 @@ def main() -> None:
                 "phase_s_median": {k[5:]: statistics.median(r[k] for r in steady)
                                    for k in rows[0] if k.startswith("time/")},
                 "weight_load_s_median": statistics.median(r["rollout/weight_load_s"] for r in steady),
+                "sync_share_of_step": statistics.median(r["time/sync"] / r["perf/step_s"] for r in steady),
                 "mismatch_abs_diff_first_step": rows[0]["actor/mismatch_abs_diff"],
                 "tokens_per_s_median": statistics.median(r["perf/tokens_per_s"] for r in steady),
                 "peak_rss_gib": json.loads((out / "summary.json").read_text()).get("peak_rss_gib"),

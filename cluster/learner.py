@@ -227,19 +227,22 @@ class LearnerWorker(ActorProbes):
         return float(norm) if norm is not None else float("nan")
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on CPU from rank 0 (None elsewhere). Collective under ZeRO-3: call on all ranks."""
+    def full_state_dict(self, device: str = "cpu", every_rank: bool = False) -> dict[str, torch.Tensor] | None:
+        """Full weights on `device` from rank 0 (None elsewhere, unless `every_rank`). Collective under
+        ZeRO-3: call on all ranks."""
         module = self.engine.module
+        keep = every_rank or self.rank == 0
         if self.zero_stage == 3:
             import deepspeed
             params = list(module.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                sd = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if self.rank == 0 else None
+                sd = {k: v.detach().to(device).clone() for k, v in module.state_dict().items()} if keep else None
             return sd
-        if self.rank != 0:
+        if not keep:
             return None
-        # No clone: Ray serialises (copies) the tensors when the result is stored.
-        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        # No clone: Ray serialises (copies) the tensors when the result is stored; the GPU paths copy
+        # them into buckets.
+        return {k: v.detach().to(device) for k, v in module.state_dict().items()}
 
     def weights_for_sync(self):
         """Rank 0's full weights packed for the object store (see rollout.weight_sync); None elsewhere."""
@@ -257,21 +260,37 @@ class LearnerWorker(ActorProbes):
         receivers need; all ranks must call (ZeRO-3 gathers the full weights to read their shapes)."""
         from rollout.weight_sync import make_sync_group, state_meta
         sd = self.full_state_dict()
+        self.sync_device = "cuda" if backend == "nccl" else "cpu"
         if self.rank != 0:
             return None
         self.sync_meta = state_meta(sd)
         self.sync_group = make_sync_group(host, port, 0, world_size, backend)
-        self.sync_device = "cuda" if backend == "nccl" else "cpu"
         return self.sync_meta
 
     def broadcast_weights(self, bucket_bytes: int) -> float:
         """Rank 0 broadcasts its full weights to the rollout workers; all ranks must call (ZeRO-3)."""
         from rollout.weight_sync import broadcast_state
         t0 = time.perf_counter()
-        sd = self.full_state_dict()
+        sd = self.full_state_dict(self.sync_device)
         if self.rank == 0:
             broadcast_state(self.sync_group, sd, self.sync_meta, bucket_bytes, self.sync_device)
         return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ CUDA IPC weight sync (colocated)
+    def share_weights_ipc(self, bucket_bytes: int, keep_versions: int) -> dict:
+        """This rank's full weights copied into GPU buckets, returned as CUDA IPC handles for the rollout
+        worker on the same GPU; all ranks must call. The buckets of the last `keep_versions` calls stay
+        alive: with asynchronous rollout a worker opens them only after its queued generations."""
+        from rollout.weight_sync import gpu_uuid, share_state_ipc, state_meta
+        t0 = time.perf_counter()
+        sd = self.full_state_dict("cuda", every_rank=True)
+        meta = state_meta(sd)
+        buckets, handles = share_state_ipc(sd, meta, bucket_bytes)
+        del sd
+        self.ipc_live = (getattr(self, "ipc_live", []) + [buckets])[-keep_versions:]
+        torch.cuda.synchronize()  # the copies must be done before another process reads them
+        return {"gpu": gpu_uuid(), "meta": meta, "handles": handles, "bucket_bytes": bucket_bytes,
+                "pack_s": time.perf_counter() - t0}
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
         self.engine.save_checkpoint(path, tag="ds", client_state=client_state)

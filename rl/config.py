@@ -87,8 +87,9 @@ class RolloutConfig:
     eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
     generation_batch_size: int = 256  # prompts*n per generate call inside a worker
     num_cpus: float = 0.5  # CPUs reserved per worker in the placement group
-    weight_sync: str = "object_store"  # object_store (numpy buffers through Ray) | collective (learner rank 0 broadcasts in buckets: gloo on CPU, NCCL on GPU)
-    sync_bucket_mb: int = 256  # bucket size of the collective weight broadcast
+    # NCCL cannot join two ranks on one GPU, hence cuda_ipc for colocated GPU roles
+    weight_sync: str = "object_store"  # object_store (numpy buffers through Ray; any placement) | collective (rank 0 broadcasts in buckets: gloo on CPU, NCCL on GPU with split placement) | cuda_ipc (GPU, colocated: rollout worker i reads learner rank i's weights through CUDA IPC handles)
+    sync_bucket_mb: int = 256  # bucket size of the collective / cuda_ipc weight transfer
     max_restarts: int = 3  # Ray restarts of a dead rollout worker (its rollout is then generated again)
     threads: int = 1  # torch intra-op threads per worker (colocated roles take turns, so they may each use all cores)
 
@@ -325,11 +326,15 @@ def validate(cfg: DictConfig) -> None:
     need(per_update % cfg.learner.world_size == 0, "learner.world_size",
          f"must divide the samples per optimizer step ({per_update})")
     need(cfg.trainer.max_staleness >= 0, "trainer.max_staleness", "must be >= 0")
-    need(cfg.rollout.weight_sync in ("object_store", "collective"), "rollout.weight_sync",
-         "must be object_store or collective")
+    need(cfg.rollout.weight_sync in ("object_store", "collective", "cuda_ipc"), "rollout.weight_sync",
+         "must be object_store, collective or cuda_ipc")
+    need(cfg.rollout.weight_sync != "cuda_ipc" or (cfg.cluster.placement == "colocated"
+                                                   and cfg.rollout.num_workers <= cfg.learner.world_size),
+         "rollout.weight_sync", "cuda_ipc needs cluster.placement: colocated and rollout.num_workers <= "
+         "learner.world_size (each rollout worker shares a GPU with a learner rank)")
     # a broadcast waits for every receiver, i.e. for the rollout in flight: it would serialise the pipeline
-    need(cfg.rollout.weight_sync == "object_store" or cfg.trainer.max_staleness == 0, "rollout.weight_sync",
-         "collective needs trainer.max_staleness: 0 (use object_store with asynchronous rollout)")
+    need(cfg.rollout.weight_sync != "collective" or cfg.trainer.max_staleness == 0, "rollout.weight_sync",
+         "collective needs trainer.max_staleness: 0 (use object_store or cuda_ipc with asynchronous rollout)")
     need(cfg.algorithm.is_correction in ("none", "token", "sequence"), "algorithm.is_correction",
          "must be none, token or sequence")
     need(cfg.algorithm.is_mode in ("truncate", "mask"), "algorithm.is_mode", "must be truncate or mask")

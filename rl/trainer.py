@@ -74,6 +74,15 @@ class PromptSampler:
 class RLTrainer:
     def __init__(self, cfg: DictConfig, model_path: str, tokenizer: Any, train_rows: list[dict],
                  placement: Placement, reward_service: Any):
+        gpus, colocated = bool(placement.gpus_per_actor), cfg.cluster.placement == "colocated"
+        if cfg.rollout.weight_sync == "cuda_ipc" and not gpus:
+            raise ValueError("rollout.weight_sync=cuda_ipc needs GPUs (learners and rollout workers on CUDA); "
+                             "on CPU use object_store or collective")
+        if cfg.rollout.weight_sync == "collective" and gpus and colocated:
+            # NCCL refuses a communicator with two ranks on one device (learner rank 0, rollout worker 0)
+            raise ValueError("rollout.weight_sync=collective on GPUs needs cluster.placement: split (NCCL cannot "
+                             "join learner rank 0 and the rollout worker sharing its GPU); with colocated "
+                             "placement use cuda_ipc")
         self.cfg = cfg
         self.model_path = model_path
         self.tokenizer = tokenizer
@@ -321,9 +330,14 @@ class RLTrainer:
             loads = [r.receive_weights.remote(self.step_idx, self.sync_meta, bucket) for r in self.rollout]
             self.learners.get_all(sends, "the weight broadcast")
             return max(ray.get(loads))
-        refs = [w.weights_for_sync.remote() for w in self.learners.workers]
-        state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
-        loads = [r.load_weights.remote(state, self.step_idx) for r in self.rollout]
+        if self.cfg.rollout.weight_sync == "cuda_ipc":  # rollout worker i reads learner rank i's GPU buckets
+            bucket, keep = self.cfg.rollout.sync_bucket_mb << 20, self.cfg.trainer.max_staleness + 1
+            refs = [w.share_weights_ipc.remote(bucket, keep) for w in self.learners.workers]
+            loads = [r.load_weights_ipc.remote(refs[i], self.step_idx) for i, r in enumerate(self.rollout)]
+        else:
+            refs = [w.weights_for_sync.remote() for w in self.learners.workers]
+            state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
+            loads = [r.load_weights.remote(state, self.step_idx) for r in self.rollout]
         if self.cfg.trainer.max_staleness == 0:
             ray.get(refs[1:])
             try:

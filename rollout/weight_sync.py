@@ -98,3 +98,30 @@ def receive_state(group, meta: list[TensorMeta], bucket_bytes: int, device: str 
         flat = torch.empty(sum(sizes), dtype=getattr(torch, meta[bucket[0]][2]), device=device)
         _broadcast(group, flat)
         yield {meta[i][0]: part.view(meta[i][1]) for i, part in zip(bucket, flat.split(sizes))}
+
+
+# --------------------------------------------------------------------------- CUDA IPC (colocated) sync
+# A learner rank and the rollout worker colocated with it share one GPU. NCCL refuses a group with two
+# ranks on one device, so the learner instead copies its weights into flat GPU buckets and hands the
+# worker CUDA IPC handles to them (`torch.multiprocessing`'s tensor sharing); the worker copies out of
+# the shared buckets straight into its engine. The weights never leave the GPU.
+def share_state_ipc(state: dict[str, torch.Tensor], meta: list[TensorMeta],
+                    bucket_bytes: int) -> tuple[list[torch.Tensor], list]:
+    """Sender side: (buckets, handles). The caller keeps `buckets` alive until every receiver loaded them."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    buckets = [torch.cat([state[meta[i][0]].detach().reshape(-1) for i in bucket])
+               for bucket in plan_buckets(meta, bucket_bytes)]
+    return buckets, [reduce_tensor(flat) for flat in buckets]
+
+
+def open_state_ipc(handles: list, meta: list[TensorMeta], bucket_bytes: int):
+    """Receiver side: yields `{name: tensor}` per bucket, views of the sender's GPU memory (copy them)."""
+    for bucket, (rebuild, args) in zip(plan_buckets(meta, bucket_bytes), handles, strict=True):
+        flat = rebuild(*args)
+        sizes = [math.prod(meta[i][1]) for i in bucket]
+        yield {meta[i][0]: part.view(meta[i][1]) for i, part in zip(bucket, flat.split(sizes))}
+
+
+def gpu_uuid() -> str:
+    """This process's current CUDA device, as a physical id (device indices differ between processes)."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)

@@ -68,5 +68,24 @@ class RolloutWorker(ActorProbes):
         self.needs_weights = False
         return time.perf_counter() - t0
 
+    def load_weights_ipc(self, shared: dict, version: int) -> float:
+        """Load the weights of the learner rank on this GPU from its CUDA IPC handles
+        (`rollout.weight_sync: cuda_ipc`, `LearnerWorker.share_weights_ipc`)."""
+        from rollout.weight_sync import gpu_uuid, open_state_ipc
+        t0 = time.perf_counter()
+        if shared["gpu"] != gpu_uuid():
+            raise RuntimeError(f"rollout.weight_sync=cuda_ipc: this rollout worker runs on GPU {gpu_uuid()}, its "
+                               f"learner rank on {shared['gpu']}; cuda_ipc needs them colocated on one GPU "
+                               "(cluster.placement: colocated), else use collective")
+        named: dict[str, torch.Tensor] = {}
+        for part in open_state_ipc(shared["handles"], shared["meta"], shared["bucket_bytes"]):
+            named.update(part)
+        self.engine.load_weights(named)
+        del named
+        torch.cuda.synchronize()
+        self.policy_version = version
+        self.needs_weights = False
+        return time.perf_counter() - t0
+
     def pid(self) -> int:
         return os.getpid()

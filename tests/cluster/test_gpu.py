@@ -1,4 +1,7 @@
-"""GPU-only paths: NCCL weight broadcast into vLLM engines, colocated on one device. Skipped without CUDA."""
+"""GPU-only paths: DeepSpeed learners and rollout engines on CUDA, weights by CUDA IPC between colocated
+roles, NCCL broadcast between GPUs. Skipped without CUDA (and without a second GPU / vLLM where needed)."""
+
+import multiprocessing as mp
 
 import pytest
 import torch
@@ -8,19 +11,71 @@ from rl.tracking import read_metrics
 from tests.rl.test_pipeline import _cfg, _digit_reward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="needs a CUDA device (NCCL broadcast, vLLM on GPU)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+SMALL = ["model.tiny.hidden_size=64", "model.tiny.intermediate_size=128"]
 
 
-@pytest.mark.parametrize("sync", ["collective", "object_store"])
+def _open_and_sum(handles, meta, bucket_bytes, queue):
+    from rollout.weight_sync import gpu_uuid, open_state_ipc
+    sums = {}
+    for part in open_state_ipc(handles, meta, bucket_bytes):
+        sums.update({k: float(v.double().sum()) for k, v in part.items()})
+    queue.put((gpu_uuid(), sums))
+
+
+def test_cuda_ipc_buckets_are_read_by_another_process():
+    from rollout.weight_sync import gpu_uuid, plan_buckets, share_state_ipc, state_meta
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {f"w{i}": torch.randn(33, 17 + i, device="cuda", generator=g) for i in range(6)}
+    state["h"] = torch.randn(5, device="cuda", generator=g).to(torch.bfloat16)
+    meta, bucket_bytes = state_meta(state), 4096
+    assert len(plan_buckets(meta, bucket_bytes)) > 2  # several buckets, and a dtype change
+    buckets, handles = share_state_ipc(state, meta, bucket_bytes)
+    torch.cuda.synchronize()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_open_and_sum, args=(handles, meta, bucket_bytes, queue))
+    proc.start()
+    uuid, sums = queue.get(timeout=120)
+    proc.join(60)
+    assert proc.exitcode == 0 and uuid == gpu_uuid()
+    for k, v in state.items():
+        assert sums[k] == pytest.approx(float(v.double().sum()), rel=1e-6, abs=1e-6)
+    del buckets
+
+
+@pytest.mark.parametrize("sync,staleness", [("object_store", 0), ("cuda_ipc", 0), ("cuda_ipc", 1)])
+def test_hf_engine_on_gpu_with_each_weight_sync(ray_cluster, tmp_path, sync, staleness):
+    name = f"{sync}_{staleness}"
+    cfg = _cfg(tmp_path, name, "trainer.steps=3", "learner.lr=5e-3", f"rollout.weight_sync={sync}",
+               f"trainer.max_staleness={staleness}", *SMALL, _digit_reward(tmp_path))
+    summary = run(cfg)
+    metrics = read_metrics(tmp_path / name)
+    assert summary["steps"] == 3
+    # fp32 on both sides (TF32 matmuls allowed): the engine samples with the weights the learner scores
+    # with; one step stale, it samples with the previous step's weights and the mismatch shows it
+    first = metrics[0]["actor/mismatch_abs_diff"]
+    assert first < 5e-3
+    if staleness == 0:
+        assert all(m["actor/mismatch_abs_diff"] < 5e-3 for m in metrics)
+    else:
+        assert max(m["actor/mismatch_abs_diff"] for m in metrics[1:]) > first
+    assert all(m["rollout/weight_load_s"] > 0 for m in metrics[1:])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL broadcast needs rollout workers on other GPUs")
+def test_nccl_broadcast_with_split_placement(ray_cluster, tmp_path):
+    cfg = _cfg(tmp_path, "nccl", "trainer.steps=3", "learner.lr=5e-3", "rollout.weight_sync=collective",
+               "cluster.placement=split", "rollout.sync_bucket_mb=1", *SMALL, _digit_reward(tmp_path))
+    assert run(cfg)["steps"] == 3
+    assert all(m["actor/mismatch_abs_diff"] < 5e-3 for m in read_metrics(tmp_path / "nccl"))
+
+
+@pytest.mark.parametrize("sync", ["object_store", "cuda_ipc"])
 def test_vllm_on_gpu_with_each_weight_sync(ray_cluster, tmp_path, sync):
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm]'")
     cfg = _cfg(tmp_path, sync, "trainer.steps=3", "learner.lr=5e-3", "rollout.engine=vllm",
                "rollout.engine_params={gpu_memory_utilization: 0.2}", f"rollout.weight_sync={sync}",
-               "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", _digit_reward(tmp_path))
-    summary = run(cfg)
-    metrics = read_metrics(tmp_path / sync)
-    assert summary["steps"] == 3
-    # fp32 on both sides (TF32 matmuls allowed): after each sync the engine samples the learner's weights
-    assert all(m["actor/mismatch_abs_diff"] < 5e-3 for m in metrics)
-    assert all(m["rollout/weight_load_s"] > 0 for m in metrics)
+               *SMALL, _digit_reward(tmp_path))
+    assert run(cfg)["steps"] == 3
+    assert all(m["actor/mismatch_abs_diff"] < 5e-3 for m in read_metrics(tmp_path / sync))

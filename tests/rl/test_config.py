@@ -63,6 +63,19 @@ def test_cross_field_validation(tmp_path):
         config.load(None, ["trainer.prompts_per_step=3", "rollout.n=1", "learner.world_size=2"])
     with pytest.raises(ConfigError, match="algorithm.kl_estimator"):
         config.load(None, ["algorithm.kl_estimator=k7"])
+    with pytest.raises(ConfigError, match="cuda_ipc needs cluster.placement: colocated"):
+        config.load(None, ["rollout.weight_sync=cuda_ipc", "cluster.placement=split"])
+
+
+def test_gpu_only_weight_sync_is_refused_before_any_actor_starts():
+    from cluster.ray_utils import Placement
+    from rl.trainer import RLTrainer
+    cfg = config.load(None, ["rollout.weight_sync=cuda_ipc"])
+    with pytest.raises(ValueError, match="cuda_ipc needs GPUs"):
+        RLTrainer(cfg, "unused", None, [], Placement(None, [0], [0], gpus_per_actor=0.0), None)
+    cfg = config.load(None, ["rollout.weight_sync=collective"])
+    with pytest.raises(ValueError, match="needs cluster.placement: split"):
+        RLTrainer(cfg, "unused", None, [], Placement(None, [0], [0], gpus_per_actor=0.5), None)
 
 
 def test_every_field_has_a_doc():

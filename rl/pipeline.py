@@ -132,7 +132,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                  supplied=("rewards", "group_id", "response_mask", *BATCH_FIELDS_FOR_ESTIMATORS))
     check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
                  supplied=("logp", "old_logp", "advantages", "response_mask", "ref_logp", "entropy", "agg",
-                           "num_tokens", "num_seqs", "norm_len", "kl_coef", "kl_estimator", "entropy_coef"))
+                           "num_tokens", "num_seqs", "norm_len", "kl_coef", "kl_estimator", "entropy_coef",
+                           "loop_logp", "exit_pdf", "learned_logits"))
     check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
                  supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
     specs = [RewardSpec(f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]

@@ -25,7 +25,7 @@ _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 # Modules that register the built-ins of a kind; imported lazily so that `rl` core stays light.
 _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
-    "loss": ["rl.losses"],
+    "loss": ["rl.losses", "rl.rltt"],
     "reward": ["rewards.math"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
 }

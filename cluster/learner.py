@@ -58,6 +58,9 @@ class LearnerWorker(ActorProbes):
                           LOCAL_WORLD_SIZE=str(world_size))
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         torch.set_num_threads(threads)
+        import models.ouro  # noqa: F401  (registers model_type ouro with AutoModelForCausalLM)
+        self.lr = lr
+        self.loop_logits: torch.nn.Parameter | None = None  # RLTT's learned loop weighting (see _learned_loop_logits)
         import deepspeed
         from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -140,10 +143,11 @@ class LearnerWorker(ActorProbes):
         linear in the advantage, so this equals weighting the per-token policy-gradient term (KL and
         entropy terms stay unweighted, as in verl and TRL).
         """
-        from rl.logprobs import response_logprobs
+        from rl.logprobs import response_logprobs, response_loop_logprobs
         from rl.losses import rollout_importance_weights
         from rl.registry import get
         loss_fn = get("loss", loss_fn_spec)
+        per_loop = getattr(loss_fn, "needs_loop_logprobs", False)  # RLTT: every loop's readout
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"rank {self.rank}: got {len(micro_batches)} micro-batches, "
                              f"DeepSpeed was configured for {self.grad_accum}")
@@ -153,9 +157,19 @@ class LearnerWorker(ActorProbes):
         total_loss = 0.0
         grad_norm = None
         entropy_grad = bool(loss_params.get("entropy_coef"))
+        if per_loop and entropy_grad:
+            raise ValueError(f"loss {loss_fn_spec!r}: entropy_coef is not supported (final-loop entropy is a metric)")
         for i, mb in enumerate(micro_batches):
-            logp, entropy = response_logprobs(self.engine, mb, temperature, with_entropy=need_entropy or entropy_grad,
-                                              entropy_grad=entropy_grad)
+            extra: dict[str, Any] = {}
+            if per_loop:
+                loop_logp, pdf, entropy = response_loop_logprobs(self.engine, mb, temperature, need_entropy)
+                logp = loop_logp[..., -1]  # the final loop is the sampling policy
+                extra = {"loop_logp": loop_logp, "exit_pdf": pdf}
+                if loss_params.get("loop_weighting") == "learned":
+                    extra["learned_logits"] = self._learned_loop_logits(loop_logp.shape[-1], loss_params)
+            else:
+                logp, entropy = response_logprobs(self.engine, mb, temperature,
+                                                  with_entropy=need_entropy or entropy_grad, entropy_grad=entropy_grad)
             old = mb.old_logp.to(self.device) if mb.old_logp is not None else logp.detach()
             ref = mb.ref_logp.to(self.device) if mb.ref_logp is not None else None
             mask = mb.response_mask.to(self.device)
@@ -166,9 +180,12 @@ class LearnerWorker(ActorProbes):
                     old, mb.rollout_logp.to(self.device), mask, **(rollout_correction or {"level": "none"}))
                 if weights is not None:
                     advantages = advantages * weights
-            loss, loss_metrics = loss_fn(logp, old, advantages, mask, ref_logp=ref, entropy=entropy, **loss_params)
+            loss, loss_metrics = loss_fn(logp, old, advantages, mask, ref_logp=ref, entropy=entropy, **loss_params,
+                                         **extra)
             metrics.update(loss_metrics)
             norm = self._backward_and_step(loss, last=i == len(micro_batches) - 1)
+            if self.loop_logits is not None and i == len(micro_batches) - 1:
+                self._step_loop_logits()
             grad_norm = norm if norm is not None else grad_norm
             total_loss += float(loss.detach())
             for k, v in metrics.items():
@@ -181,6 +198,32 @@ class LearnerWorker(ActorProbes):
         sums["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0
         sums["compute_s"] = time.perf_counter() - t_start  # inside the rank, without Ray transfer
         return sums
+
+    def _learned_loop_logits(self, num_loops: int, params: dict[str, Any]) -> torch.nn.Parameter:
+        """RLTT's learnable loop-weight logits θ_w `[T]` (ω = softmax(θ_w/τ)): initialised to zeros
+        (uniform) or log(progressive(α)), with their own AdamW at `learned_lr_scale` × the model lr and no
+        weight decay (spec §1.3). They live beside the DeepSpeed engine, replicated on every rank."""
+        if self.loop_logits is None:
+            from rl.rltt import compute_loop_weights
+            init = params.get("learned_init", "uniform")
+            if init not in ("uniform", "progressive"):
+                raise ValueError(f"algorithm.loss_params.learned_init must be uniform or progressive, got {init!r}")
+            w = compute_loop_weights(init, num_loops, alpha=params.get("alpha", 1.0))
+            self.loop_logits = torch.nn.Parameter(torch.log(w).to(self.device) - torch.log(w).mean().to(self.device))
+            self.loop_opt = torch.optim.AdamW([self.loop_logits], lr=self.lr * params.get("learned_lr_scale", 10.0),
+                                              weight_decay=0.0)
+        return self.loop_logits
+
+    def _step_loop_logits(self) -> None:
+        """Average the loop logits' gradient over ranks as DeepSpeed does for the model, then step."""
+        import torch.distributed as dist
+        grad = self.loop_logits.grad
+        if grad is not None:
+            if dist.is_initialized() and self.world_size > 1:
+                dist.all_reduce(grad)
+            grad.div_(self.world_size)  # each rank's backward ran on loss * world_size
+            self.loop_opt.step()
+        self.loop_opt.zero_grad(set_to_none=True)
 
     def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:
         """Supervised step: token-mean negative log-likelihood of the response tokens (global count)."""
@@ -293,11 +336,21 @@ class LearnerWorker(ActorProbes):
                 "pack_s": time.perf_counter() - t0}
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
+        if self.loop_logits is not None:
+            client_state = {**client_state, "loop_logits": self.loop_logits.detach().cpu(),
+                            "loop_opt": self.loop_opt.state_dict()}
         self.engine.save_checkpoint(path, tag="ds", client_state=client_state)
 
     def load_checkpoint(self, path: str) -> dict:
         _, client_state = self.engine.load_checkpoint(path, tag="ds")
-        return client_state or {}
+        client_state = client_state or {}
+        if "loop_logits" in client_state:
+            logits = client_state.pop("loop_logits")
+            self._learned_loop_logits(len(logits), {})
+            with torch.no_grad():
+                self.loop_logits.copy_(logits.to(self.device))
+            self.loop_opt.load_state_dict(client_state.pop("loop_opt"))
+        return client_state
 
     def save_hf(self, path: str, tokenizer_path: str | None = None) -> None:
         """`save_pretrained` export (rank 0 writes; all ranks must call under ZeRO-3)."""

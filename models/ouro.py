@@ -81,20 +81,22 @@ def exit_pdf(gate_logits: torch.Tensor) -> torch.Tensor:
 
 
 class OuroRotaryEmbedding(nn.Module):
-    """Default RoPE (cos/sin computed once per forward and shared by every loop)."""
+    """Default RoPE (cos/sin computed once per forward and shared by every loop). The inverse
+    frequencies are recomputed each call rather than kept as a buffer: transformers builds models on the
+    meta device in `from_pretrained`, which leaves non-persistent buffers uninitialised."""
 
     def __init__(self, config: OuroConfig):
         super().__init__()
         scaling = config.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
             raise NotImplementedError(f"ouro: rope_scaling {scaling} is not supported (default RoPE only)")
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32)
-                                                / config.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.theta, self.dim = config.rope_theta, config.head_dim
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[:, :, None].float() * self.inv_freq.float().to(x.device)[None, None, :]
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.float32, device=x.device) / self.dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -237,9 +239,9 @@ class OuroModel(OuroPreTrainedModel):
         return states, torch.cat(gates, dim=-1)
 
 
-def _token_logprobs(lm_head_weight: torch.Tensor, h: torch.Tensor, labels: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
-    logits = F.linear(h, lm_head_weight).float() / temperature
+def _token_logprobs(lm_head: nn.Linear, h: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    # calls the module (not its weight) so that ZeRO-3 gathers the partitioned weight, also on recompute
+    logits = lm_head(h).float() / temperature
     return logits.gather(-1, labels[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -288,16 +290,15 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
 
         Works on `chunk_size` positions at a time and recomputes the vocabulary projection in backward
         (activation checkpointing), so at most one chunk's logits exist, never T × S × V."""
-        weight = self.lm_head.weight
         per_loop = []
         for h in states:
             parts = []
             for start in range(0, h.shape[1], chunk_size):
                 hs, ls = h[:, start:start + chunk_size], labels[:, start:start + chunk_size]
                 if torch.is_grad_enabled() and h.requires_grad:
-                    parts.append(checkpoint(_token_logprobs, weight, hs, ls, temperature, use_reentrant=False))
+                    parts.append(checkpoint(_token_logprobs, self.lm_head, hs, ls, temperature, use_reentrant=False))
                 else:
-                    parts.append(_token_logprobs(weight, hs, ls, temperature))
+                    parts.append(_token_logprobs(self.lm_head, hs, ls, temperature))
             per_loop.append(torch.cat(parts, dim=1))
         return torch.stack(per_loop, dim=-1)
 

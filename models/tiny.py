@@ -59,12 +59,19 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128,
     return model
 
 
-def save_tiny(out_dir: str | Path, seed: int = 0, **model_kwargs: int) -> Path:
-    """Build the tiny tokenizer and model and `save_pretrained` both into `out_dir`."""
+def save_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", loops: int = 4, **model_kwargs: int) -> Path:
+    """Build the tiny tokenizer and model (`arch` llama, or ouro: a looped model with `loops` passes)
+    and `save_pretrained` both into `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, seed=seed, **model_kwargs)
+    if arch == "ouro":
+        from models.ouro import build_tiny_ouro
+        model = build_tiny_ouro(tok, seed=seed, total_ut_steps=loops, **model_kwargs)
+    elif arch == "llama":
+        model = build_tiny_model(tok, seed=seed, **model_kwargs)
+    else:
+        raise ValueError(f"model.tiny.arch must be llama or ouro, got {arch!r}")
     tok.save_pretrained(out)
     model.save_pretrained(out)
     return out

@@ -30,6 +30,8 @@ class TinyModelConfig:
     num_heads: int = 4  # attention heads
     intermediate_size: int = 512  # MLP width
     max_position_embeddings: int = 128  # longest prompt+response
+    arch: str = "llama"  # llama (models/tiny.py) | ouro (a looped model, models/ouro.py)
+    loops: int = 4  # ouro: passes over the shared layer stack (total_ut_steps)
 
 
 @dataclass

@@ -44,8 +44,9 @@ def prepare_model(cfg: DictConfig, out: Path) -> str:
     if not _artifact_matches(path, key):
         t = cfg.model.tiny
         shutil.rmtree(path, ignore_errors=True)
-        save_tiny(path, seed=cfg.seed, hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
-                  intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings)
+        save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, hidden_size=t.hidden_size, num_layers=t.num_layers,
+                  num_heads=t.num_heads, intermediate_size=t.intermediate_size,
+                  max_position_embeddings=t.max_position_embeddings)
         _mark_artifact(path, key)
     return str(path)
 

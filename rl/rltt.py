@@ -53,12 +53,16 @@ def rltt_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               *, loop_logp: torch.Tensor, exit_pdf: torch.Tensor | None = None,
               learned_logits: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
               entropy: torch.Tensor | None = None, loop_weighting: str = "exit_pdf", alpha: float = 1.0,
-              detach_exit_pdf: bool = False, tau: float = 1.0, kl_coef: float = 0.001, kl_estimator: str = "k3",
+              detach_exit_pdf: bool = False, tau: float = 1.0, learned_init: str = "uniform",
+              learned_lr_scale: float = 10.0, kl_coef: float = 0.001, kl_estimator: str = "k3",
               entropy_coef: float = 0.0, agg: str = "token-mean", num_tokens: float | None = None,
               num_seqs: float | None = None, norm_len: float | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """RLTT loss from per-loop sampled-token logprobs `loop_logp [N, L, T]` (the learner supplies them,
-    and `logp` = the final loop's). `old_logp` is unused: RLTT has no importance ratio."""
+    and `logp` = the final loop's). `old_logp` is unused: RLTT has no importance ratio.
+
+    `learned_init` (uniform | progressive) and `learned_lr_scale` (× the model lr) configure the learner's
+    learnable loop logits for `loop_weighting: learned`; the learner passes them in as `learned_logits`."""
     num_loops = loop_logp.shape[-1]
     omega = compute_loop_weights(loop_weighting, num_loops, alpha=alpha, exit_pdf=exit_pdf,
                                  detach_exit_pdf=detach_exit_pdf, learned_logits=learned_logits, tau=tau)

@@ -62,6 +62,7 @@ class HFEngine:
                  trust_remote_code: bool = False, batch_size: int = 256):
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
+        import models.ouro  # noqa: F401  (registers model_type ouro)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
         self.batch_size = batch_size

@@ -87,6 +87,9 @@ def test_save_and_load_round_trip(tmp_path, tied):
     back, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert all(torch.equal(back.state_dict()[k], v) for k, v in m.state_dict().items())
+    ids = torch.tensor([[5, 9, 17, 3, 22]])
+    with torch.no_grad():  # nothing left uninitialised by loading (e.g. RoPE frequencies)
+        assert torch.equal(back.eval()(ids).logits, m(ids).logits)
     if tied:
         assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
 

@@ -213,3 +213,34 @@ def test_variants_run(ray_cluster, tmp_path, variant):
     if "trainer.save_hf=true" in variant:
         from transformers import AutoModelForCausalLM
         AutoModelForCausalLM.from_pretrained(summary["hf_model"])
+
+
+def _rltt_cfg(tmp_path, *extra):  # recipes/rltt_tiny.yaml at test size
+    return config.load(ROOT / "recipes/rltt_tiny.yaml",
+                       [f"output_dir={tmp_path / 'rltt'}", "sft.enabled=false", *TINY, *extra])
+
+
+@pytest.mark.slow
+def test_rltt_on_a_looped_model_under_zero3_with_learned_loop_weights_resumes(ray_cluster, tmp_path):
+    looped = ["model.tiny.loops=3", "model.tiny.num_layers=1", "algorithm.loss_params.loop_weighting=learned",
+              "algorithm.loss_params.learned_lr_scale=10.0", "algorithm.kl_coef=0.05",
+              "learner.world_size=2", "learner.zero_stage=3", "learner.micro_batch_size=4", "learner.lr=5e-3",
+              "trainer.checkpoint_every=2", "trainer.save_hf=true", _digit_reward(tmp_path)]
+    summary = run(_rltt_cfg(tmp_path, "trainer.steps=2", *looped))
+    metrics = read_metrics(tmp_path / "rltt")
+    assert summary["steps"] == 2
+    weights = [[m[f"actor/loop_weight_{t}"] for t in (1, 2, 3)] for m in metrics]
+    assert weights[0] == pytest.approx([1 / 3] * 3, abs=1e-6)  # learned weights start uniform ...
+    assert weights[1] != pytest.approx([1 / 3] * 3, abs=1e-4)  # ... and move after one update (lr 5e-2)
+    assert metrics[1]["actor/kl"] > 0 and metrics[0]["actor/mismatch_abs_diff"] < 1e-4  # final loop = sampler
+    from transformers import AutoModelForCausalLM
+
+    from models.ouro import OuroForCausalLM
+    model, info = AutoModelForCausalLM.from_pretrained(summary["hf_model"], output_loading_info=True)
+    assert isinstance(model, OuroForCausalLM) and not info["missing_keys"] and not info["unexpected_keys"]
+    # resume: the learned loop logits come back from the checkpoint instead of restarting uniform
+    run(_rltt_cfg(tmp_path, "trainer.steps=3", "resume=auto", *looped))
+    step3 = read_metrics(tmp_path / "rltt")[2]
+    resumed = [step3[f"actor/loop_weight_{t}"] for t in (1, 2, 3)]
+    assert resumed != pytest.approx([1 / 3] * 3, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(resumed, weights[1])) < max(abs(a - 1 / 3) for a in weights[1])

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*")
     s.add_argument("--docs", action="store_true", help="print every key with its one-line doc instead")
     s.set_defaults(fn=cmd_config_show)
+    ev = sub.add_parser("eval", add_help=False,
+                        help="math benchmark evaluation: mean@k, paired comparison, per-loop accuracy "
+                             "(looprl eval --help)")
+    ev.add_argument("eval_args", nargs=argparse.REMAINDER)
+    ev.set_defaults(fn=cmd_eval)
     pl = sub.add_parser("plot", help="PNG of reward, KL, response length and step-time breakdown")
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="output PNG (default RUN_DIR/metrics.png)")
@@ -115,8 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rl.math_eval import main as eval_main
+    return eval_main(args.eval_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_env()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # its own parser (argparse cannot hand "--help" etc. through a subcommand)
+        return cmd_eval(argparse.Namespace(eval_args=argv[1:]))
     parser = build_parser()
     # overrides may also follow the options (`looprl slurm R --nodes 2 trainer.steps=3`)
     args, extra = parser.parse_known_args(argv)

@@ -256,8 +256,32 @@ def _overrides_to_dict(overrides: list[str]) -> dict:
     return out
 
 
-def _merge(base: DictConfig, data: dict, source: str) -> DictConfig:
+def _replaced_mappings(data: Any, schema: type, path: str = "") -> list[str]:
+    """Dotted keys in `data` that set a whole free-form mapping (`dict[str, Any]` fields such as
+    `algorithm.loss_params`). Such a mapping replaces the one it overrides instead of merging into it:
+    switching `algorithm.loss` must not keep the previous loss's parameters. A nested key
+    (`algorithm.loss_params.eps_low=0.1`) still updates one entry."""
+    if not isinstance(data, dict):
+        return []
+    hints, out = typing.get_type_hints(schema), []
+    for key, value in data.items():
+        if key not in hints:  # reported by _check_keys
+            continue
+        full = f"{path}.{key}" if path else str(key)
+        sub = _dataclass_of(hints[key])
+        if sub is not None:
+            out += _replaced_mappings(value, sub, full)
+        elif typing.get_origin(hints[key]) is dict and isinstance(value, dict):
+            out.append(full)
+    return out
+
+
+def _merge(base: DictConfig, data: dict, source: str, replace: list[str] | None = None) -> DictConfig:
+    """Merge `data` into `base`; the whole mappings named in `replace` (default: every free-form mapping
+    that `data` sets, as a recipe does) are emptied first."""
     _check_keys(data, Config, "", source)
+    for key in _replaced_mappings(data, Config) if replace is None else replace:
+        OmegaConf.update(base, key, {}, merge=False)
     try:
         return OmegaConf.merge(base, OmegaConf.create(data))  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
@@ -299,7 +323,11 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         for p, data in _recipe_chain(Path(path)):
             cfg = _merge(cfg, data, str(p))
     if overrides:
-        cfg = _merge(cfg, _overrides_to_dict(overrides), "command-line override")
+        data = _overrides_to_dict(overrides)
+        # `algorithm.loss_params={...}` replaces the mapping; `algorithm.loss_params.eps_low=0.1` updates it
+        given_whole = {i.split("=", 1)[0].strip() for i in overrides if i.split("=", 1)[1].lstrip().startswith("{")}
+        cfg = _merge(cfg, data, "command-line override",
+                     replace=[k for k in _replaced_mappings(data, Config) if k in given_whole])
     validate(cfg)
     return cfg
 

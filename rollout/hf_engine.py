@@ -30,6 +30,7 @@ class SamplingParams:
     max_new_tokens: int = 32
     seed: int | None = None
     stop: list[str] | None = None  # stop strings: a response ends after the first one it produces
+    exit_at_step: int | None = None  # looped models (Ouro): read out after this loop, 1-based (None: the model's default)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
@@ -92,6 +93,10 @@ class HFEngine:
             kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
         if sp.stop:
             kwargs.update(stop_strings=list(sp.stop), tokenizer=tok)
+        if sp.exit_at_step is not None:
+            if not hasattr(self.model, "loop_states"):
+                raise ValueError("SamplingParams.exit_at_step needs a looped model (model_type ouro)")
+            kwargs["exit_at_step"] = sp.exit_at_step  # generate() forwards it to every forward call
         t0 = time.perf_counter()
         out = self.model.generate(**enc, **kwargs)
         gen_s = time.perf_counter() - t0

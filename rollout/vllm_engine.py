@@ -63,6 +63,8 @@ class VLLMEngine:
                  ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
         """Sample `sampling.n` responses per prompt; row order is prompt-major (p0s0, p0s1, ...)."""
         from vllm import SamplingParams as VSamplingParams
+        if sampling.exit_at_step is not None:
+            raise ValueError("the vllm engine reads out the final loop only; use engine hf for exit_at_step")
         from vllm.inputs import TokensPrompt
 
         tok, n = self.tokenizer, sampling.n

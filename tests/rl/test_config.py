@@ -117,3 +117,11 @@ def test_base_recipe_is_merged_first(tmp_path):
     (tmp_path / "f.yaml").write_text("base: a.yaml\nlearner: {lrr: 1}\n")
     with pytest.raises(ConfigError, match=r"f.yaml: unknown key 'learner.lrr'"):
         config.load(tmp_path / "f.yaml")
+
+
+def test_a_whole_mapping_override_replaces_and_a_dotted_one_updates():
+    # switching the loss must not keep the recipe's previous loss parameters
+    cfg = config.load(ROOT / "recipes/rltt_tiny.yaml", ["algorithm.loss=ppo_clip", "algorithm.loss_params={eps_low: 0.1}"])
+    assert dict(cfg.algorithm.loss_params) == {"eps_low": 0.1}
+    cfg = config.load(ROOT / "recipes/quickstart.yaml", ["algorithm.loss_params.eps_low=0.1"])
+    assert dict(cfg.algorithm.loss_params) == {"eps_low": 0.1, "eps_high": 0.2}

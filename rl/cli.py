@@ -129,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_env()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["eval"]:  # its own parser (argparse cannot hand "--help" etc. through a subcommand)
-        return cmd_eval(argparse.Namespace(eval_args=argv[1:]))
-    parser = build_parser()
-    # overrides may also follow the options (`looprl slurm R --nodes 2 trainer.steps=3`)
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*args.overrides, *extra]
+        args = argparse.Namespace(eval_args=argv[1:], fn=cmd_eval)
+    else:
+        parser = build_parser()
+        # overrides may also follow the options (`looprl slurm R --nodes 2 trainer.steps=3`)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = [*args.overrides, *extra]
     from rl.config import ConfigError
     from rl.registry import RegistryError
     try:

@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", help="a second model folder: paired comparison on the same problems")
     p.add_argument("--loops", type=int, nargs="*", help="looped models: greedy accuracy read out after each loop")
     p.add_argument("--out", help="write the report here (JSON); printed either way")
+    from rl.config import field_docs
+    docs = field_docs(MathEvalConfig)
     for f in MathEvalConfig.__dataclass_fields__.values():
         if f.name == "reward_params":
             p.add_argument("--reward-params", type=json.loads, default={}, help="JSON keyword arguments of --reward")
@@ -152,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         kind = {"bool": bool, "int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
-            p.add_argument(flag, action="store_true", default=default)
+            p.add_argument(flag, action="store_true", default=default, help=docs[f.name])
         elif f.name == "max_problems":
-            p.add_argument(flag, type=int, default=None)
+            p.add_argument(flag, type=int, default=None, help=docs[f.name])
         else:
-            p.add_argument(flag, type=kind, default=default)
+            p.add_argument(flag, type=kind, default=default, help=f"{docs[f.name]} (default {default})")
     args = p.parse_args(argv)
     cfg = MathEvalConfig(**{k: getattr(args, k) for k in MathEvalConfig.__dataclass_fields__})
     report = evaluate_math(args.model, args.data, cfg, compare=args.compare, loops=args.loops)

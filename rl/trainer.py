@@ -506,8 +506,10 @@ def apply_length_shaping(batch: Batch, a: Any, max_new_tokens: int) -> None:
 
 
 def reward_items(batch: Batch) -> list[dict]:
-    return [{"prompt": p, "response": r, "ground_truth": g, "metadata": m}
-            for p, r, g, m in zip(batch.prompts, batch.responses, batch.ground_truth, batch.metadata)]
+    """Reward-service rows; `truncated` (the response hit max_new_tokens) reaches plugins as a column."""
+    truncated = batch.truncated.tolist() if batch.truncated is not None else [False] * len(batch.prompts)
+    return [{"prompt": p, "response": r, "ground_truth": g, "metadata": m, "truncated": bool(t)}
+            for p, r, g, m, t in zip(batch.prompts, batch.responses, batch.ground_truth, batch.metadata, truncated)]
 
 
 def attach_rewards(batch: Batch, scored: list[dict]) -> None:

@@ -1,0 +1,124 @@
+"""Rubric self-grading for research plans (Goel et al., "Training AI Co-Scientists Using Rubric Rewards"; spec §5).
+
+The policy sees only the research goal; a frozen grader (the initial policy) sees the goal, the rubric
+items and a reference solution, and for each item lists which of 7 general desiderata the plan
+violates. An item passes only with no violation; the reward is the fraction of items that pass.
+
+This module holds the protocol: the policy prompt, the grader prompt, the XML parser, the plan
+extraction with its word budget, and the ResearchPlanGen row loader.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+DESIDERATA = (
+    "handles all criteria of the item (lists introduced by 'such as' / 'e.g.' need not be matched exactly)",
+    "gives detailed, specific how-to, with no vague or self-proclaimed claims",
+    "has no overlooked flaws that invalidate the item",
+    "gives a well-justified rationale, compared with simpler alternatives",
+    "is cost- and effort-efficient",
+    "raises no ethical issues",
+    "is consistent with the rest of the plan",
+)
+
+POLICY_TEMPLATE = (
+    "Research goal:\n{goal}\n\nWrite a research plan that achieves this goal. You may think first; put the "
+    "final plan inside <solution>...</solution>."
+)
+
+GRADER_TEMPLATE = """You are a skeptical, strict reviewer of research plans.
+
+Research scenario:
+{goal}
+
+Rubric items (each must be addressed by the plan):
+{rubric}
+
+Reference solution (only one valid approach; the plan need not match its details):
+{reference}
+
+Proposed plan:
+{plan}
+
+First list the weaknesses of the plan that are specific to this scenario. Then, for every rubric item
+k = 1..{k}, write
+<item num=k><criteria>the item</criteria><reasoning>your assessment</reasoning><errors>...</errors></item>
+where <errors> lists, as comma-separated numbers, every general desideratum below that the plan violates
+for this item, or "none". If no part of the plan addresses the item, list all of 1,2,3,4,5,6,7.
+General desiderata:
+{desiderata}
+"""
+
+_ITEM = re.compile(r"<item\s+num\s*=\s*[\"']?(\d+)[\"']?\s*>(.*?)</item>", re.S | re.I)
+_ERRORS = re.compile(r"<errors>(.*?)</errors>", re.S | re.I)
+_SOLUTION = re.compile(r"<solution>(.*?)</solution>", re.S | re.I)
+
+
+def policy_prompt(goal: str) -> str:
+    """What the policy sees: the goal only (never the rubric or the reference)."""
+    return POLICY_TEMPLATE.format(goal=goal.strip())
+
+
+def grader_prompt(goal: str, rubric: list[str], reference: str, plan: str) -> str:
+    items = "\n".join(f"{i}. {r}" for i, r in enumerate(rubric, 1))
+    desiderata = "\n".join(f"{i}. {d}" for i, d in enumerate(DESIDERATA, 1))
+    return GRADER_TEMPLATE.format(goal=goal.strip(), rubric=items, reference=reference.strip(), plan=plan.strip(),
+                                  k=len(rubric), desiderata=desiderata)
+
+
+def _item_passes(body: str) -> bool:
+    """`<errors>` empty, whitespace or "none" passes; a list of desiderata numbers fails; no `<errors>`
+    tag, or anything else in it, fails (a grader that does not answer does not pass the item)."""
+    m = _ERRORS.search(body)
+    if m is None:
+        return False
+    errors = m.group(1).strip().lower()
+    return errors in ("", "none")
+
+
+def parse_grades(text: str, num_items: int) -> list[bool] | None:
+    """Pass/fail per rubric item 1..num_items from the grader's XML, or None when it holds no item at
+    all (malformed: retry or record a failure). Items beyond `num_items` are ignored, the first block of
+    a repeated item number is kept, and an item the grader skipped fails."""
+    found: dict[int, bool] = {}
+    for num, body in _ITEM.findall(text):
+        k = int(num)
+        if 1 <= k <= num_items and k not in found:
+            found[k] = _item_passes(body)
+    if not found:
+        return None
+    return [found.get(k, False) for k in range(1, num_items + 1)]
+
+
+def rubric_score(passes: list[bool]) -> float:
+    """Fraction of rubric items that pass (equal weights)."""
+    return sum(passes) / len(passes) if passes else 0.0
+
+
+def extract_plan(response: str, max_words: int | None = None) -> tuple[str | None, bool]:
+    """The plan inside the last `<solution>...</solution>` (None when there is none) and whether it is
+    over the word budget `max_words`."""
+    found = _SOLUTION.findall(response)
+    if not found:
+        return None, False
+    plan = found[-1].strip()
+    return plan, max_words is not None and len(plan.split()) > max_words
+
+
+def research_plan_rows(rows: list[dict[str, Any]], goal_column: str = "Goal", rubric_column: str = "Rubric",
+                       reference_column: str = "Reference solution") -> list[dict[str, Any]]:
+    """ResearchPlanGen rows (Goal, Rubric list, Reference solution) → looprl rows: `prompt` is the goal
+    only; the rubric and reference travel as `ground_truth` for the grader."""
+    out = []
+    for i, row in enumerate(rows):
+        rubric = row[rubric_column]
+        if isinstance(rubric, str):
+            rubric = [r.strip() for r in rubric.splitlines() if r.strip()]
+        if not rubric:
+            raise ValueError(f"research-plan row {i}: column {rubric_column!r} is empty")
+        out.append({"prompt": policy_prompt(str(row[goal_column])),
+                    "ground_truth": {"goal": str(row[goal_column]), "rubric": [str(r) for r in rubric],
+                                     "reference": str(row[reference_column])}})
+    return out

@@ -1,0 +1,60 @@
+"""Rubric self-grading protocol (spec §5.6): the parser, robustness, the information gap, the word budget."""
+
+import pytest
+
+from rewards.rubric import (
+    DESIDERATA,
+    extract_plan,
+    grader_prompt,
+    parse_grades,
+    policy_prompt,
+    research_plan_rows,
+    rubric_score,
+)
+
+
+def _xml(errors: dict[int, str], k: int = 10) -> str:
+    return "Weaknesses: vague budget.\n" + "\n".join(
+        f"<item num={i}><criteria>c{i}</criteria><reasoning>r</reasoning><errors>{errors.get(i, 'none')}</errors></item>"
+        for i in range(1, k + 1))
+
+
+def test_parser_case_of_the_spec():
+    passes = parse_grades(_xml({3: "2,4", 7: "1,2,3,4,5,6,7", 9: "5"}), 10)
+    assert passes == [True, True, False, True, True, True, False, True, False, True]
+    assert rubric_score(passes) == pytest.approx(0.7)
+
+
+def test_robustness():
+    missing = _xml({}).replace("<item num=4><criteria>c4</criteria><reasoning>r</reasoning><errors>none</errors>",
+                               "<item num=4><criteria>c4</criteria><reasoning>r</reasoning>")
+    assert parse_grades(missing, 10)[3] is False  # no <errors>: fails
+    assert parse_grades(_xml({}, k=12), 10) == [True] * 10  # more than K items: truncated to K
+    dup = _xml({2: "3"}) + "<item num=2><criteria>c</criteria><errors>none</errors></item>"
+    assert parse_grades(dup, 10)[1] is False  # a repeated item number keeps the first block
+    assert parse_grades(_xml({5: " None "}), 10)[4] is True and parse_grades(_xml({5: ""}), 10)[4] is True
+    assert parse_grades(_xml({})[:200], 10)[0] is True and parse_grades(_xml({})[:200], 10)[9] is False  # partial
+    assert parse_grades("I refuse to grade.", 10) is None  # malformed: nothing to score
+
+
+def test_information_gap_and_prompts():
+    rows = research_plan_rows([{"Goal": "Reduce label noise in crowd-sourced medical images.",
+                                "Rubric": ["Uses a held-out expert-labelled set", "Reports inter-rater agreement"],
+                                "Reference solution": "Collect 500 expert labels; estimate a noise transition matrix."}])
+    prompt = rows[0]["prompt"]
+    assert "Reduce label noise" in prompt
+    for secret in ["held-out expert-labelled", "inter-rater", "noise transition", "500 expert"]:
+        assert secret not in prompt
+    assert rows[0]["ground_truth"]["rubric"] == ["Uses a held-out expert-labelled set", "Reports inter-rater agreement"]
+    g = grader_prompt(rows[0]["ground_truth"]["goal"], rows[0]["ground_truth"]["rubric"],
+                      rows[0]["ground_truth"]["reference"], "My plan.")
+    assert "inter-rater" in g and "noise transition" in g and "My plan." in g and "k = 1..2" in g
+    assert all(d in g for d in DESIDERATA)
+    assert policy_prompt("G") != g
+
+
+def test_plan_extraction_and_word_budget():
+    assert extract_plan("thinking... <solution> a b c </solution>", max_words=5) == ("a b c", False)
+    assert extract_plan("<solution>" + "w " * 6 + "</solution>", max_words=5) == ("w " * 5 + "w", True)
+    assert extract_plan("no solution tags", max_words=5) == (None, False)
+    assert extract_plan("<solution>draft</solution> <solution>final plan</solution>")[0] == "final plan"

@@ -23,6 +23,26 @@ def is_batched(fn: Callable) -> bool:
     return bool(getattr(fn, "looprl_batched", False))
 
 
+def uses_judges(fn: Callable) -> Callable:
+    """Mark a batched reward that calls judge engines: the reward service runs it in its own process
+    (where the judges' Ray handles live) with `judges={name: rewards.judges.JudgeClient}`."""
+    fn.looprl_batched = True  # type: ignore[attr-defined]
+    fn.looprl_judges = True  # type: ignore[attr-defined]
+    return fn
+
+
+def needs_judges(fn: Callable) -> bool:
+    return bool(getattr(fn, "looprl_judges", False))
+
+
+class RewardFailure:
+    """Return this for a sample whose reward could not be computed (e.g. a grader that kept answering
+    malformed output): the sample is recorded as failed with `reason` and leaves the loss."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
 @dataclass
 class RewardResult:
     """One sample's reward: `score` is None when the function said "not applicable"."""
@@ -39,6 +59,8 @@ def normalize_result(value: Any, plugin: str) -> RewardResult:
     """Turn a plugin's return value into a RewardResult; bad types and NaN become recorded errors."""
     if value is None:
         return RewardResult(None)
+    if isinstance(value, RewardFailure):
+        return RewardResult(None, error=f"reward {plugin!r}: {value.reason}")
     components: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:

@@ -9,17 +9,17 @@ alone is hackable (fewer, safer claims); λ rewards detail with diminishing retu
 topic. [RECONSTRUCTION] The combination is reconstructed from the paper's description; the released
 configuration uses λ = 0, μ = 0.1.
 
-Stages, each swappable by name:
+Stages, each chosen by name (`judge` stages call the judge engine named by `judge`, `reward.judges`):
 - claims: `sentences`, a rule-based splitter (one claim per sentence of at least `min_claim_words`
-  words), for tests and cheap runs;
+  content words), for tests and cheap runs; or `judge`, one claim per line of the judge's answer;
 - retrieval: BM25 (`bm25s`) over a local evidence corpus (no web search is reachable), `top_k` passages;
 - verification: `lexical`, a claim is supported when one retrieved passage holds at least
-  `support_overlap` of its content words;
+  `support_overlap` of its content words; or `judge`, the judge answers yes/no given the passages;
 - relevance: `overlap`, J = 1 when the answer shares at least `relevance_overlap` of the reference
-  answer's content words (the reference comes as `ground_truth`); without a reference J is 0.
-Verdicts are cached per (corpus, claim) in each worker process, so a claim repeated across a group or
-across steps is checked once. The rule-based stages are deterministic; LLM-judge stages plug in at the
-same points.
+  answer's content words; or `judge`, which compares the answer with the reference (the reference comes
+  as `ground_truth`; without one J is 0).
+Verdicts are cached per (corpus, verifier, claim) in the reward service's process, so a claim repeated
+across a group or across steps is checked once. With a greedy judge every stage is deterministic.
 """
 
 from __future__ import annotations
@@ -31,10 +31,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from rewards.base import batched
+from rewards.base import uses_judges
 from rl.registry import register
 
 THINK_END = "</think>"
+CLAIMS_PROMPT = ("Break the answer below into short, self-contained factual claims, one per line, nothing else."
+                 "\n\nAnswer:\n{answer}\n\nClaims:\n")
+VERIFY_PROMPT = ("Evidence:\n{evidence}\n\nClaim: {claim}\nIs the claim supported by the evidence? "
+                 "Answer yes or no.\nAnswer:")
+RELEVANCE_PROMPT = ("Question:\n{question}\n\nReference answer:\n{reference}\n\nCandidate answer:\n{answer}\n\n"
+                    "Is the candidate answer at least as relevant and helpful as the reference answer? "
+                    "Answer yes or no.\nAnswer:")
 _WORD = re.compile(r"[A-Za-z0-9]+")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 STOPWORDS = frozenset(
@@ -102,18 +109,30 @@ def lexical_support(claim: str, passages: list[str], overlap: float) -> bool:
     return bool(words) and any(len(words & content_words(p)) >= overlap * len(words) for p in passages)
 
 
-_VERDICTS: dict[tuple[str, str], bool] = {}  # (corpus, claim) -> supported; per worker process
+_VERDICTS: dict[tuple[str, str, str], bool] = {}  # (corpus, verifier, claim) -> supported, per process
 
 
-def verify_claims(claims: list[str], corpus_path: str, *, top_k: int = 3, support_overlap: float = 0.8
-                  ) -> tuple[list[bool], int]:
-    """Verdict per claim, and how many claims were actually checked (the rest came from the cache)."""
-    todo = sorted({c for c in claims if (corpus_path, c) not in _VERDICTS})
+def says_yes(text: str) -> bool:
+    return text.strip().lower().startswith("yes")
+
+
+def verify_claims(claims: list[str], corpus_path: str, *, top_k: int = 3, support_overlap: float = 0.8,
+                  judge: Any = None) -> tuple[list[bool], int]:
+    """Verdict per claim (lexical, or by `judge` when given), and how many claims were actually checked
+    (the rest came from the cache)."""
+    kind = "judge" if judge is not None else "lexical"
+    todo = sorted({c for c in claims if (corpus_path, kind, c) not in _VERDICTS})
     if todo:
         evidence = load_corpus(corpus_path).retrieve(todo, top_k)
-        for claim, passages in zip(todo, evidence):
-            _VERDICTS[(corpus_path, claim)] = lexical_support(claim, passages, support_overlap)
-    return [_VERDICTS[(corpus_path, c)] for c in claims], len(todo)
+        if judge is None:
+            verdicts = [lexical_support(c, ps, support_overlap) for c, ps in zip(todo, evidence)]
+        else:
+            answers = judge.generate([VERIFY_PROMPT.format(evidence="\n".join(ps), claim=c)
+                                      for c, ps in zip(todo, evidence)])
+            verdicts = [says_yes(a) for a in answers]
+        for claim, verdict in zip(todo, verdicts):
+            _VERDICTS[(corpus_path, kind, claim)] = verdict
+    return [_VERDICTS[(corpus_path, kind, c)] for c in claims], len(todo)
 
 
 def overlap_relevance(answer: str, reference: Any, threshold: float) -> float:
@@ -124,33 +143,54 @@ def overlap_relevance(answer: str, reference: Any, threshold: float) -> float:
 
 
 @register("reward", "factuality")
-@batched
+@uses_judges
 def factuality_reward(prompts: list[str], responses: list[str], *, ground_truth: list[Any] | None = None,
-                      truncated: list[bool] | None = None, corpus: str, lam: float = 0.0, mu: float = 0.1,
-                      claims: str = "sentences", verifier: str = "lexical", relevance: str = "overlap",
-                      top_k: int = 3, support_overlap: float = 0.8, relevance_overlap: float = 0.5,
-                      min_claim_words: int = 3, **_: Any) -> list[dict[str, float]]:
+                      truncated: list[bool] | None = None, judges: dict[str, Any] | None = None, corpus: str,
+                      lam: float = 0.0, mu: float = 0.1, claims: str = "sentences", verifier: str = "lexical",
+                      relevance: str = "overlap", judge: str = "judge", top_k: int = 3, support_overlap: float = 0.8,
+                      relevance_overlap: float = 0.5, min_claim_words: int = 3, **_: Any) -> list[dict[str, float]]:
     """Batched factuality reward with its components (`precision`, `supported`, `claims`, `relevance`,
     `format_ok`) logged per sample."""
-    if (claims, verifier, relevance) != ("sentences", "lexical", "overlap"):
-        raise ValueError(f"factuality: unknown stage (claims={claims!r}, verifier={verifier!r}, "
-                         f"relevance={relevance!r}); built in: sentences, lexical, overlap")
+    stages = {"claims": (claims, ("sentences", "judge")), "verifier": (verifier, ("lexical", "judge")),
+              "relevance": (relevance, ("overlap", "judge"))}
+    for key, (value, allowed) in stages.items():
+        if value not in allowed:
+            raise ValueError(f"factuality: {key}={value!r}; choose one of {allowed}")
+    llm = None
+    if "judge" in (claims, verifier, relevance):
+        if not judges or judge not in judges:
+            raise ValueError(f"factuality: a judge stage needs reward.judges.{judge} (have {sorted(judges or {})})")
+        llm = judges[judge]
     n = len(responses)
     truncated = truncated or [False] * n
     ground_truth = ground_truth or [None] * n
     answers = [answer_part(r, truncated=bool(t)) for r, t in zip(responses, truncated)]
-    per_answer = [sentence_claims(a, min_claim_words) if a is not None else [] for a in answers]
+    valid = [i for i, a in enumerate(answers) if a is not None]
+    per_answer: list[list[str]] = [[] for _ in range(n)]
+    if claims == "judge":
+        listed = llm.generate([CLAIMS_PROMPT.format(answer=answers[i]) for i in valid])
+        for i, text in zip(valid, listed):
+            per_answer[i] = [ln.strip(" -*\t") for ln in text.splitlines() if content_words(ln)]
+    else:
+        for i in valid:
+            per_answer[i] = sentence_claims(answers[i], min_claim_words)
     verdicts, _ = verify_claims([c for cs in per_answer for c in cs], corpus, top_k=top_k,
-                                      support_overlap=support_overlap)
+                                support_overlap=support_overlap, judge=llm if verifier == "judge" else None)
+    rel = {i: overlap_relevance(answers[i], ground_truth[i], relevance_overlap) for i in valid}
+    if relevance == "judge":
+        with_ref = [i for i in valid if ground_truth[i]]
+        said = llm.generate([RELEVANCE_PROMPT.format(question=prompts[i], reference=ground_truth[i],
+                                                     answer=answers[i]) for i in with_ref])
+        rel = {i: 0.0 for i in valid} | {i: float(says_yes(a)) for i, a in zip(with_ref, said)}
     out, pos = [], 0
-    for answer, cs, ref in zip(answers, per_answer, ground_truth):
-        if answer is None:
+    for i in range(n):
+        cs = per_answer[i]
+        if answers[i] is None:
             out.append({"score": -1.0, "format_ok": 0.0})
             continue
         supported = sum(verdicts[pos:pos + len(cs)])
         pos += len(cs)
-        j = overlap_relevance(answer, ref, relevance_overlap)
-        out.append({"score": factuality_score(supported, len(cs), j, lam, mu), "format_ok": 1.0,
+        out.append({"score": factuality_score(supported, len(cs), rel[i], lam, mu), "format_ok": 1.0,
                     "precision": supported / len(cs) if cs else 0.0, "supported": float(supported),
-                    "claims": float(len(cs)), "relevance": j})
+                    "claims": float(len(cs)), "relevance": rel[i]})
     return out

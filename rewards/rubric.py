@@ -4,14 +4,21 @@ The policy sees only the research goal; a frozen grader (the initial policy) see
 items and a reference solution, and for each item lists which of 7 general desiderata the plan
 violates. An item passes only with no violation; the reward is the fraction of items that pass.
 
-This module holds the protocol: the policy prompt, the grader prompt, the XML parser, the plan
-extraction with its word budget, and the ResearchPlanGen row loader.
+The reward `rubric_self_grade` asks the judge named by `judge` (`reward.judges`, `model_path: null`
+= a frozen copy of the initial policy) for one grading per plan. A plan must sit in
+`<solution>...</solution>`; one over `max_words` scores 0 (`over_length: zero`) or is cut to the budget
+(`truncate`) [RECONSTRUCTION: the paper's length control was not recovered]. Malformed grader output is
+asked again (a new seed; use a grader temperature > 0 for the retry to differ) up to `retries` times,
+then the sample is a recorded failure.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from rewards.base import RewardFailure, uses_judges
+from rl.registry import register
 
 DESIDERATA = (
     "handles all criteria of the item (lists introduced by 'such as' / 'e.g.' need not be matched exactly)",
@@ -122,3 +129,45 @@ def research_plan_rows(rows: list[dict[str, Any]], goal_column: str = "Goal", ru
                     "ground_truth": {"goal": str(row[goal_column]), "rubric": [str(r) for r in rubric],
                                      "reference": str(row[reference_column])}})
     return out
+
+
+@register("reward", "rubric_self_grade")
+@uses_judges
+def rubric_self_grade(prompts: list[str], responses: list[str], *, ground_truth: list[dict], judges: dict[str, Any],
+                      judge: str = "grader", max_words: int | None = None, over_length: str = "zero",
+                      retries: int = 2, **_: Any) -> list[Any]:
+    """Fraction of rubric items the frozen grader passes, per plan (components: `items_passed`,
+    `no_solution`, `over_length`, `grader_attempts`)."""
+    if judge not in judges:
+        raise ValueError(f"rubric_self_grade needs reward.judges.{judge} (have {sorted(judges)})")
+    if over_length not in ("zero", "truncate"):
+        raise ValueError(f"rubric_self_grade: over_length must be zero or truncate, got {over_length!r}")
+    grader = judges[judge]
+    results: list[Any] = [None] * len(responses)
+    pending = []  # (sample, grader prompt, number of items)
+    for i, (response, task) in enumerate(zip(responses, ground_truth)):
+        plan, over = extract_plan(response, max_words)
+        if plan is None:
+            results[i] = {"score": 0.0, "no_solution": 1.0}
+        elif over and over_length == "zero":
+            results[i] = {"score": 0.0, "over_length": 1.0}
+        else:
+            if over:
+                plan = " ".join(plan.split()[:max_words])
+            pending.append((i, grader_prompt(task["goal"], task["rubric"], task["reference"], plan), len(task["rubric"])))
+    for attempt in range(retries + 1):
+        if not pending:
+            break
+        graded = grader.generate([p for _, p, _ in pending], seed=attempt)
+        still = []
+        for (i, p, k), text in zip(pending, graded):
+            passes = parse_grades(text, k)
+            if passes is None:
+                still.append((i, p, k))
+            else:
+                results[i] = {"score": rubric_score(passes), "items_passed": float(sum(passes)),
+                              "grader_attempts": float(attempt + 1)}
+        pending = still
+    for i, _, _ in pending:
+        results[i] = RewardFailure(f"grader output held no <item> blocks after {retries + 1} attempts")
+    return results

@@ -14,13 +14,14 @@ import inspect
 import math
 import multiprocessing as mp
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.ray_utils import ActorProbes
-from rewards.base import RewardResult, is_batched, normalize_result
+from rewards.base import RewardResult, is_batched, needs_judges, normalize_result
 
 
 @dataclass
@@ -106,13 +107,15 @@ class RewardService(ActorProbes):
     """Scores samples with weighted reward functions in `num_workers` spawned processes."""
 
     def __init__(self, functions: list[RewardSpec], num_workers: int = 2, timeout_s: float = 10.0,
-                 failure_reward: float = 0.0):
+                 failure_reward: float = 0.0, judges: dict[str, Any] | None = None):
         if not functions:
             raise ValueError("the reward service needs at least one reward function")
         from rl.registry import get
-        for f in functions:  # fail at start-up, in the driver, for plugins that cannot be loaded
-            get("reward", f.name)
+        # fail at start-up, in the driver, for plugins that cannot be loaded; rewards that call judges run
+        # in this process (where the judges' Ray handles live), the others in the worker pool
+        self.in_process = {f.name for f in functions if needs_judges(get("reward", f.name))}
         self.functions = functions
+        self.judges: dict[str, Any] = dict(judges or {})
         self.num_workers = max(1, num_workers)
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
@@ -121,23 +124,51 @@ class RewardService(ActorProbes):
         self.worker_deaths = 0  # worker processes that died; their chunks were scored again
         self.max_worker_deaths = 3  # per score() call; beyond that, unfinished samples are marked failed
 
+    def set_judges(self, judges: dict[str, Any]) -> None:
+        """Hand the judge clients (`rewards.judges.JudgeClient`) to the rewards that call them."""
+        self.judges = dict(judges)
+
+    def _score_in_process(self, f: RewardSpec, items: list[dict]) -> list[tuple[Any, str | None]]:
+        """A judge-calling (batched) reward, run here; an exception marks every sample of the call failed."""
+        from rl.registry import get
+        cols = {k: [it.get(k) for it in items] for k in items[0]}
+        try:
+            out = get("reward", f.name)(cols.pop("prompt"), cols.pop("response"), judges=self.judges,
+                                        **cols, **dict(f.params))
+        except Exception as exc:
+            tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            return [(None, f"reward {f.name!r} raised {tb}")] * len(items)
+        if not isinstance(out, (list, tuple)) or len(out) != len(items):
+            return [(None, f"reward {f.name!r} returned {type(out).__name__}, expected a list of {len(items)}")] \
+                * len(items)
+        return [(v, None) for v in out]
+
     def _ensure_pool(self):
         if self._pool is None:
             self._pool = mp.get_context("spawn").Pool(self.num_workers)
         return self._pool
 
+    def _discard_pool(self, wait_s: float) -> None:
+        """Shut the pool down. `Pool.terminate()` can block for ever once a worker died while holding the
+        result queue's lock (CPython issue 22393), so it runs on a daemon thread and is waited for at most
+        `wait_s`, then any worker still alive is killed; a fresh pool replaces it either way."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        workers = list(pool._pool)
+        closer = threading.Thread(target=pool.terminate, daemon=True)
+        closer.start()
+        closer.join(wait_s)
+        for proc in workers:  # still stuck: make sure no worker outlives the pool
+            if proc.exitcode is None:
+                proc.kill()
+
     def _restart_pool(self):
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-        self._pool = None
+        self._discard_pool(wait_s=5.0)
         self.restarts += 1
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        self._discard_pool(wait_s=10.0)
 
     def score(self, items: list[dict]) -> list[dict]:
         """Score rows `{prompt, response, ground_truth, metadata, ...}`.
@@ -147,13 +178,19 @@ class RewardService(ActorProbes):
         """
         if not items:
             return []
+        raw: dict[str, list[tuple[Any, str | None]]] = {f.name: [(None, None)] * len(items) for f in self.functions}
+        for f in self.functions:
+            if f.name in self.in_process:
+                raw[f.name] = self._score_in_process(f, items)
+        pooled = [f for f in self.functions if f.name not in self.in_process]
+        if not pooled:
+            return [self._combine({f.name: raw[f.name][i] for f in self.functions}) for i in range(len(items))]
         n_chunks = min(len(items), self.num_workers * 2)
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
-        tasks = [(f, bounds[c], items[bounds[c]:bounds[c + 1]]) for f in self.functions for c in range(n_chunks)]
+        tasks = [(f, bounds[c], items[bounds[c]:bounds[c + 1]]) for f in pooled for c in range(n_chunks)]
         waves = math.ceil(len(tasks) / self.num_workers)
         deadline = time.monotonic() + self.timeout_s * (max(bounds[i + 1] - bounds[i] for i in range(n_chunks))
                                                         * waves + 1) + 30.0
-        raw: dict[str, list[tuple[Any, str | None]]] = {f.name: [(None, None)] * len(items) for f in self.functions}
         todo = list(range(len(tasks)))
         deaths = 0
         while todo:

@@ -144,8 +144,24 @@ class RewardFnConfig:
 
 
 @dataclass
+class JudgeConfig:
+    model_path: str | None = None  # HF model folder; null: a frozen copy of the run's initial policy (after SFT)
+    engine: str = "hf"  # generation engine: hf | vllm
+    engine_params: dict[str, Any] = field(default_factory=dict)  # engine options (as rollout.engine_params)
+    num_workers: int = 1  # engine actors; a batch of prompts is split across them
+    num_cpus: float = 0.5  # CPUs per worker
+    num_gpus: float = 0.0  # GPUs per worker (a fraction shares a device)
+    dtype: str = "float32"  # float32 | bfloat16
+    threads: int = 1  # torch intra-op threads per worker
+    temperature: float = 0.0  # judge sampling (0: greedy)
+    top_p: float = 1.0  # nucleus sampling
+    max_new_tokens: int = 256  # completion cap
+
+
+@dataclass
 class RewardConfig:
     functions: list[RewardFnConfig] = field(default_factory=lambda: [RewardFnConfig()])  # summed with weights
+    judges: dict[str, JudgeConfig] = field(default_factory=dict)  # named frozen judge/grader models that rewards call
     num_workers: int = 2  # worker processes of the reward service
     timeout_s: float = 10.0  # per-sample timeout; a timed-out sample is a recorded failure
     failure_reward: float = 0.0  # reward given to a failed sample (it is also flagged and counted)
@@ -200,12 +216,22 @@ class Config:
 
 # ---------------------------------------------------------------------------- validation
 def _dataclass_of(tp: Any) -> type | None:
-    """The dataclass inside `tp` (plain, Optional[...]) or None."""
+    """The dataclass inside `tp` (plain, Optional[...]) or None; not the values of a mapping."""
     if dataclasses.is_dataclass(tp):
         return tp
+    if typing.get_origin(tp) is dict:
+        return None
     for arg in typing.get_args(tp):
         if dataclasses.is_dataclass(arg):
             return arg
+    return None
+
+
+def _mapping_value_dataclass(tp: Any) -> type | None:
+    """`V` of `dict[str, V]` when V is a dataclass (named groups such as `reward.judges`)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        return args[1]
     return None
 
 
@@ -235,6 +261,10 @@ def _check_keys(data: Any, schema: type, path: str, source: str) -> None:
         if item is not None and isinstance(value, list):
             for i, v in enumerate(value):
                 _check_keys(v, item, f"{full}[{i}]", source)
+        entry = _mapping_value_dataclass(hints[key])
+        if entry is not None and isinstance(value, dict):
+            for name, v in value.items():
+                _check_keys(v, entry, f"{full}.{name}", source)
 
 
 def _overrides_to_dict(overrides: list[str]) -> dict:
@@ -390,9 +420,10 @@ def field_docs(schema: type = Config, prefix: str = "") -> dict[str, str]:
             name = stripped.split(":", 1)[0].strip()
             docs[prefix + name] = stripped.split("#", 1)[1].strip()
     for f in dataclasses.fields(schema):
-        sub = _dataclass_of(f.type if not isinstance(f.type, str) else typing.get_type_hints(schema)[f.name])
+        tp = f.type if not isinstance(f.type, str) else typing.get_type_hints(schema)[f.name]
+        sub = _dataclass_of(tp) or _mapping_value_dataclass(tp)
         if sub is not None:
-            docs.update(field_docs(sub, prefix + f.name + "."))
+            docs.update(field_docs(sub, prefix + f.name + (".<name>." if sub is _mapping_value_dataclass(tp) else ".")))
     return docs
 
 

@@ -166,6 +166,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             else:
                 _say(f"sft: reusing {policy_path} (built from the same recipe)")
 
+        judges = _start_judges(cfg, policy_path, reward_service, summary)
         trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, placement, reward_service)
         before_path = out / "eval_before.json"
         if ckpt is None:  # a fresh run: no metrics from an earlier run in this folder
@@ -227,6 +228,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             hf_dir = out / "hf_model"
             trainer.learners.save_hf(str(hf_dir), tokenizer_path=model_path)
             summary["hf_model"] = str(hf_dir)
+        for name, client in judges.items():  # a judge never receives weights: show it
+            if name in summary.get("judges", {}):
+                summary["judges"][name]["weights_sha256_end"] = client.weights_sha256()
     finally:
         if trainer is not None:
             trainer.close()
@@ -235,6 +239,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     summary["wall_s"] = time.perf_counter() - t_run
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summary: dict) -> dict[str, Any]:
+    """Start `reward.judges` (null model paths: the initial policy) and hand them to the reward service;
+    hf-engine judges record the digest of their weights now and at the end of the run."""
+    if not cfg.reward.judges:
+        return {}
+    from rewards.judges import start_judges
+    judges = as_container(cfg.reward.judges)
+    clients = start_judges(judges, policy_path, env=actor_env())
+    ray.get(reward_service.set_judges.remote(clients))
+    summary["judges"] = {name: {"model": judges[name]["model_path"] or policy_path,
+                                "weights_sha256_start": clients[name].weights_sha256()}
+                         for name in clients if judges[name]["engine"] == "hf"}
+    started = [f"{name} ({len(c.workers)} x {judges[name]['engine']})" for name, c in clients.items()]
+    _say("judges: " + ", ".join(started))
+    return clients
 
 
 def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, rows: list[dict],

@@ -26,7 +26,7 @@ _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses", "rl.rltt"],
-    "reward": ["rewards.math", "rewards.factuality"],
+    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
 }
 

@@ -1,0 +1,88 @@
+"""Judge engines: frozen language models that reward functions call for generations.
+
+A recipe declares named judge groups under `reward.judges` (model folder or the run's initial policy,
+engine `hf` or `vllm`, number of workers, sampling). Each worker is a Ray actor holding a rollout
+engine; nothing ever sends it weights (the learner's weight sync only reaches the rollout workers),
+so a judge stays exactly the model it was loaded as, which `weights_sha256` lets a run prove.
+
+Reward functions that need judges are batched and decorated with `rewards.base.uses_judges`; the
+reward service calls them in its own process with `judges={name: JudgeClient}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Any
+
+import ray
+
+
+class JudgeWorker:
+    """One judge engine (a Ray actor): prompts in, completions out."""
+
+    def __init__(self, model_path: str, engine: str = "hf", engine_params: dict | None = None, dtype: str = "float32",
+                 device: str = "cpu", threads: int = 1):
+        import torch
+
+        from rl.registry import get
+        torch.set_num_threads(threads)
+        self.model_path = model_path
+        self.engine = get("engine", engine)(model_path, dtype=dtype, device=device, **(engine_params or {}))
+
+    def generate(self, prompts: list[str], sampling: dict[str, Any]) -> list[str]:
+        from rollout.hf_engine import SamplingParams
+        return list(self.engine.generate(prompts, SamplingParams(n=1, **sampling)).responses)
+
+    def weights_sha256(self) -> str:
+        """Digest of the engine's weights (hf engine), to show that the judge never changed."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise NotImplementedError("weights_sha256 needs the hf engine")
+        return state_dict_sha256(model.state_dict())
+
+
+def state_dict_sha256(state: dict[str, Any]) -> str:
+    """sha256 over every tensor's name and bytes, in name order."""
+    import torch
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class JudgeClient:
+    """What a reward function receives: `generate(prompts, **sampling)` spread over the group's workers."""
+
+    def __init__(self, name: str, workers: list[Any], sampling: dict[str, Any], timeout_s: float = 600.0):
+        self.name, self.workers, self.sampling, self.timeout_s = name, workers, dict(sampling), timeout_s
+
+    def generate(self, prompts: list[str], **sampling: Any) -> list[str]:
+        """Completions for `prompts` (in order), at the judge's sampling settings unless overridden."""
+        if not prompts:
+            return []
+        params = {**self.sampling, **sampling}
+        n = len(self.workers)
+        bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
+        refs = [w.generate.remote(prompts[bounds[i]:bounds[i + 1]], params)
+                for i, w in enumerate(self.workers) if bounds[i + 1] > bounds[i]]
+        return list(itertools.chain.from_iterable(ray.get(refs, timeout=self.timeout_s)))
+
+    def weights_sha256(self) -> list[str]:
+        return ray.get([w.weights_sha256.remote() for w in self.workers], timeout=self.timeout_s)
+
+
+def start_judges(judges: dict[str, Any], policy_path: str, env: dict[str, str] | None = None) -> dict[str, JudgeClient]:
+    """Start every judge group of `reward.judges` (a null `model_path` is the run's initial policy)."""
+    clients = {}
+    for name, jc in judges.items():
+        path = jc["model_path"] or policy_path
+        device = "cuda" if jc["num_gpus"] else "cpu"
+        actor = ray.remote(JudgeWorker).options(num_cpus=jc["num_cpus"], num_gpus=jc["num_gpus"],
+                                                runtime_env={"env_vars": env or {}})
+        workers = [actor.remote(path, jc["engine"], jc["engine_params"], jc["dtype"], device, jc["threads"])
+                   for _ in range(jc["num_workers"])]
+        sampling = {"temperature": jc["temperature"], "top_p": jc["top_p"], "max_new_tokens": jc["max_new_tokens"]}
+        clients[name] = JudgeClient(name, workers, sampling)
+    return clients

@@ -337,8 +337,15 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
 
 def build_tiny_ouro(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                     intermediate_size: int = 128, total_ut_steps: int = 4, max_position_embeddings: int = 256,
-                    tie_word_embeddings: bool = False, seed: int = 0) -> OuroForCausalLM:
-    """A small seeded looped model with the Ouro field names, for tests and CPU recipes."""
+                    tie_word_embeddings: bool = False, branch_norm_init: float = 0.1,
+                    seed: int = 0) -> OuroForCausalLM:
+    """A small seeded looped model with the Ouro field names, for tests and CPU recipes.
+
+    The sandwich norms that close each residual branch (`input_layernorm_2`, `post_attention_layernorm_2`)
+    start at `branch_norm_init` instead of 1, so every branch first adds a small update (as SkipInit /
+    ReZero do): with 1, the unit-RMS branch outputs of T loops x L layers swamp the embeddings and the
+    tiny model trains from scratch several times slower (SFT loss 1.25 vs 0.42 after 200 steps on the
+    synthetic task). Public checkpoints bring their own weights."""
     from transformers import GenerationConfig
     config = OuroConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -349,6 +356,10 @@ def build_tiny_ouro(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_h
         architectures=["OuroForCausalLM"])
     torch.manual_seed(seed)
     model = OuroForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm_2.weight.fill_(branch_norm_init)
+            layer.post_attention_layernorm_2.weight.fill_(branch_norm_init)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=tokenizer.bos_token_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -108,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*")
     s.add_argument("--docs", action="store_true", help="print every key with its one-line doc instead")
     s.set_defaults(fn=cmd_config_show)
+    sr = sub.add_parser("serve-reward", help="serve a reward plugin over HTTP (recipes call it by URL)")
+    sr.add_argument("reward", help="reward spec: short name, module:attr or path/to/file.py:attr")
+    sr.add_argument("--host", default="127.0.0.1")
+    sr.add_argument("--port", type=int, default=8400)
+    sr.add_argument("--params", type=json.loads, default={}, help="JSON keyword arguments passed to the reward")
+    sr.add_argument("--timeout-s", type=float, default=10.0, help="per-sample timeout")
+    sr.add_argument("--workers", type=int, default=2, help="scoring processes")
+    sr.set_defaults(fn=cmd_serve_reward)
     ev = sub.add_parser("eval", add_help=False,
                         help="math benchmark evaluation: mean@k, paired comparison, per-loop accuracy "
                              "(looprl eval --help)")
@@ -118,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="output PNG (default RUN_DIR/metrics.png)")
     pl.set_defaults(fn=cmd_plot)
     return p
+
+
+def cmd_serve_reward(args: argparse.Namespace) -> int:
+    from rewards.remote import serve
+    serve(args.reward, host=args.host, port=args.port, params=args.params, timeout_s=args.timeout_s,
+          num_workers=args.workers)
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.registry import RegistryError
     try:
         return args.fn(args)
-    except (ConfigError, RegistryError, FileNotFoundError) as exc:
+    except (ConfigError, RegistryError, FileNotFoundError, ConnectionError) as exc:
         print(f"looprl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -138,7 +138,8 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardFnConfig:
-    name: str = "math"  # reward (registry kind "reward"): short name, module:attr, file.py:attr or entry point
+    name: str = "math"  # reward (registry kind "reward"): short name, module:attr, file.py:attr, entry point, or the URL of a `looprl serve-reward` server
+    remote: str | None = None  # URL of a `looprl serve-reward` server (the same as name: URL)
     weight: float = 1.0  # weight in the summed reward
     params: dict[str, Any] = field(default_factory=dict)  # keyword arguments passed to the function
 

@@ -137,8 +137,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                            "loop_logp", "exit_pdf", "learned_logits"))
     check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
                  supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
-    specs = [RewardSpec(f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
+    specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
+    from rewards.remote import check_health, is_remote
+    for spec in specs:
+        if is_remote(spec.name):
+            check_health(spec.name)
     mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
     _say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
     reward_service = ray.remote(RewardService).options(

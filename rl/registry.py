@@ -89,6 +89,10 @@ def get(kind: str, spec: str) -> Any:
     _load_builtins(kind)
     if spec in _REGISTRY[kind]:
         return _REGISTRY[kind][spec]
+    if kind == "reward" and spec.startswith(("http://", "https://")):  # a `looprl serve-reward` server
+        from rewards.remote import remote_reward
+        _REGISTRY[kind][spec] = remote_reward(spec)
+        return _REGISTRY[kind][spec]
     if ":" in spec:
         target, attr = spec.rsplit(":", 1)
         if target.endswith(".py") or "/" in target:

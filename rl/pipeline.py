@@ -82,11 +82,17 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
     paths: dict[str, str | None] = {"train": d.train_path, "eval": d.eval_path, "sft": d.sft_path}
     need_sft = cfg.sft.enabled and d.sft_path is None
     if d.train_path is None or need_sft:
-        from rl.synthetic import write_synthetic_task
         s = d.synthetic
-        synth = write_synthetic_task(out / "data", num_train=s.num_train, num_eval=s.num_eval,
-                                     sft_fraction=s.sft_fraction, wrong_order_fraction=s.wrong_order_fraction,
-                                     seed=s.seed)
+        if s.task == "facts":  # its evidence corpus lands in the same folder: data/corpus.txt
+            from rl.synthetic_facts import write_facts_task
+            n_sft = int(s.num_train * s.sft_fraction)
+            synth = write_facts_task(out / "data", num_sft=n_sft, num_train=s.num_train - n_sft,
+                                     num_eval=s.num_eval, seed=s.seed)
+        else:
+            from rl.synthetic import write_synthetic_task
+            synth = write_synthetic_task(out / "data", num_train=s.num_train, num_eval=s.num_eval,
+                                         sft_fraction=s.sft_fraction, wrong_order_fraction=s.wrong_order_fraction,
+                                         seed=s.seed)
         if d.train_path is None:  # the synthetic task's held-out split goes with its training split
             paths["train"] = synth["train"]
             paths["eval"] = d.eval_path or synth["eval"]

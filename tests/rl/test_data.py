@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,21 @@ def test_format_prompt_chat_template():
     tok = build_tiny_tokenizer()
     assert format_prompt("1+2", tok, prefix="Q:") == "Q:1+2"
     assert format_prompt("1+2", tok, chat_template=True) == "<|user|>1+2<|assistant|>"
+
+
+def test_synthetic_facts_task(tmp_path):
+    from rewards.factuality import factuality_reward
+    from rl.synthetic_facts import ATTRIBUTES, write_facts_task
+    paths = write_facts_task(tmp_path, num_people=5, num_sft=200, num_train=20, num_eval=5, seed=3)
+    corpus = (tmp_path / "corpus.txt").read_text().splitlines()
+    assert len(corpus) == 5 * len(ATTRIBUTES)
+    sft = [json.loads(x) for x in Path(paths["sft"]).read_text().splitlines()]
+    counts = [r["target"].count(".") for r in sft]
+    assert min(counts) == 1 and max(counts) == 6  # answers vary in detail
+    out = factuality_reward([r["prompt"] for r in sft], [r["target"] for r in sft], ground_truth=[r["answer"] for r in sft],
+                            corpus=paths["corpus"], lam=0.0, mu=0.0)
+    precision = sum(o["precision"] for o in out) / len(out)
+    assert 0.6 < precision < 0.8  # p_false = 0.3 of the facts are corrupted
+    refs = [json.loads(x)["answer"] for x in Path(paths["eval"]).read_text().splitlines()]
+    assert all(o["score"] == 1.0 for o in factuality_reward(["q"] * 5, [f"<think>x</think> {r}" for r in refs],
+                                                             corpus=paths["corpus"], lam=0.0, mu=0.0))

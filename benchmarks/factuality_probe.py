@@ -1,0 +1,85 @@
+"""The factuality reward-hacking probe at tiny scale: precision-only vs the full reward.
+
+    python benchmarks/factuality_probe.py [--seeds 0 1] [--out benchmarks/results/factuality_probe.json] [key=value ...]
+
+Per seed, `recipes/factuality_tiny.yaml` (lam 0.1, mu 0.1) runs the SFT warm-up and RL; the precision-only
+run (`recipes/factuality_tiny_precision_only.yaml`, lam 0, mu 0) starts from the same SFT checkpoint with
+the same RL budget. Recorded per run, from the reward's logged components: claims per answer (T),
+supported claims (F) and precision (F/T), averaged over the first and the last `--window` RL steps. The
+paper's claim, in direction: precision-only RL shrinks the number of claims; the full reward keeps it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"claims": "reward/factuality/claims", "supported": "reward/factuality/supported",
+        "precision": "reward/factuality/precision", "format_ok": "reward/factuality/format_ok",
+        "reward": "reward/mean"}
+
+
+def _run(recipe: str, args: list[str], out_dir: Path) -> dict:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "rl.cli", "run", str(ROOT / recipe), f"output_dir={out_dir}",
+           "logging.progress_bar=false", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{recipe} failed with exit code {proc.returncode}")
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"rows": rows, "wall_s": time.perf_counter() - t0}
+
+
+def _window(rows: list[dict], key: str, first: bool, n: int) -> float:
+    part = rows[:n] if first else rows[-n:]
+    vals = [r[key] for r in part if key in r]
+    return statistics.mean(vals) if vals else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--window", type=int, default=5, help="RL steps averaged at the start and at the end")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/factuality_probe.json"))
+    p.add_argument("--runs-dir", default=str(ROOT / "runs/factuality_probe"))
+    p.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
+    args = p.parse_args()
+    table = []
+    for seed in args.seeds:
+        base = Path(args.runs_dir) / f"seed{seed}"
+        full = _run("recipes/factuality_tiny.yaml", [f"seed={seed}", *args.overrides], base / "full")
+        sft = base / "full" / "sft_model"
+        data = base / "full" / "data"
+        shared = [f"seed={seed}", f"model.path={sft}", "sft.enabled=false", f"data.train_path={data / 'train.jsonl'}",
+                  f"data.eval_path={data / 'eval.jsonl'}", *args.overrides]
+        prec = _run("recipes/factuality_tiny_precision_only.yaml",
+                    [*shared, f"reward.functions=[{{name: factuality, params: {{corpus: '{data / 'corpus.txt'}', "
+                              f"lam: 0.0, mu: 0.0, min_claim_words: 3}}}}]"], base / "precision_only")
+        for name, res in (("full (lam 0.1, mu 0.1)", full), ("precision only", prec)):
+            row = {"seed": seed, "reward": name, "wall_s": res["wall_s"]}
+            for k, key in KEYS.items():
+                row[f"{k}_start"] = _window(res["rows"], key, True, args.window)
+                row[f"{k}_end"] = _window(res["rows"], key, False, args.window)
+            print(json.dumps(row), flush=True)
+            table.append(row)
+    summary = {}
+    for name in sorted({r["reward"] for r in table}):
+        rows = [r for r in table if r["reward"] == name]
+        summary[name] = {f"{k}_{w}": statistics.mean(r[f"{k}_{w}"] for r in rows) for k in KEYS for w in ("start", "end")}
+    report = {"recipes": ["recipes/factuality_tiny.yaml", "recipes/factuality_tiny_precision_only.yaml"],
+              "overrides": args.overrides, "seeds": args.seeds, "window": args.window, "per_run": table,
+              "mean": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -171,3 +171,27 @@ def rubric_self_grade(prompts: list[str], responses: list[str], *, ground_truth:
     for i, _, _ in pending:
         results[i] = RewardFailure(f"grader output held no <item> blocks after {retries + 1} attempts")
     return results
+
+
+def write_research_plan_jsonl(src: str, dst: str, goal_column: str = "Goal", rubric_column: str = "Rubric",
+                              reference_column: str = "Reference solution") -> int:
+    """Convert a ResearchPlanGen split (JSONL/Parquet/`load_from_disk`) into looprl rows (`prompt`,
+    `answer` = {goal, rubric, reference}) for `data.train_path`; returns the number of rows."""
+    import json
+    from pathlib import Path
+
+    from rl.data import load_rows
+    rows = research_plan_rows(load_rows(src, [goal_column, rubric_column, reference_column], "research plans"),
+                              goal_column, rubric_column, reference_column)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    with open(dst, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt": r["prompt"], "answer": r["ground_truth"]}) + "\n")
+    return len(rows)
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python -m rewards.rubric SRC DST.jsonl  (ResearchPlanGen split -> looprl rows)")
+    print(f"wrote {write_research_plan_jsonl(sys.argv[1], sys.argv[2])} rows to {sys.argv[2]}")

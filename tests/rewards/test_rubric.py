@@ -58,3 +58,17 @@ def test_plan_extraction_and_word_budget():
     assert extract_plan("<solution>" + "w " * 6 + "</solution>", max_words=5) == ("w " * 5 + "w", True)
     assert extract_plan("no solution tags", max_words=5) == (None, False)
     assert extract_plan("<solution>draft</solution> <solution>final plan</solution>")[0] == "final plan"
+
+
+def test_research_plan_split_converts_to_looprl_rows(tmp_path):
+    import json
+
+    from rewards.rubric import write_research_plan_jsonl
+    from rl.data import load_rows
+    src = tmp_path / "ml_train.jsonl"
+    src.write_text(json.dumps({"Goal": "Find G.", "Rubric": ["r1", "r2"], "Reference solution": "Ref.",
+                               "article_id": "a1"}) + "\n")
+    assert write_research_plan_jsonl(str(src), str(tmp_path / "rows.jsonl")) == 1
+    rows = load_rows(str(tmp_path / "rows.jsonl"), ["prompt", "answer"], "test")
+    assert rows[0]["answer"] == {"goal": "Find G.", "rubric": ["r1", "r2"], "reference": "Ref."}
+    assert "r1" not in rows[0]["prompt"] and "Find G." in rows[0]["prompt"]

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from models.tiny import save_tiny
-from rewards.factuality import VERIFY_PROMPT, factuality_reward, load_corpus, says_yes
+from rewards.factuality import (
+    CLAIMS_PROMPT,
+    RELEVANCE_PROMPT,
+    VERIFY_PROMPT,
+    content_words,
+    factuality_reward,
+    load_corpus,
+    says_yes,
+)
 from rewards.judges import JudgeClient, JudgeWorker, state_dict_sha256
 from rewards.rubric import grader_prompt, rubric_self_grade
 from rewards.service import RewardService, RewardSpec
@@ -126,3 +134,17 @@ def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path):
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["reward/failures"] == 0 for m in metrics)
     assert torch.isfinite(torch.tensor([m["reward/mean"] for m in metrics])).all()
+
+
+def test_factuality_with_judge_claims_and_relevance(judge, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The river Alder flows through Brenn.\n")
+    answer = "The river Alder flows through Brenn."
+    out = factuality_reward(["Where does the Alder flow?"], [f"<think>t</think> {answer}"], ground_truth=["Brenn."],
+                            corpus=str(corpus), judges={"judge": judge}, claims="judge", relevance="judge",
+                            lam=0.0, mu=0.1)
+    listed = judge.generate([CLAIMS_PROMPT.format(answer=answer)])[0]
+    claims = [ln.strip(" -*\t") for ln in listed.splitlines() if content_words(ln)]
+    said = judge.generate([RELEVANCE_PROMPT.format(question="Where does the Alder flow?", reference="Brenn.",
+                                                   answer=answer)])[0]
+    assert out[0]["claims"] == len(claims) and out[0]["relevance"] == float(says_yes(said))

@@ -134,3 +134,34 @@ def test_gradients_by_loop_and_into_the_gate():
 
 def test_registered_and_marked_for_the_loop_forward():
     assert get("loss", "rltt") is rltt_loss and rltt_loss.needs_loop_logprobs
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "exit_pdf", "last"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_rltt_is_shard_invariant(weighting, mode, chunks):
+    g = torch.Generator().manual_seed(4)
+    loop_logp = torch.randn(6, 5, 4, generator=g) * 0.1 - 1
+    gates = torch.randn(6, 5, 4, generator=g)
+    ref = loop_logp[..., -1] + torch.randn(6, 5, generator=g) * 0.05
+    adv = torch.randn(6, 1, generator=g).expand(6, 5).clone()
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+
+    def loss(x, gate, rows, **counts):
+        return rltt_loss(x[rows][..., -1], None, adv[rows], mask[rows], loop_logp=x[rows], ref_logp=ref[rows],
+                         exit_pdf=exit_pdf(gate[rows]), loop_weighting=weighting, kl_coef=0.01, agg=mode, **counts)[0]
+
+    full_x, full_g = loop_logp.clone().requires_grad_(True), gates.clone().requires_grad_(True)
+    full = loss(full_x, full_g, slice(None))
+    full.backward()
+    counts = {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(-1) > 0).sum())}
+    x, gate = loop_logp.clone().requires_grad_(True), gates.clone().requires_grad_(True)
+    total = sum(loss(x, gate, slice(i, None, chunks), **counts) for i in range(chunks))
+    total.backward()
+    assert total.item() == pytest.approx(full.item(), abs=1e-6)
+    assert torch.allclose(x.grad, full_x.grad, atol=1e-7)
+    if weighting == "exit_pdf":  # the gate gets gradient only through the exit-pdf weights
+        assert torch.allclose(gate.grad, full_g.grad, atol=1e-7)
+    else:
+        assert gate.grad is None

@@ -143,6 +143,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                            "loop_logp", "exit_pdf", "learned_logits"))
     check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
                  supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
+    for name, judge in cfg.reward.judges.items():
+        check_params("engine", judge.engine, as_container(judge.engine_params), f"reward.judges.{name}.engine_params",
+                     supplied=("model_path", "dtype", "device"))
     specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
     from rewards.remote import check_health, is_remote

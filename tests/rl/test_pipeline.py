@@ -153,6 +153,7 @@ def _cli(*args, timeout=300):
     (["algorithm.advantage=rloo", "algorithm.advantage_params={eps: 0.1}"],
      "algorithm.advantage_params.eps: advantage 'rloo' has no parameter 'eps'"),
     (["algorithm.loss_params={kl_coef: 0.1}"], "algorithm.loss_params.kl_coef: looprl sets 'kl_coef' itself"),
+    (["reward.judges={g: {engine_params: {kv_cache_gb: 2}}}"], "reward.judges.g.engine_params.kv_cache_gb"),
 ])
 def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path, overrides, expected):
     res = _cli("run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", *overrides)

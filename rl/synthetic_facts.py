@@ -2,9 +2,11 @@
 
 A small world of made-up people, each with one value per attribute ("Kov lives in Tam."). The evidence
 corpus (`corpus.txt`) holds every true fact. Prompts ask about one person ("Tell me about Kov."); SFT
-answers, `<think>Kov</think> ` followed by 1..`max_facts` facts, vary in detail and are partly wrong
-(a fact is corrupted with probability `p_false`), so the warmed-up policy holds both behaviours the
-factuality reward arbitrates between: fewer, safer claims or more, riskier ones. The reference answer
+answers, `<think>Kov</think> ` followed by 1..`max_facts` facts, vary in detail and are partly wrong:
+knowledge thins out with detail, the k-th fact of an answer (k = 0, 1, ...) is corrupted with
+probability `p_false + p_false_step * k`. The warmed-up policy thus holds both behaviours the
+factuality reward arbitrates between: fewer, safer claims or more, riskier ones (precision alone pays
+for stopping early; the detail term pays for each further supported fact). The reference answer
 (the `answer` column, used for relevance) lists every true fact about the person. RL prompts and the
 held-out prompts ask about the same people as SFT: the knowledge comes from SFT, RL shapes how much of
 it an answer states.
@@ -33,7 +35,8 @@ def person_names(n: int, rng: random.Random) -> list[str]:
 
 
 def write_facts_task(out_dir: str | Path, num_people: int = 40, num_sft: int = 4000, num_train: int = 2000,
-                     num_eval: int = 100, max_facts: int = 6, p_false: float = 0.3, seed: int = 1234) -> dict[str, str]:
+                     num_eval: int = 100, max_facts: int = 6, p_false: float = 0.1, p_false_step: float = 0.1,
+                     seed: int = 1234) -> dict[str, str]:
     """Write `corpus.txt`, `sft.jsonl` (prompt, answer, target), `train.jsonl` and `eval.jsonl`."""
     rng = random.Random(seed)
     people = person_names(num_people, rng)
@@ -48,9 +51,9 @@ def write_facts_task(out_dir: str | Path, num_people: int = 40, num_sft: int = 4
     def answer(person: str) -> str:
         verbs = rng.sample([v for v, _ in ATTRIBUTES], rng.randint(1, max_facts))
         said = []
-        for verb in verbs:
+        for k, verb in enumerate(verbs):
             value = world[person][verb]
-            if rng.random() < p_false:
+            if rng.random() < p_false + p_false_step * k:
                 value = rng.choice([x for v, xs in ATTRIBUTES if v == verb for x in xs if x != value])
             said.append(fact(person, verb, value))
         return f"<think>{person}{THINK_END} " + " ".join(said)

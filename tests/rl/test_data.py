@@ -73,8 +73,11 @@ def test_synthetic_facts_task(tmp_path):
     assert min(counts) == 1 and max(counts) == 6  # answers vary in detail
     out = factuality_reward([r["prompt"] for r in sft], [r["target"] for r in sft], ground_truth=[r["answer"] for r in sft],
                             corpus=paths["corpus"], lam=0.0, mu=0.0)
-    precision = sum(o["precision"] for o in out) / len(out)
-    assert 0.6 < precision < 0.8  # p_false = 0.3 of the facts are corrupted
+    by_count = {}
+    for o in out:
+        by_count.setdefault(int(o["claims"]), []).append(o["precision"])
+    mean = {k: sum(v) / len(v) for k, v in by_count.items()}
+    assert mean[1] > 0.8 and mean[6] < 0.8  # the k-th fact is wrong with probability 0.1 + 0.1 k
     refs = [json.loads(x)["answer"] for x in Path(paths["eval"]).read_text().splitlines()]
     assert all(o["score"] == 1.0 for o in factuality_reward(["q"] * 5, [f"<think>x</think> {r}" for r in refs],
                                                              corpus=paths["corpus"], lam=0.0, mu=0.0))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -245,8 +246,13 @@ def _token_logprobs(lm_head: nn.Linear, h: torch.Tensor, labels: torch.Tensor, t
     return logits.gather(-1, labels[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # transformers 5 maps tied parameters to their source; 4.x lists them
+    _tied_weights_keys = ({"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5
+                          else ["lm_head.weight"])
 
     def __init__(self, config: OuroConfig):
         super().__init__(config)

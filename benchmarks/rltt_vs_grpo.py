@@ -100,6 +100,7 @@ def _plot(report: dict, path: Path) -> None:
     for key, label in [("per_loop_before", "before RL (SFT)"), ("per_loop_grpo", "GRPO"), ("per_loop_rltt", "RLTT")]:
         xs = sorted(report["mean_per_loop"][key], key=int)
         ax.plot([int(x) for x in xs], [report["mean_per_loop"][key][x] for x in xs], marker="o", label=label)
+    ax.set_xticks(sorted(int(t) for t in report["mean_per_loop"]["per_loop_before"]))
     ax.set_xlabel("readout after loop t (greedy)")
     ax.set_ylabel("held-out accuracy")
     ax.set_title(f"tiny looped model, mean over seeds {report['seeds']}")

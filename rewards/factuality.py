@@ -12,7 +12,7 @@ configuration uses λ = 0, μ = 0.1.
 Stages, each chosen by name (`judge` stages call the judge engine named by `judge`, `reward.judges`):
 - claims: `sentences`, a rule-based splitter (one claim per sentence of at least `min_claim_words`
   content words), for tests and cheap runs; or `judge`, one claim per line of the judge's answer;
-- retrieval: BM25 (`bm25s`) over a local evidence corpus (no web search is reachable), `top_k` passages;
+- retrieval: BM25 (`rank_bm25`) over a local evidence corpus (no web search is reachable), `top_k` passages;
 - verification: `lexical`, a claim is supported when one retrieved passage holds at least
   `support_overlap` of its content words; or `judge`, the judge answers yes/no given the passages;
 - relevance: `overlap`, J = 1 when the answer shares at least `relevance_overlap` of the reference
@@ -75,27 +75,34 @@ def sentence_claims(answer: str, min_claim_words: int = 3) -> list[str]:
 
 
 class EvidenceCorpus:
-    """BM25 over local passages: a `.jsonl` file with a `text` field per line, or a plain text file with
-    one passage per non-empty line."""
+    """BM25 (Okapi, `rank_bm25`) over local passages: a `.jsonl` file with a `text` field per line, or a
+    plain text file with one passage per non-empty line. Passages and claims are tokenised alike
+    (lower-cased words without stopwords). `rank_bm25` rather than `bm25s`: bm25s imports numba, whose
+    llvmlite objects break vLLM's kernel registration in any process that later starts a vLLM engine."""
 
     def __init__(self, path: str):
-        import bm25s
+        from rank_bm25 import BM25Okapi
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"factuality corpus {path!r} does not exist")
         lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
         self.passages = [json.loads(ln)["text"] for ln in lines] if p.suffix == ".jsonl" else lines
-        if not self.passages:
-            raise ValueError(f"factuality corpus {path!r} has no passages")
-        self.bm25 = bm25s.BM25()
-        self.bm25.index(bm25s.tokenize(self.passages, stopwords="en", show_progress=False), show_progress=False)
+        tokens = [_tokens(t) for t in self.passages]
+        if not any(tokens):
+            raise ValueError(f"factuality corpus {path!r} has no passages with indexable words")
+        self.bm25 = BM25Okapi(tokens)
 
     def retrieve(self, claims: list[str], k: int) -> list[list[str]]:
-        import bm25s
-        k = min(k, len(self.passages))
-        docs, _ = self.bm25.retrieve(bm25s.tokenize(claims, stopwords="en", show_progress=False), k=k,
-                                     show_progress=False)
-        return [[self.passages[int(i)] for i in row] for row in docs]
+        out = []
+        for claim in claims:
+            scores = self.bm25.get_scores(_tokens(claim))
+            top = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
+            out.append([self.passages[i] for i in top])
+        return out
+
+
+def _tokens(text: str) -> list[str]:
+    return [w.lower() for w in _WORD.findall(text) if w.lower() not in STOPWORDS]
 
 
 @lru_cache(maxsize=8)

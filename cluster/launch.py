@@ -29,7 +29,15 @@ def submit_job(recipe: str, overrides: list[str], address: str, working_dir: str
                    "excludes": list(DEFAULT_EXCLUDES if excludes is None else excludes)}
     if env:
         runtime_env["env_vars"] = dict(env)
-    job_id = client.submit_job(entrypoint=run_command(recipe, overrides), runtime_env=runtime_env)
+    deadline = time.monotonic() + 60
+    while True:  # a freshly started head takes a while to register its job agent
+        try:
+            job_id = client.submit_job(entrypoint=run_command(recipe, overrides), runtime_env=runtime_env)
+            break
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
     print(f"looprl: submitted job {job_id} to {address}", flush=True)
     if not follow:
         return 0

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,15 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
     out_dir = tmp_path / "run"
     address = f"http://127.0.0.1:{dash_port}"
     try:
-        submit = subprocess.run(
-            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT),
-             "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "runs", "benchmarks/results"]}),
-             "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "trainer.steps=2", *TINY_RUN],
-            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        for _ in range(30):  # a freshly started head takes a while to register its job agent
+            submit = subprocess.run(
+                [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT),
+                 "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "runs", "benchmarks/results"]}),
+                 "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "trainer.steps=2",
+                 *TINY_RUN], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+            if "No available agent" not in submit.stderr:
+                break
+            time.sleep(2)
         assert submit.returncode == 0, (submit.stdout[-3000:], submit.stderr[-3000:])
         assert "succeeded" in submit.stdout + submit.stderr
         # the job attached to the running head instead of starting its own Ray

@@ -14,27 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from recipe_runs import ROOT, run_recipe
+
 KEYS = {"claims": "reward/factuality/claims", "supported": "reward/factuality/supported",
         "precision": "reward/factuality/precision", "format_ok": "reward/factuality/format_ok",
         "reward": "reward/mean"}
-
-
-def _run(recipe: str, args: list[str], out_dir: Path) -> dict:
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "rl.cli", "run", str(ROOT / recipe), f"output_dir={out_dir}",
-           "logging.progress_bar=false", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{recipe} failed with exit code {proc.returncode}")
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"rows": rows, "wall_s": time.perf_counter() - t0}
 
 
 def _window(rows: list[dict], key: str, first: bool, n: int) -> float:
@@ -54,19 +40,21 @@ def main() -> None:
     table = []
     for seed in args.seeds:
         base = Path(args.runs_dir) / f"seed{seed}"
-        full = _run("recipes/factuality_tiny.yaml", [f"seed={seed}", *args.overrides], base / "full")
+        full = run_recipe("recipes/factuality_tiny.yaml", [f"seed={seed}", *args.overrides], base / "full",
+                          f"full reward seed {seed}")
         sft = base / "full" / "sft_model"
         data = base / "full" / "data"
         shared = [f"seed={seed}", f"model.path={sft}", "sft.enabled=false", f"data.train_path={data / 'train.jsonl'}",
                   f"data.eval_path={data / 'eval.jsonl'}", *args.overrides]
-        prec = _run("recipes/factuality_tiny_precision_only.yaml",
+        prec = run_recipe("recipes/factuality_tiny_precision_only.yaml",
                     [*shared, f"reward.functions=[{{name: factuality, params: {{corpus: '{data / 'corpus.txt'}', "
-                              f"lam: 0.0, mu: 0.0, min_claim_words: 3}}}}]"], base / "precision_only")
+                              f"lam: 0.0, mu: 0.0, min_claim_words: 3}}}}]"], base / "precision_only",
+                          f"precision-only seed {seed}")
         for name, res in (("full (lam 0.1, mu 0.1)", full), ("precision only", prec)):
             row = {"seed": seed, "reward": name, "wall_s": res["wall_s"]}
             for k, key in KEYS.items():
-                row[f"{k}_start"] = _window(res["rows"], key, True, args.window)
-                row[f"{k}_end"] = _window(res["rows"], key, False, args.window)
+                row[f"{k}_start"] = _window(res["metrics"], key, True, args.window)
+                row[f"{k}_end"] = _window(res["metrics"], key, False, args.window)
             print(json.dumps(row), flush=True)
             table.append(row)
     summary = {}

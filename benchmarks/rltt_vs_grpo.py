@@ -16,29 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from recipe_runs import ROOT, run_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/rltt_tiny.yaml"
 GRPO = ["algorithm.loss=ppo_clip", "algorithm.loss_params={eps_low: 0.2, eps_high: 0.2}",
         "algorithm.kl_in_reward=true", "algorithm.kl_estimator=k1"]
-
-
-def _run(name: str, args: list[str], out_dir: Path) -> dict:
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "rl.cli", "run", str(ROOT / "recipes/rltt_tiny.yaml"), f"output_dir={out_dir}",
-           "logging.progress_bar=false", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{name} failed with exit code {proc.returncode}")
-    summary = json.loads((out_dir / "summary.json").read_text())
-    summary["wall_s"] = time.perf_counter() - t0
-    return summary
 
 
 def _per_loop(model: Path, data: Path, loops: int, max_new_tokens: int) -> dict[str, float]:
@@ -64,10 +49,10 @@ def main() -> None:
     for seed in args.seeds:
         base = Path(args.runs_dir) / f"seed{seed}"
         common = [f"seed={seed}", f"model.tiny.loops={args.loops}", *args.overrides]
-        rltt = _run(f"rltt seed {seed}", common, base / "rltt")
+        rltt = run_recipe(RECIPE, common, base / "rltt", f"rltt seed {seed}")
         sft_model = base / "rltt" / "sft_model"
-        grpo = _run(f"grpo seed {seed}", [*common, f"model.path={sft_model}", "sft.enabled=false", *GRPO],
-                    base / "grpo")
+        grpo = run_recipe(RECIPE, [*common, f"model.path={sft_model}", "sft.enabled=false", *GRPO], base / "grpo",
+                          f"grpo seed {seed}")
         data = base / "rltt" / "data" / "eval.jsonl"
         max_new = int(OmegaConf.load(base / "rltt" / "config.yaml").rollout.max_new_tokens)
         row = {"seed": seed,
@@ -81,7 +66,7 @@ def main() -> None:
     loops = [str(t) for t in range(1, args.loops + 1)]
     mean = {k: {t: statistics.mean(r[k][t] for r in rows) for t in loops}
             for k in ("per_loop_before", "per_loop_rltt", "per_loop_grpo")}
-    report = {"recipe": "recipes/rltt_tiny.yaml", "overrides": args.overrides, "seeds": args.seeds,
+    report = {"recipe": RECIPE, "overrides": args.overrides, "seeds": args.seeds,
               "per_seed": rows, "mean_per_loop": mean,
               "mean_final": {k: statistics.mean(r[k] for r in rows) for k in ("final_before", "final_rltt", "final_grpo")},
               "mean_gain_per_loop": {m: {t: mean[f"per_loop_{m}"][t] - mean["per_loop_before"][t] for t in loops}

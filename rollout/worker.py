@@ -46,10 +46,14 @@ class RolloutWorker(ActorProbes):
     def load_weights(self, packed: PackedState, version: int) -> float:
         """Load weights sent by the learner (`cluster.weight_sync.pack_state`) and tag the new policy version."""
         t0 = time.perf_counter()
-        self.engine.load_weights(unpack_state(packed))
+        self._install(unpack_state(packed), version)
+        return time.perf_counter() - t0
+
+    def _install(self, named: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `named` into the engine and tag the new policy version (every weight-sync path ends here)."""
+        self.engine.load_weights(named)
         self.policy_version = version
         self.needs_weights = False
-        return time.perf_counter() - t0
 
     def init_weight_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         from rollout.weight_sync import make_sync_group
@@ -63,9 +67,7 @@ class RolloutWorker(ActorProbes):
         named: dict[str, torch.Tensor] = {}
         for part in receive_state(self.sync_group, meta, bucket_bytes, self.sync_device):
             named.update(part)
-        self.engine.load_weights(named)
-        self.policy_version = version
-        self.needs_weights = False
+        self._install(named, version)
         return time.perf_counter() - t0
 
     def load_weights_ipc(self, shared: dict, version: int) -> float:
@@ -80,11 +82,9 @@ class RolloutWorker(ActorProbes):
         named: dict[str, torch.Tensor] = {}
         for part in open_state_ipc(shared["handles"], shared["meta"], shared["bucket_bytes"]):
             named.update(part)
-        self.engine.load_weights(named)
+        self._install(named, version)
         del named
-        torch.cuda.synchronize()
-        self.policy_version = version
-        self.needs_weights = False
+        torch.cuda.synchronize()  # the copies out of the learner's buckets are done before it may free them
         return time.perf_counter() - t0
 
     def pid(self) -> int:

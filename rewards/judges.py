@@ -22,24 +22,37 @@ class JudgeWorker:
     """One judge engine (a Ray actor): prompts in, completions out."""
 
     def __init__(self, model_path: str, engine: str = "hf", engine_params: dict | None = None, dtype: str = "float32",
-                 device: str = "cpu", threads: int = 1):
+                 device: str = "cpu", threads: int = 1, chat_template: bool = False):
         import torch
 
         from rl.registry import get
         torch.set_num_threads(threads)
-        self.model_path = model_path
+        self.model_path, self.chat_template = model_path, chat_template
         self.engine = get("engine", engine)(model_path, dtype=dtype, device=device, **(engine_params or {}))
 
     def generate(self, prompts: list[str], sampling: dict[str, Any]) -> list[str]:
+        from rl.data import format_prompt
         from rollout.hf_engine import SamplingParams
+        prompts = [format_prompt(p, self.engine.tokenizer, chat_template=self.chat_template) for p in prompts]
         return list(self.engine.generate(prompts, SamplingParams(n=1, **sampling)).responses)
 
     def weights_sha256(self) -> str:
-        """Digest of the engine's weights (hf engine), to show that the judge never changed."""
+        """Digest of the engine's weights, to show that the judge never changed. The hf engine hashes the
+        transformers state dict; the vllm engine hashes every worker's model in vLLM's own (fused,
+        possibly sharded) layout, so the two engines' digests differ for the same checkpoint."""
         model = getattr(self.engine, "model", None)
-        if model is None:
-            raise NotImplementedError("weights_sha256 needs the hf engine")
-        return state_dict_sha256(model.state_dict())
+        if model is not None:
+            return state_dict_sha256(model.state_dict())
+        llm = getattr(self.engine, "llm", None)
+        if llm is None:
+            raise NotImplementedError(f"weights_sha256: no weights to hash on {type(self.engine).__name__}")
+        per_worker = llm.collective_rpc(_vllm_weights_sha256)
+        return per_worker[0] if len(per_worker) == 1 else hashlib.sha256("".join(per_worker).encode()).hexdigest()
+
+
+def _vllm_weights_sha256(worker: Any) -> str:
+    """Runs inside a vLLM worker: digest of the served model's weights."""
+    return state_dict_sha256(worker.model_runner.model.state_dict())
 
 
 def state_dict_sha256(state: dict[str, Any]) -> str:
@@ -74,14 +87,16 @@ class JudgeClient:
 
 
 def start_judges(judges: dict[str, Any], policy_path: str, env: dict[str, str] | None = None) -> dict[str, JudgeClient]:
-    """Start every judge group of `reward.judges` (a null `model_path` is the run's initial policy)."""
+    """Start every judge group of `reward.judges` (a null `model_path` is the run's initial policy; a null
+    `chat_template` must have been resolved by the caller)."""
     clients = {}
     for name, jc in judges.items():
         path = jc["model_path"] or policy_path
         device = "cuda" if jc["num_gpus"] else "cpu"
         actor = ray.remote(JudgeWorker).options(num_cpus=jc["num_cpus"], num_gpus=jc["num_gpus"],
                                                 runtime_env={"env_vars": env or {}})
-        workers = [actor.remote(path, jc["engine"], jc["engine_params"], jc["dtype"], device, jc["threads"])
+        workers = [actor.remote(path, jc["engine"], jc["engine_params"], jc["dtype"], device, jc["threads"],
+                                bool(jc["chat_template"]))
                    for _ in range(jc["num_workers"])]
         sampling = {"temperature": jc["temperature"], "top_p": jc["top_p"], "max_new_tokens": jc["max_new_tokens"]}
         clients[name] = JudgeClient(name, workers, sampling)

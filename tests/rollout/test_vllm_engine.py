@@ -96,3 +96,11 @@ def test_weight_update_into_the_running_engine(engine, hf):
                           atol=1e-5)
     engine.load_weights(state)
     assert torch.equal(engine.generate(PROMPTS, sp).response_ids, before)
+
+
+def test_an_empty_prompt_starts_from_bos_in_both_engines(engine, hf):
+    # vLLM rejects empty prompts; a judge is asked about empty responses, so both engines start them at BOS
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    b = engine.generate(["", PROMPTS[0]], sp)
+    assert b.responses == hf.generate(["", PROMPTS[0]], sp).responses
+    assert b.prompt_ids[0, -1] == engine.tokenizer.bos_token_id and b.prompt_mask[0].sum() == 1

@@ -52,7 +52,7 @@ class LearnerWorker(ActorProbes):
                  dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
                  schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, offload_between_phases: bool = False):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
                           LOCAL_WORLD_SIZE=str(world_size))
@@ -95,9 +95,19 @@ class LearnerWorker(ActorProbes):
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # The fused AdamW kernel (CPU and CUDA) is ~3x faster than the default per-tensor loop on CPU.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
-                                      weight_decay=weight_decay, fused=fused_adam or None)
+        self.offload_between_phases, self.offloaded = offload_between_phases, False
+        if offload_between_phases and zero_stage == 3:
+            # DeepSpeed moves ZeRO-3 states only for its own FusedAdam (a CUDA kernel)
+            if not torch.cuda.is_available():
+                raise ValueError("learner.offload_between_phases with zero_stage 3 needs CUDA (DeepSpeed offloads "
+                                 "ZeRO-3 states only for its FusedAdam); on CPU there is nothing to offload")
+            from deepspeed.ops.adam import FusedAdam
+            optimizer = FusedAdam(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
+                                  weight_decay=weight_decay, adam_w_mode=True)
+        else:
+            # The fused AdamW kernel (CPU and CUDA) is ~3x faster than the default per-tensor loop on CPU.
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
+                                          weight_decay=weight_decay, fused=fused_adam or None)
 
         def lr_lambda(step: int) -> float:
             if warmup_steps and step < warmup_steps:
@@ -110,9 +120,10 @@ class LearnerWorker(ActorProbes):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
-        if world_size == 1:
+        if world_size == 1 and zero_stage == 0:
             # Nothing to all-reduce with a single rank; skipping DeepSpeed's flatten/reduce/unflatten
-            # copies of every gradient saves ~20% of a CPU training step.
+            # copies of every gradient saves ~20% of a CPU training step. Stage 0 only: the ZeRO
+            # optimizers fill their gradient partitions in that reduction (skipping it fails their step).
             self.engine.enable_backward_allreduce = False
         self.device = self.engine.device
 
@@ -121,6 +132,7 @@ class LearnerWorker(ActorProbes):
     def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0,
                          micro_batch_size: int = 64) -> torch.Tensor:
         from rl.logprobs import response_logprobs
+        self.reload_states()  # every entry point that computes with the model first brings offloaded states back
         model = self.ref if which == "ref" else self.engine.module
         if model is None:
             raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
@@ -152,6 +164,7 @@ class LearnerWorker(ActorProbes):
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"rank {self.rank}: got {len(micro_batches)} micro-batches, "
                              f"DeepSpeed was configured for {self.grad_accum}")
+        self.reload_states()
         t_start = time.perf_counter()
         self.engine.train()
         sums: dict[str, float] = {}
@@ -229,6 +242,7 @@ class LearnerWorker(ActorProbes):
     def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:
         """Supervised step: token-mean negative log-likelihood of the response tokens (global count)."""
         from rl.logprobs import response_logprobs
+        self.reload_states()
         self.engine.train()
         total, grad_norm = 0.0, None
         for i, mb in enumerate(micro_batches):
@@ -274,6 +288,7 @@ class LearnerWorker(ActorProbes):
     def full_state_dict(self, device: str = "cpu", every_rank: bool = False) -> dict[str, torch.Tensor] | None:
         """Full weights on `device` from rank 0 (None elsewhere, unless `every_rank`). Collective under
         ZeRO-3: call on all ranks."""
+        self.reload_states()
         module = self.engine.module
         keep = every_rank or self.rank == 0
         if self.zero_stage == 3:
@@ -336,13 +351,39 @@ class LearnerWorker(ActorProbes):
         return {"gpu": gpu_uuid(), "meta": meta, "handles": handles, "bucket_bytes": bucket_bytes,
                 "pack_s": time.perf_counter() - t0}
 
+    # ------------------------------------------------------------------ colocated phases
+    def offload_states(self) -> float:
+        """Move optimizer states, master weights and gradients to host memory while the colocated rollout
+        engine generates (`learner.offload_between_phases`; DeepSpeed's offload_states, ZeRO 1-3)."""
+        t0 = time.perf_counter()
+        if self.offload_between_phases and not self.offloaded:
+            self.engine.offload_states(pin_memory=torch.cuda.is_available())
+            self.offloaded = True
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return time.perf_counter() - t0
+
+    def reload_states(self) -> float:
+        """Bring the offloaded states back before the learner computes (no-op when none are offloaded)."""
+        t0 = time.perf_counter()
+        if self.offloaded:
+            self.engine.reload_states()
+            self.offloaded = False
+        return time.perf_counter() - t0
+
+    def gpu_memory_gib(self) -> float:
+        """GPU memory held by this process's tensors now (0 on CPU)."""
+        return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
     def save_checkpoint(self, path: str, client_state: dict) -> None:
+        self.reload_states()  # a checkpoint reads the optimizer states where DeepSpeed expects them
         if self.loop_logits is not None:
             client_state = {**client_state, "loop_logits": self.loop_logits.detach().cpu(),
                             "loop_opt": self.loop_opt.state_dict()}
         self.engine.save_checkpoint(path, tag="ds", client_state=client_state)
 
     def load_checkpoint(self, path: str) -> dict:
+        self.reload_states()
         _, client_state = self.engine.load_checkpoint(path, tag="ds")
         client_state = client_state or {}
         if "loop_logits" in client_state:
@@ -445,6 +486,16 @@ class LearnerGroup:
                                 for w, shard in zip(self.workers, self._shards(batch))], "an SFT step")
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
                 "lr": results[0]["lr"]}
+
+    def offload_states(self) -> float:
+        return max(self.get_all([w.offload_states.remote() for w in self.workers], "offloading learner states"))
+
+    def gpu_memory_gib(self) -> float:
+        """The largest GPU memory any rank's tensors hold now (0 on CPU)."""
+        return max(ray.get([w.gpu_memory_gib.remote() for w in self.workers]))
+
+    def reload_states(self) -> float:
+        return max(self.get_all([w.reload_states.remote() for w in self.workers], "reloading learner states"))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]

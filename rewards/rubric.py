@@ -9,7 +9,8 @@ The reward `rubric_self_grade` asks the judge named by `judge` (`reward.judges`,
 `<solution>...</solution>`; one over `max_words` scores 0 (`over_length: zero`) or is cut to the budget
 (`truncate`) [RECONSTRUCTION: the paper's length control was not recovered]. Malformed grader output is
 asked again (a new seed; use a grader temperature > 0 for the retry to differ) up to `retries` times,
-then the sample is a recorded failure.
+then the sample is a recorded failure. `template: compact` is a short grader prompt for tiny models
+(`data.synthetic.task: plans`, rl/synthetic_plans.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ General desiderata:
 {desiderata}
 """
 
+# [RECONSTRUCTION] A short grader prompt for tiny models with short contexts (the `plans` synthetic task):
+# the same goal, rubric, reference and plan, the same XML answer, the desiderata by number only.
+COMPACT_GRADER_TEMPLATE = """Goal: {goal}
+Rubric:
+{rubric}
+Reference: {reference}
+Plan: {plan}
+Errors per item (desiderata 1-7, or none):
+"""
+GRADER_TEMPLATES = {"full": GRADER_TEMPLATE, "compact": COMPACT_GRADER_TEMPLATE}
+
 _ITEM = re.compile(r"<item\s+num\s*=\s*[\"']?(\d+)[\"']?\s*>(.*?)</item>", re.S | re.I)
 _ERRORS = re.compile(r"<errors>(.*?)</errors>", re.S | re.I)
 _SOLUTION = re.compile(r"<solution>(.*?)</solution>", re.S | re.I)
@@ -68,10 +80,14 @@ def policy_prompt(goal: str) -> str:
     return POLICY_TEMPLATE.format(goal=goal.strip())
 
 
-def grader_prompt(goal: str, rubric: list[str], reference: str, plan: str) -> str:
+def grader_prompt(goal: str, rubric: list[str], reference: str, plan: str, template: str = "full") -> str:
+    """What the grader sees: goal, numbered rubric items, reference solution and the plan (`full`: the
+    paper's prompt with the 7 desiderata spelled out; `compact`: the short one for tiny models)."""
+    if template not in GRADER_TEMPLATES:
+        raise ValueError(f"rubric_self_grade: template must be one of {sorted(GRADER_TEMPLATES)}, got {template!r}")
     items = "\n".join(f"{i}. {r}" for i, r in enumerate(rubric, 1))
     desiderata = "\n".join(f"{i}. {d}" for i, d in enumerate(DESIDERATA, 1))
-    return GRADER_TEMPLATE.format(goal=goal.strip(), rubric=items, reference=reference.strip(), plan=plan.strip(),
+    return GRADER_TEMPLATES[template].format(goal=goal.strip(), rubric=items, reference=reference.strip(), plan=plan.strip(),
                                   k=len(rubric), desiderata=desiderata)
 
 
@@ -135,13 +151,15 @@ def research_plan_rows(rows: list[dict[str, Any]], goal_column: str = "Goal", ru
 @uses_judges
 def rubric_self_grade(prompts: list[str], responses: list[str], *, ground_truth: list[dict], judges: dict[str, Any],
                       judge: str = "grader", max_words: int | None = None, over_length: str = "zero",
-                      retries: int = 2, **_: Any) -> list[Any]:
+                      retries: int = 2, template: str = "full", **_: Any) -> list[Any]:
     """Fraction of rubric items the frozen grader passes, per plan (components: `items_passed`,
     `no_solution`, `over_length`, `grader_attempts`)."""
     if judge not in judges:
         raise ValueError(f"rubric_self_grade needs reward.judges.{judge} (have {sorted(judges)})")
     if over_length not in ("zero", "truncate"):
         raise ValueError(f"rubric_self_grade: over_length must be zero or truncate, got {over_length!r}")
+    if template not in GRADER_TEMPLATES:
+        raise ValueError(f"rubric_self_grade: template must be one of {sorted(GRADER_TEMPLATES)}, got {template!r}")
     grader = judges[judge]
     results: list[Any] = [None] * len(responses)
     pending = []  # (sample, grader prompt, number of items)
@@ -154,7 +172,8 @@ def rubric_self_grade(prompts: list[str], responses: list[str], *, ground_truth:
         else:
             if over:
                 plan = " ".join(plan.split()[:max_words])
-            pending.append((i, grader_prompt(task["goal"], task["rubric"], task["reference"], plan), len(task["rubric"])))
+            pending.append((i, grader_prompt(task["goal"], task["rubric"], task["reference"], plan, template),
+                            len(task["rubric"])))
     for attempt in range(retries + 1):
         if not pending:
             break

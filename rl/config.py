@@ -45,7 +45,7 @@ class ModelConfig:
 
 @dataclass
 class SyntheticTaskConfig:
-    task: str = "arithmetic"  # arithmetic (a+b*c=, rl/synthetic.py) | facts (made-up people and facts with an evidence corpus, rl/synthetic_facts.py)
+    task: str = "arithmetic"  # arithmetic (a+b*c=, rl/synthetic.py) | facts (made-up people and facts with an evidence corpus, rl/synthetic_facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/synthetic_plans.py)
     num_train: int = 4000  # generated training problems (SFT warm-up and RL prompts draw from disjoint parts)
     num_eval: int = 200  # held-out problems, never trained on
     sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest
@@ -94,6 +94,7 @@ class RolloutConfig:
     weight_sync: str = "object_store"  # object_store (numpy buffers through Ray; any placement) | collective (rank 0 broadcasts in buckets: gloo on CPU, NCCL on GPU with split placement) | cuda_ipc (GPU, colocated: rollout worker i reads learner rank i's weights through CUDA IPC handles)
     sync_bucket_mb: int = 256  # bucket size of the collective / cuda_ipc weight transfer
     max_restarts: int = 3  # Ray restarts of a dead rollout worker (its rollout is then generated again)
+    sleep_between_phases: bool = False  # colocated GPU roles take turns: the engine frees GPU memory while the learner trains (vLLM sleep mode level 1, the hf engine moves its model to host memory; a no-op on CPU)
     threads: int = 1  # torch intra-op threads per worker (colocated roles take turns, so they may each use all cores)
 
 
@@ -112,6 +113,7 @@ class LearnerConfig:
     num_cpus: float = 0.5  # CPUs reserved per rank in the placement group
     threads: int = 1  # torch intra-op threads per rank
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    offload_between_phases: bool = False  # colocated roles take turns: optimizer states, master weights and gradients wait in host memory while the rollout engines generate (DeepSpeed offload_states; ZeRO 1-3, ZeRO-3 on CUDA only)
 
 
 @dataclass
@@ -389,7 +391,8 @@ def validate(cfg: DictConfig) -> None:
     need(per_update % cfg.learner.world_size == 0, "learner.world_size",
          f"must divide the samples per optimizer step ({per_update})")
     need(cfg.trainer.max_staleness >= 0, "trainer.max_staleness", "must be >= 0")
-    need(cfg.data.synthetic.task in ("arithmetic", "facts"), "data.synthetic.task", "must be arithmetic or facts")
+    need(cfg.data.synthetic.task in ("arithmetic", "facts", "plans"), "data.synthetic.task",
+         "must be arithmetic, facts or plans")
     need(cfg.rollout.weight_sync in ("object_store", "collective", "cuda_ipc"), "rollout.weight_sync",
          "must be object_store, collective or cuda_ipc")
     need(cfg.rollout.weight_sync != "cuda_ipc" or (cfg.cluster.placement == "colocated"
@@ -407,6 +410,16 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
+    for key, on in (("rollout.sleep_between_phases", cfg.rollout.sleep_between_phases),
+                    ("learner.offload_between_phases", cfg.learner.offload_between_phases)):
+        need(not on or (cfg.cluster.placement == "colocated" and cfg.trainer.max_staleness == 0), key,
+             "needs cluster.placement: colocated and trainer.max_staleness: 0 (the roles take turns on one device)")
+    need(not cfg.learner.offload_between_phases or cfg.learner.zero_stage >= 1, "learner.offload_between_phases",
+         "needs learner.zero_stage 1-3 (DeepSpeed offloads the states of its ZeRO optimizers)")
+    for name, judge in cfg.reward.judges.items():
+        tp = int(judge.engine_params.get("tensor_parallel_size", 1))
+        need(tp <= max(judge.num_gpus, 1) or judge.num_gpus == 0, f"reward.judges.{name}.num_gpus",
+             f"must be >= engine_params.tensor_parallel_size ({tp}): one GPU per tensor-parallel rank")
 
 
 def to_yaml(cfg: DictConfig) -> str:

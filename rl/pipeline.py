@@ -88,6 +88,11 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
             n_sft = int(s.num_train * s.sft_fraction)
             synth = write_facts_task(out / "data", num_sft=n_sft, num_train=s.num_train - n_sft,
                                      num_eval=s.num_eval, seed=s.seed)
+        elif s.task == "plans":
+            from rl.synthetic_plans import write_plans_task
+            n_sft = int(s.num_train * s.sft_fraction)
+            synth = write_plans_task(out / "data", num_sft=n_sft, num_train=s.num_train - n_sft,
+                                     num_eval=s.num_eval, seed=s.seed)
         else:
             from rl.synthetic import write_synthetic_task
             synth = write_synthetic_task(out / "data", num_train=s.num_train, num_eval=s.num_eval,
@@ -95,7 +100,7 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
                                          seed=s.seed)
         if d.train_path is None:  # the synthetic task's held-out split goes with its training split
             paths["train"] = synth["train"]
-            paths["eval"] = d.eval_path or synth["eval"]
+            paths["eval"] = d.eval_path or (synth["eval"] if s.num_eval > 0 else None)
         if need_sft:
             paths["sft"] = synth["sft"]
     return paths

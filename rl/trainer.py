@@ -103,6 +103,11 @@ class RLTrainer:
             micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
             schedule="constant", warmup_steps=lc.warmup_steps,
             total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches)
+        # colocated roles take turns on one device: the learner's states wait in host memory while the
+        # engines generate, the engines sleep while the learner computes
+        self.swap_phases = cfg.rollout.sleep_between_phases or lc.offload_between_phases
+        if lc.offload_between_phases:
+            self.learners.offload_states()  # before the engines start, so that they see the free memory
         self.rollout = make_rollout_workers(cfg, model_path, placement)
         self.pending: list[PendingRollout] = []  # submitted rollouts, oldest first
         self.next_submit = 0  # first step whose rollout is not submitted yet
@@ -117,7 +122,14 @@ class RLTrainer:
         t_start = time.perf_counter()
         timing: dict[str, float] = {}
 
+        if self.swap_phases:  # a resume or checkpoint brought the learner's states back
+            self.learners.offload_states()
         batch, metrics = self.collect(timing)
+        if self.swap_phases:
+            t0 = time.perf_counter()
+            ray.get([w.sleep.remote() for w in self.rollout])
+            self.learners.reload_states()
+            timing["swap"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         multi_update = a.ppo_epochs * a.mini_batches > 1
         if multi_update:
@@ -156,9 +168,18 @@ class RLTrainer:
 
         t0 = time.perf_counter()
         self.step_idx += 1
+        if self.swap_phases:  # weights first: the new ones go straight in; the KV cache after the learner left
+            ray.get([w.wake.remote(["weights"]) for w in self.rollout])
         # the engines' load time (with max_staleness > 0: of the previous update, loaded in the background)
         metrics["rollout/weight_load_s"] = self.sync_weights()
         timing["sync"] = time.perf_counter() - t0
+        if self.swap_phases:
+            metrics["memory/learner_gpu_gib_loaded"] = self.learners.gpu_memory_gib()
+            t0 = time.perf_counter()
+            self.learners.offload_states()
+            metrics["memory/learner_gpu_gib_offloaded"] = self.learners.gpu_memory_gib()
+            ray.get([w.wake.remote(["kv_cache"]) for w in self.rollout])
+            timing["swap"] += time.perf_counter() - t0
 
         step_s = time.perf_counter() - t_start
         timing["other"] = max(0.0, step_s - sum(timing.values()))
@@ -417,13 +438,16 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size, grad_accum=grad_accum, grad_clip=lc.grad_clip,
         dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref, schedule=schedule, warmup_steps=warmup_steps,
         total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
-        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code)
+        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
+        offload_between_phases=lc.offload_between_phases)
 
 
 def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement) -> list[Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     cls = ray.remote(RolloutWorker)
     workers = []
+    # vLLM must be built with sleep mode to free its memory between phases
+    sleep_kwargs = {"enable_sleep_mode": True} if cfg.rollout.sleep_between_phases and cfg.rollout.engine == "vllm" else {}
     for b in placement.rollout_bundles:
         opts: dict[str, Any] = {"num_cpus": cfg.rollout.num_cpus, "runtime_env": {"env_vars": actor_env()},
                                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -435,7 +459,7 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
         workers.append(cls.options(**opts).remote(
             cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
             batch_size=cfg.rollout.generation_batch_size,
-            device="cuda" if placement.gpus_per_actor else "cpu", **as_container(cfg.rollout.engine_params)))
+            device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **as_container(cfg.rollout.engine_params)}))
     ray.get([w.pid.remote() for w in workers])
     return workers
 

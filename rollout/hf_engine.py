@@ -148,8 +148,13 @@ class HFEngine:
             for k, v in named_tensors.items():
                 state[k].copy_(v.to(state[k].dtype))
 
-    def sleep(self) -> None:  # nothing to offload on the hf engine
-        pass
+    def sleep(self) -> None:
+        """Free the GPU while the colocated learner trains: the model waits in host memory (no-op on CPU)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
 
-    def wake(self) -> None:
-        pass
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Back on the GPU; `tags` as vLLM's (`weights`, `kv_cache`): the hf engine has only weights."""
+        if self.device.type == "cuda" and (tags is None or "weights" in tags):
+            self.model.to(self.device)

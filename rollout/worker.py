@@ -87,5 +87,16 @@ class RolloutWorker(ActorProbes):
         torch.cuda.synchronize()  # the copies out of the learner's buckets are done before it may free them
         return time.perf_counter() - t0
 
+    def sleep(self) -> float:
+        """Free the engine's GPU memory for the colocated learner (`rollout.sleep_between_phases`)."""
+        t0 = time.perf_counter()
+        self.engine.sleep()
+        return time.perf_counter() - t0
+
+    def wake(self, tags: list[str] | None = None) -> float:
+        t0 = time.perf_counter()
+        self.engine.wake(tags)
+        return time.perf_counter() - t0
+
     def pid(self) -> int:
         return os.getpid()

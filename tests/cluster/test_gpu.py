@@ -79,3 +79,23 @@ def test_vllm_on_gpu_with_each_weight_sync(ray_cluster, tmp_path, sync):
                *SMALL, _digit_reward(tmp_path))
     assert run(cfg)["steps"] == 3
     assert all(m["actor/mismatch_abs_diff"] < 5e-3 for m in read_metrics(tmp_path / sync))
+
+
+@pytest.mark.parametrize("engine,zero", [("hf", 2), ("hf", 3), ("vllm", 3)])
+def test_colocated_roles_take_turns_on_the_gpu(ray_cluster, tmp_path, engine, zero):
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm]'")
+    name = f"swap_{engine}_{zero}"
+    common = ["trainer.steps=3", "learner.lr=5e-3", f"learner.zero_stage={zero}", f"rollout.engine={engine}",
+              "rollout.weight_sync=cuda_ipc", *SMALL, _digit_reward(tmp_path)]
+    if engine == "vllm":
+        common.append("rollout.engine_params={max_model_len: 96}")
+    run(_cfg(tmp_path, name + "_plain", *common))
+    run(_cfg(tmp_path, name, *common, "learner.offload_between_phases=true", "rollout.sleep_between_phases=true"))
+    plain, swapped = read_metrics(tmp_path / (name + "_plain")), read_metrics(tmp_path / name)
+    # the learner's GPU memory while the engines generate: weights, optimizer states and gradients left
+    # (what stays: the weight buckets shared with the engine and ZeRO-3's gathered-parameter cache)
+    assert all(m["memory/learner_gpu_gib_offloaded"] < 0.6 * m["memory/learner_gpu_gib_loaded"] for m in swapped)
+    for a, b in zip(plain, swapped):  # taking turns changes where the states wait, not the run
+        assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-4, abs=1e-6)
+        assert a["actor/loss"] == pytest.approx(b["actor/loss"], rel=1e-3, abs=1e-5)

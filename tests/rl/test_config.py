@@ -87,8 +87,20 @@ def test_every_field_has_a_doc():
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_validates(recipe):
+    from rl.registry import check_params
     cfg = config.load(recipe)
     assert cfg.output_dir
+    # engine options are checked against the engine's signature (as `looprl run` does before any actor starts)
+    check_params("engine", cfg.rollout.engine, config.as_container(cfg.rollout.engine_params), "rollout.engine_params")
+    for name, judge in cfg.reward.judges.items():
+        check_params("engine", judge.engine, config.as_container(judge.engine_params),
+                     f"reward.judges.{name}.engine_params")
+
+
+def test_a_tensor_parallel_judge_needs_as_many_gpus(tmp_path):
+    bad = "reward.judges={j: {engine: vllm, num_gpus: 2, engine_params: {tensor_parallel_size: 4}}}"
+    with pytest.raises(config.ConfigError, match=r"reward.judges.j.num_gpus"):
+        config.load(ROOT / "recipes/quickstart.yaml", [bad])
 
 
 def test_cli_config_show_and_error_exit(tmp_path):
@@ -125,3 +137,14 @@ def test_a_whole_mapping_override_replaces_and_a_dotted_one_updates():
     assert dict(cfg.algorithm.loss_params) == {"eps_low": 0.1}
     cfg = config.load(ROOT / "recipes/quickstart.yaml", ["algorithm.loss_params.eps_low=0.1"])
     assert dict(cfg.algorithm.loss_params) == {"eps_low": 0.1, "eps_high": 0.2}
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["rollout.sleep_between_phases=true", "trainer.max_staleness=1"], "rollout.sleep_between_phases"),
+    (["learner.offload_between_phases=true", "learner.zero_stage=2", "cluster.placement=split"],
+     "learner.offload_between_phases"),
+    (["learner.offload_between_phases=true", "learner.zero_stage=0"], "learner.offload_between_phases"),
+])
+def test_phase_swapping_needs_colocated_synchronous_zero(overrides, key):
+    with pytest.raises(config.ConfigError, match=key):
+        config.load(ROOT / "recipes/quickstart.yaml", overrides)

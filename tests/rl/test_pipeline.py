@@ -246,3 +246,24 @@ def test_rltt_on_a_looped_model_under_zero3_with_checkpointing_and_learned_loop_
     resumed = [step3[f"actor/loop_weight_{t}"] for t in (1, 2, 3)]
     assert resumed != pytest.approx([1 / 3] * 3, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(resumed, weights[1])) < max(abs(a - 1 / 3) for a in weights[1])
+
+
+@pytest.mark.slow
+def test_colocated_phase_swapping_leaves_the_run_unchanged(ray_cluster, tmp_path):
+    # On CPU the engines' sleep is a no-op, while DeepSpeed really offloads and reloads the ZeRO-2 states
+    # (host to host) around every generation, checkpoint and resume: the run must not notice.
+    common = ["trainer.steps=3", "learner.lr=5e-3", "learner.zero_stage=2", "trainer.checkpoint_every=2",
+              _digit_reward(tmp_path)]
+    run(_cfg(tmp_path, "plain", *common))
+    swap = ["learner.offload_between_phases=true", "rollout.sleep_between_phases=true"]
+    run(_cfg(tmp_path, "swap", *common, *swap))
+    run(_cfg(tmp_path, "resumed", *[c for c in common if c != "trainer.steps=3"], "trainer.steps=2", *swap))
+    run(_cfg(tmp_path, "resumed", *common, "resume=auto", *swap))
+    plain, swapped, resumed = (read_metrics(tmp_path / n) for n in ("plain", "swap", "resumed"))
+    assert len(plain) == len(swapped) == len(resumed) == 3
+    for a, b, c in zip(plain, swapped, resumed):
+        for key in COMPARE:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-8), (a["step"], key)
+            assert a[key] == pytest.approx(c[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    assert all(m["time/swap"] > 0 and m["memory/learner_gpu_gib_offloaded"] == 0.0 for m in swapped)
+    assert "time/swap" not in plain[0]

@@ -165,10 +165,11 @@ def rubric_self_grade(prompts: list[str], responses: list[str], *, ground_truth:
     pending = []  # (sample, grader prompt, number of items)
     for i, (response, task) in enumerate(zip(responses, ground_truth)):
         plan, over = extract_plan(response, max_words)
+        # every sample carries both flags, so that their logged means are the fractions of the batch
         if plan is None:
-            results[i] = {"score": 0.0, "no_solution": 1.0}
+            results[i] = {"score": 0.0, "no_solution": 1.0, "over_length": 0.0}
         elif over and over_length == "zero":
-            results[i] = {"score": 0.0, "over_length": 1.0}
+            results[i] = {"score": 0.0, "no_solution": 0.0, "over_length": 1.0}
         else:
             if over:
                 plan = " ".join(plan.split()[:max_words])
@@ -185,7 +186,7 @@ def rubric_self_grade(prompts: list[str], responses: list[str], *, ground_truth:
                 still.append((i, p, k))
             else:
                 results[i] = {"score": rubric_score(passes), "items_passed": float(sum(passes)),
-                              "grader_attempts": float(attempt + 1)}
+                              "grader_attempts": float(attempt + 1), "no_solution": 0.0, "over_length": float(over)}
         pending = still
     for i, _, _ in pending:
         results[i] = RewardFailure(f"grader output held no <item> blocks after {retries + 1} attempts")

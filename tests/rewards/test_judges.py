@@ -88,14 +88,15 @@ def test_rubric_reward_scores_retries_and_budget():
                  "<solution>plan two</solution>"]
     out = rubric_self_grade(["p"] * 4, responses, ground_truth=[task] * 4, judges={"grader": grader}, max_words=10)
     assert out[0]["score"] == pytest.approx(0.7) and out[0]["grader_attempts"] == 2.0  # retried once
-    assert out[1] == {"score": 0.0, "no_solution": 1.0}
-    assert out[2] == {"score": 0.0, "over_length": 1.0}
+    assert out[1] == {"score": 0.0, "no_solution": 1.0, "over_length": 0.0}
+    assert out[2] == {"score": 0.0, "no_solution": 0.0, "over_length": 1.0}
+    assert out[0]["no_solution"] == out[0]["over_length"] == 0.0  # means over a batch are fractions
     assert out[3]["score"] == pytest.approx(0.7) and out[3]["grader_attempts"] == 1.0
     assert grader.prompts[0][0] == grader_prompt("Find X.", task["rubric"], "Use Y.", "plan one")
     assert len(grader.prompts[1]) == 1  # only the malformed one is asked again
     cut = rubric_self_grade(["p"], [responses[2]], ground_truth=[task], judges={"grader": ScriptedGrader([items])},
                             max_words=10, over_length="truncate")
-    assert cut[0]["score"] == pytest.approx(0.7)
+    assert cut[0]["score"] == pytest.approx(0.7) and cut[0]["over_length"] == 1.0  # cut, then graded
 
 
 def test_factuality_with_a_judge_verifier(judge, tmp_path):
@@ -181,3 +182,27 @@ def test_factuality_with_judge_claims_and_relevance(judge, tmp_path):
     said = judge.generate([RELEVANCE_PROMPT.format(question="Where does the Alder flow?", reference="Brenn.",
                                                    answer=answer)])[0]
     assert out[0]["claims"] == len(claims) and out[0]["relevance"] == float(says_yes(said))
+
+
+@pytest.mark.slow
+def test_the_tiny_research_plans_recipe_runs_end_to_end(ray_cluster, tmp_path):
+    from rl import config
+    from rl.pipeline import run
+    from tests.rl.test_pipeline import ROOT
+    cfg = config.load(ROOT / "recipes/research_plans_tiny.yaml", [
+        f"output_dir={tmp_path / 'plans'}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
+        "model.tiny.num_heads=2", "model.tiny.intermediate_size=64", "data.synthetic.num_train=200",
+        "data.synthetic.num_eval=4", "sft.steps=4", "sft.batch_size=8", "learner.micro_batch_size=8",
+        "trainer.steps=1", "trainer.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=16",
+        "rollout.threads=1", "learner.threads=1", "reward.judges.grader.threads=1",
+        "reward.judges.grader.max_new_tokens=24", "reward.judges.grader.num_cpus=0",
+        "logging.progress_bar=false", "logging.tensorboard=false"])
+    summary = run(cfg)
+    assert summary["steps"] == 1 and "accuracy_after_rl" in summary
+    grader = summary["judges"]["grader"]
+    assert grader["model"].endswith("sft_model") and grader["weights_sha256_start"] == grader["weights_sha256_end"]
+    m = json.loads((tmp_path / "plans" / "metrics.jsonl").read_text().splitlines()[0])
+    # the self-grade and the rule it stands for are both logged; the rule has weight 0
+    assert {"reward/rubric_self_grade", "reward/rl.synthetic_plans:plan_rubric_check"} <= set(m)
+    if m["reward/failures"] == 0:  # (a failed sample counts in reward/mean but has no component)
+        assert m["reward/mean"] == pytest.approx(m["reward/rubric_self_grade"])

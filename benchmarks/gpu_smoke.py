@@ -7,7 +7,8 @@ recorded as skipped without it). Colocated placement (learner and rollout engine
 capped at `gpu_memory_utilization`), bf16, the quickstart's tiny model widened to a ~85M-parameter one
 so the GPU has work to do; synchronous and one-step-off rollout; weights through the object store and
 by CUDA IPC (`rollout.weight_sync=cuda_ipc`; NCCL broadcast needs a second GPU, see
-tests/cluster/test_gpu.py). Each run's per-phase medians, the weight sync's share of the step, peak
+tests/cluster/test_gpu.py); ZeRO-2 with and without the roles taking turns (learner states offloaded while
+the engine generates, the engine asleep while the learner trains). Each run's per-phase medians, the weight sync's share of the step, peak
 memory per actor and the engine/learner logprob mismatch are recorded; the script exits non-zero if any
 run that could run failed.
 """
@@ -28,12 +29,17 @@ MODEL = ["model.tiny.hidden_size=768", "model.tiny.num_layers=14", "model.tiny.n
          "model.tiny.intermediate_size=1536", "model.tiny.max_position_embeddings=256"]
 VLLM = ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}"]
 ASYNC = ["trainer.max_staleness=1", "algorithm.is_correction=token"]
+# colocated roles take turns: learner states to host while generating, engine asleep while training
+SWAP = ["learner.zero_stage=2", "learner.offload_between_phases=true", "rollout.sleep_between_phases=true"]
 RUNS = {
     "hf_sync_object_store": ["rollout.engine=hf"],
     "hf_sync_cuda_ipc": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc"],
     "hf_one_step_off_cuda_ipc": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc", *ASYNC],
     "vllm_sync_cuda_ipc": [*VLLM, "rollout.weight_sync=cuda_ipc"],
     "vllm_one_step_off_cuda_ipc": [*VLLM, "rollout.weight_sync=cuda_ipc", *ASYNC],
+    "hf_sync_cuda_ipc_zero2": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc", "learner.zero_stage=2"],
+    "hf_sync_cuda_ipc_swap": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc", *SWAP],
+    "vllm_sync_cuda_ipc_swap": [*VLLM, "rollout.weight_sync=cuda_ipc", *SWAP],
 }
 
 
@@ -79,6 +85,9 @@ def main() -> None:
                 "tokens_per_s_median": statistics.median(r["perf/tokens_per_s"] for r in steady),
                 "peak_rss_gib": json.loads((out / "summary.json").read_text()).get("peak_rss_gib"),
             })
+            if "time/swap" in rows[0]:  # what the learner keeps on the GPU while the engine generates
+                entry["learner_gpu_gib_loaded_offloaded"] = [rows[-1]["memory/learner_gpu_gib_loaded"],
+                                                             rows[-1]["memory/learner_gpu_gib_offloaded"]]
         report["runs"][name] = entry
         print(json.dumps({name: entry}, indent=1), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

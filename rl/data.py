@@ -18,6 +18,8 @@ def load_rows(path: str, columns: list[str], key: str) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{key}: dataset {path!r} does not exist")
+    if p.is_file() and p.stat().st_size == 0:  # `datasets` fails on an empty file with a bare StopIteration
+        raise ConfigError(f"{key}: dataset {path!r} is empty")
     datasets.disable_progress_bars()
     try:
         if p.is_dir():

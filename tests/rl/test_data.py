@@ -30,7 +30,7 @@ def test_missing_file_column_empty_and_bad_row(tmp_path):
     with pytest.raises(ConfigError, match=r"no column\(s\) \['prompt'\].*question"):
         load_rows(str(tmp_path / "d.jsonl"), ["prompt", "answer"], "data.train_path")
     (tmp_path / "e.jsonl").write_text("")
-    with pytest.raises(ConfigError, match="data.eval_path"):
+    with pytest.raises(ConfigError, match=r"data.eval_path: dataset .*e.jsonl' is empty"):
         load_rows(str(tmp_path / "e.jsonl"), ["prompt"], "data.eval_path")
     (tmp_path / "n.jsonl").write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n"
                                       + json.dumps({"prompt": None, "answer": "2"}) + "\n")

@@ -29,6 +29,11 @@ class RewardSpec:
     name: str  # registry spec of the function
     weight: float = 1.0
     params: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None  # name of its results and logged components (default: `name`)
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
 
 
 class _SampleTimeout(Exception):
@@ -111,9 +116,13 @@ class RewardService(ActorProbes):
         if not functions:
             raise ValueError("the reward service needs at least one reward function")
         from rl.registry import get
+        keys = [f.key for f in functions]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"reward functions {dup} appear more than once: give each a distinct `label`")
         # fail at start-up, in the driver, for plugins that cannot be loaded; rewards that call judges run
         # in this process (where the judges' Ray handles live), the others in the worker pool
-        self.in_process = {f.name for f in functions if needs_judges(get("reward", f.name))}
+        self.in_process = {f.key for f in functions if needs_judges(get("reward", f.name))}
         self.functions = functions
         self.judges: dict[str, Any] = dict(judges or {})
         self.num_workers = max(1, num_workers)
@@ -178,13 +187,13 @@ class RewardService(ActorProbes):
         """
         if not items:
             return []
-        raw: dict[str, list[tuple[Any, str | None]]] = {f.name: [(None, None)] * len(items) for f in self.functions}
+        raw: dict[str, list[tuple[Any, str | None]]] = {f.key: [(None, None)] * len(items) for f in self.functions}
         for f in self.functions:
-            if f.name in self.in_process:
-                raw[f.name] = self._score_in_process(f, items)
-        pooled = [f for f in self.functions if f.name not in self.in_process]
+            if f.key in self.in_process:
+                raw[f.key] = self._score_in_process(f, items)
+        pooled = [f for f in self.functions if f.key not in self.in_process]
         if not pooled:
-            return [self._combine({f.name: raw[f.name][i] for f in self.functions}) for i in range(len(items))]
+            return [self._combine({f.key: raw[f.key][i] for f in self.functions}) for i in range(len(items))]
         n_chunks = min(len(items), self.num_workers * 2)
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         tasks = [(f, bounds[c], items[bounds[c]:bounds[c + 1]]) for f in pooled for c in range(n_chunks)]
@@ -207,7 +216,7 @@ class RewardService(ActorProbes):
                             out = res.get()
                         except Exception as exc:
                             out = [(None, f"reward {f.name!r} worker failed: {type(exc).__name__}: {exc}")] * len(chunk)
-                        raw[f.name][start:start + len(chunk)] = out
+                        raw[f.key][start:start + len(chunk)] = out
                         del running[t]
                 if not running:
                     break
@@ -222,25 +231,25 @@ class RewardService(ActorProbes):
                 if time.monotonic() > deadline:  # stuck past every per-sample timer: kill the pool
                     for t in running:
                         f, start, chunk = tasks[t]
-                        raw[f.name][start:start + len(chunk)] = [
+                        raw[f.key][start:start + len(chunk)] = [
                             (None, f"reward {f.name!r} worker did not answer in time (killed and restarted)")] * len(chunk)
                     self._restart_pool()
                     break
                 time.sleep(0.005)
-        return [self._combine({f.name: raw[f.name][i] for f in self.functions}) for i in range(len(items))]
+        return [self._combine({f.key: raw[f.key][i] for f in self.functions}) for i in range(len(items))]
 
     def _combine(self, per_fn: dict[str, tuple[Any, str | None]]) -> dict:
         total, applicable, errors, components = 0.0, 0, [], {}
         for f in self.functions:
-            value, err = per_fn[f.name]
-            res = RewardResult(None, error=err) if err else normalize_result(value, f.name)
+            value, err = per_fn[f.key]
+            res = RewardResult(None, error=err) if err else normalize_result(value, f.key)
             if res.failed:
                 errors.append(res.error)
                 continue
             for k, v in res.components.items():
-                components[f"{f.name}/{k}"] = v
+                components[f"{f.key}/{k}"] = v
             if res.score is not None:
-                components[f.name] = res.score
+                components[f.key] = res.score
                 total += f.weight * res.score
                 applicable += 1
         if errors:

@@ -145,6 +145,7 @@ class RewardFnConfig:
     remote: str | None = None  # URL of a `looprl serve-reward` server (the same as name: URL)
     weight: float = 1.0  # weight in the summed reward
     params: dict[str, Any] = field(default_factory=dict)  # keyword arguments passed to the function
+    label: str | None = None  # name of its score and components in the logs (default: name); needed when one function appears twice, e.g. a self-grader and a held-out judge
 
 
 @dataclass
@@ -410,6 +411,9 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
+    keys = [f.label or f.remote or f.name for f in cfg.reward.functions]
+    need(len(set(keys)) == len(keys), "reward.functions",
+         f"{sorted({k for k in keys if keys.count(k) > 1})} appear more than once: give each a distinct label")
     for key, on in (("rollout.sleep_between_phases", cfg.rollout.sleep_between_phases),
                     ("learner.offload_between_phases", cfg.learner.offload_between_phases)):
         need(not on or (cfg.cluster.placement == "colocated" and cfg.trainer.max_staleness == 0), key,

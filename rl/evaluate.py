@@ -12,13 +12,18 @@ from rl.trainer import generate, reward_items
 
 def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictConfig, rows: list[dict],
              *, seed: int = 0) -> dict[str, float]:
-    """Mean reward (accuracy for 0/1 rewards) on `rows`, one sample per prompt at `rollout.eval_temperature`."""
+    """Mean reward (accuracy for 0/1 rewards) on `rows`, one sample per prompt at `rollout.eval_temperature`,
+    and the mean of every reward function's score and components (`components`)."""
     rows = rows[: cfg.trainer.eval_max_prompts]
     batch = generate(workers, tokenizer, cfg, rows, temperature=cfg.rollout.eval_temperature, n=1,
                      seed=seed, group_base=0)
     scored = ray.get(reward_service.score.remote(reward_items(batch)))
     scores = [s["score"] for s in scored]
-    return {"accuracy": sum(scores) / len(scores), "num_prompts": float(len(scores)),
+    # every function's score and components (a weight-0 held-out judge is measured here too)
+    names = sorted({k for s in scored for k in s["components"]})
+    components = {k: sum(vals) / len(vals) for k in names
+                  if (vals := [s["components"][k] for s in scored if k in s["components"]])}
+    return {"accuracy": sum(scores) / len(scores), "num_prompts": float(len(scores)), "components": components,
             "failures": float(sum(s["failed"] for s in scored)),
             "response_length": float(batch.response_attn.sum(-1).float().mean()),
             "examples": [{"prompt": p, "response": r, "score": s}

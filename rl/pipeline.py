@@ -151,7 +151,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for name, judge in cfg.reward.judges.items():
         check_params("engine", judge.engine, as_container(judge.engine_params), f"reward.judges.{name}.engine_params",
                      supplied=("model_path", "dtype", "device"))
-    specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params)) for f in cfg.reward.functions]
+    specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params), f.label) for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
     from rewards.remote import check_health, is_remote
     for spec in specs:
@@ -222,6 +222,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 if eval_rows and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     ev = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
                     metrics["eval/accuracy"] = ev["accuracy"]
+                    metrics.update({f"eval/reward/{k}": v for k, v in ev["components"].items()})
                 logger.log(step, metrics)
                 last = metrics
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0:
@@ -240,6 +241,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             after = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
             summary["accuracy_before_rl"] = before["accuracy"]
             summary["accuracy_after_rl"] = after["accuracy"]
+            summary["heldout_rewards_before_rl"] = before.get("components", {})
+            summary["heldout_rewards_after_rl"] = after["components"]
             summary["eval_examples_after_rl"] = after["examples"]
             _say(f"held-out accuracy: before RL {before['accuracy']:.3f} -> after RL {after['accuracy']:.3f}")
         if tc.save_hf:

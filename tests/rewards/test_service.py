@@ -126,6 +126,21 @@ def test_async_batched_and_params(plugin_file):
     assert [o["score"] for o in out] == [2 + 2 + 10, 5 + 5 + 10, 1 + 1 + 10]
 
 
+def test_one_function_twice_under_two_labels(plugin_file):
+    spec = f"{plugin_file}:scaled"
+    s = RewardService([RewardSpec(spec, 1.0, {"factor": 2.0}, "self_grade"),
+                       RewardSpec(spec, 0.0, {"factor": 5.0}, "heldout")], num_workers=1)
+    try:
+        out = s.score(_items("ab", "c"))
+    finally:
+        s.close()
+    # each copy keeps its own params and result; the weight-0 one is measured but not summed
+    assert [o["score"] for o in out] == [2.0, 2.0]
+    assert all(o["components"] == {"self_grade": 2.0, "heldout": 5.0} for o in out)
+    with pytest.raises(ValueError, match="more than once"):
+        RewardService([RewardSpec(spec, 1.0, {}), RewardSpec(spec, 0.0, {"factor": 5.0})], num_workers=1)
+
+
 def test_batched_wrong_length_is_failure(plugin_file):
     s = _service(plugin_file, "batch_short")
     try:

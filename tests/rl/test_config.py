@@ -148,3 +148,12 @@ def test_a_whole_mapping_override_replaces_and_a_dotted_one_updates():
 def test_phase_swapping_needs_colocated_synchronous_zero(overrides, key):
     with pytest.raises(config.ConfigError, match=key):
         config.load(ROOT / "recipes/quickstart.yaml", overrides)
+
+
+def test_a_reward_function_twice_needs_labels():
+    twice = "reward.functions=[{name: math}, {name: math, weight: 0.0}]"
+    with pytest.raises(config.ConfigError, match="appear more than once"):
+        config.load(ROOT / "recipes/quickstart.yaml", [twice])
+    cfg = config.load(ROOT / "recipes/quickstart.yaml",
+                      ["reward.functions=[{name: math}, {name: math, weight: 0.0, label: math_heldout}]"])
+    assert cfg.reward.functions[1].label == "math_heldout"

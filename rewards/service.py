@@ -30,6 +30,7 @@ class RewardSpec:
     weight: float = 1.0
     params: dict[str, Any] = field(default_factory=dict)
     label: str | None = None  # name of its results and logged components (default: `name`)
+    eval_only: bool = False  # scored on held-out evaluation only, never summed into the score
 
     @property
     def key(self) -> str:
@@ -179,21 +180,23 @@ class RewardService(ActorProbes):
     def close(self) -> None:
         self._discard_pool(wait_s=10.0)
 
-    def score(self, items: list[dict]) -> list[dict]:
+    def score(self, items: list[dict], evaluation: bool = False) -> list[dict]:
         """Score rows `{prompt, response, ground_truth, metadata, ...}`.
 
         Returns per row `{score, failed, error, components}`; `score` is the weighted sum over the
-        applicable functions, or `failure_reward` when any function failed for that row.
+        applicable functions, or `failure_reward` when any function failed for that row. `eval_only`
+        functions run only with `evaluation` and then add their components, not their score.
         """
         if not items:
             return []
-        raw: dict[str, list[tuple[Any, str | None]]] = {f.key: [(None, None)] * len(items) for f in self.functions}
-        for f in self.functions:
+        functions = [f for f in self.functions if evaluation or not f.eval_only]
+        raw: dict[str, list[tuple[Any, str | None]]] = {f.key: [(None, None)] * len(items) for f in functions}
+        for f in functions:
             if f.key in self.in_process:
                 raw[f.key] = self._score_in_process(f, items)
-        pooled = [f for f in self.functions if f.key not in self.in_process]
+        pooled = [f for f in functions if f.key not in self.in_process]
         if not pooled:
-            return [self._combine({f.key: raw[f.key][i] for f in self.functions}) for i in range(len(items))]
+            return [self._combine({f.key: raw[f.key][i] for f in functions}, functions) for i in range(len(items))]
         n_chunks = min(len(items), self.num_workers * 2)
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         tasks = [(f, bounds[c], items[bounds[c]:bounds[c + 1]]) for f in pooled for c in range(n_chunks)]
@@ -236,13 +239,16 @@ class RewardService(ActorProbes):
                     self._restart_pool()
                     break
                 time.sleep(0.005)
-        return [self._combine({f.key: raw[f.key][i] for f in self.functions}) for i in range(len(items))]
+        return [self._combine({f.key: raw[f.key][i] for f in functions}, functions) for i in range(len(items))]
 
-    def _combine(self, per_fn: dict[str, tuple[Any, str | None]]) -> dict:
+    def _combine(self, per_fn: dict[str, tuple[Any, str | None]], functions: list[RewardSpec]) -> dict:
         total, applicable, errors, components = 0.0, 0, [], {}
-        for f in self.functions:
+        for f in functions:
             value, err = per_fn[f.key]
             res = RewardResult(None, error=err) if err else normalize_result(value, f.key)
+            if res.failed and f.eval_only:  # a held-out measurement that failed does not fail the sample
+                components[f"{f.key}/failed"] = 1.0
+                continue
             if res.failed:
                 errors.append(res.error)
                 continue
@@ -250,8 +256,9 @@ class RewardService(ActorProbes):
                 components[f"{f.key}/{k}"] = v
             if res.score is not None:
                 components[f.key] = res.score
-                total += f.weight * res.score
-                applicable += 1
+                if not f.eval_only:
+                    total += f.weight * res.score
+                    applicable += 1
         if errors:
             return {"score": self.failure_reward, "failed": True, "error": "; ".join(errors),
                     "components": components}

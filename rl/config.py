@@ -146,6 +146,7 @@ class RewardFnConfig:
     weight: float = 1.0  # weight in the summed reward
     params: dict[str, Any] = field(default_factory=dict)  # keyword arguments passed to the function
     label: str | None = None  # name of its score and components in the logs (default: name); needed when one function appears twice, e.g. a self-grader and a held-out judge
+    eval_only: bool = False  # score held-out evaluations only (e.g. an expensive held-out judge): logged as eval/reward/<label>, never trained on
 
 
 @dataclass
@@ -411,6 +412,8 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
+    need(any(not f.eval_only for f in cfg.reward.functions), "reward.functions",
+         "at least one function must not be eval_only (the training reward)")
     keys = [f.label or f.remote or f.name for f in cfg.reward.functions]
     need(len(set(keys)) == len(keys), "reward.functions",
          f"{sorted({k for k in keys if keys.count(k) > 1})} appear more than once: give each a distinct label")

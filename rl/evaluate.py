@@ -17,7 +17,7 @@ def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictC
     rows = rows[: cfg.trainer.eval_max_prompts]
     batch = generate(workers, tokenizer, cfg, rows, temperature=cfg.rollout.eval_temperature, n=1,
                      seed=seed, group_base=0)
-    scored = ray.get(reward_service.score.remote(reward_items(batch)))
+    scored = ray.get(reward_service.score.remote(reward_items(batch), evaluation=True))
     scores = [s["score"] for s in scored]
     # every function's score and components (a weight-0 held-out judge is measured here too)
     names = sorted({k for s in scored for k in s["components"]})

@@ -151,7 +151,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for name, judge in cfg.reward.judges.items():
         check_params("engine", judge.engine, as_container(judge.engine_params), f"reward.judges.{name}.engine_params",
                      supplied=("model_path", "dtype", "device"))
-    specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params), f.label) for f in cfg.reward.functions]
+    specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params), f.label, f.eval_only)
+             for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
     from rewards.remote import check_health, is_remote
     for spec in specs:

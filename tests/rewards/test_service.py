@@ -141,6 +141,19 @@ def test_one_function_twice_under_two_labels(plugin_file):
         RewardService([RewardSpec(spec, 1.0, {}), RewardSpec(spec, 0.0, {"factor": 5.0})], num_workers=1)
 
 
+def test_eval_only_functions_run_on_evaluation_and_never_change_the_score(plugin_file):
+    s = RewardService([RewardSpec(f"{plugin_file}:scaled", 1.0, {"factor": 2.0}),
+                       RewardSpec(f"{plugin_file}:async_len", 1.0, {}, "judge", eval_only=True),
+                       RewardSpec(f"{plugin_file}:raises", 1.0, {}, "broken_judge", eval_only=True)], num_workers=1)
+    try:
+        train, held_out = s.score(_items("abc")), s.score(_items("abc"), evaluation=True)
+    finally:
+        s.close()
+    assert train[0]["components"] == {f"{plugin_file}:scaled": 2.0}  # not run while training
+    assert held_out[0]["score"] == 2.0 and not held_out[0]["failed"]
+    assert held_out[0]["components"]["judge"] == 3.0 and held_out[0]["components"]["broken_judge/failed"] == 1.0
+
+
 def test_batched_wrong_length_is_failure(plugin_file):
     s = _service(plugin_file, "batch_short")
     try:

@@ -157,3 +157,6 @@ def test_a_reward_function_twice_needs_labels():
     cfg = config.load(ROOT / "recipes/quickstart.yaml",
                       ["reward.functions=[{name: math}, {name: math, weight: 0.0, label: math_heldout}]"])
     assert cfg.reward.functions[1].label == "math_heldout"
+
+    with pytest.raises(config.ConfigError, match="eval_only"):
+        config.load(ROOT / "recipes/quickstart.yaml", ["reward.functions=[{name: math, eval_only: true}]"])

@@ -7,7 +7,8 @@ Per seed, `recipes/research_plans_tiny.yaml` runs the SFT warm-up (plans and gra
 - the grader's item-level agreement with the rule it was taught (`rl.synthetic_plans.rule_verdicts`), on
   200 fresh grader prompts (new goals and plans, greedy);
 - the self-grade and the rule's score of the training samples, averaged over the first and the last
-  `--window` RL steps; the held-out self-grade and rule score (greedy) before and after RL.
+  `--window` RL steps; the held-out self-grade and rule score (greedy) before and after RL, and every
+  10 steps (the recipe's `eval_every`), where checkpoint selection by a held-out judge would look.
 The paper's claim, in direction: the self-grade rises and so does the score by the rubric (the grader
 is not simply fooled at this scale; the paper sees exploitation only after ~120 steps).
 """
@@ -87,6 +88,9 @@ def main() -> None:
                "heldout_self_grade_after": res["accuracy_after_rl"],
                "heldout_rule_before": heldout_rule_score(out / "sft_model", out / "data" / "eval.jsonl"),
                "heldout_rule_after": heldout_rule_score(out / "hf_model", out / "data" / "eval.jsonl"),
+               # the recipe evaluates every 10 steps: held-out self-grade and rule side by side
+               "heldout_curve": [{"step": r["step"], "self_grade": r[f"eval/{SELF}"], "rule": r[f"eval/{RULE}"]}
+                                 for r in m if f"eval/{SELF}" in r],
                "reward_failures": sum(r["reward/failures"] for r in m),
                "judge_digest_unchanged": all(j["weights_sha256_start"] == j["weights_sha256_end"]
                                              for j in res["judges"].values())}

@@ -11,31 +11,20 @@ paper's claim, in direction: precision-only RL shrinks the number of claims; the
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from recipe_runs import ROOT, run_recipe
+from recipe_runs import run_recipe, seed_sweep_parser, window_mean
 
 KEYS = {"claims": "reward/factuality/claims", "supported": "reward/factuality/supported",
         "precision": "reward/factuality/precision", "format_ok": "reward/factuality/format_ok",
         "reward": "reward/mean"}
 
 
-def _window(rows: list[dict], key: str, first: bool, n: int) -> float:
-    part = rows[:n] if first else rows[-n:]
-    vals = [r[key] for r in part if key in r]
-    return statistics.mean(vals) if vals else float("nan")
-
-
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p = seed_sweep_parser("factuality_probe", [0, 1], "recipe overrides applied to both runs")
     p.add_argument("--window", type=int, default=5, help="RL steps averaged at the start and at the end")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/factuality_probe.json"))
-    p.add_argument("--runs-dir", default=str(ROOT / "runs/factuality_probe"))
-    p.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
     args = p.parse_args()
     table = []
     for seed in args.seeds:
@@ -53,8 +42,8 @@ def main() -> None:
         for name, res in (("full (lam 0.1, mu 0.1)", full), ("precision only", prec)):
             row = {"seed": seed, "reward": name, "wall_s": res["wall_s"]}
             for k, key in KEYS.items():
-                row[f"{k}_start"] = _window(res["metrics"], key, True, args.window)
-                row[f"{k}_end"] = _window(res["metrics"], key, False, args.window)
+                row[f"{k}_start"] = window_mean(res["metrics"], key, True, args.window)
+                row[f"{k}_end"] = window_mean(res["metrics"], key, False, args.window)
             print(json.dumps(row), flush=True)
             table.append(row)
     summary = {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -25,3 +27,21 @@ def run_recipe(recipe: str, overrides: list[str], out_dir: Path, name: str) -> d
     summary["metrics"] = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     summary["wall_s"] = time.perf_counter() - t0
     return summary
+
+
+def seed_sweep_parser(name: str, seeds: list[int], overrides_help: str) -> argparse.ArgumentParser:
+    """The options every recipe benchmark takes: `--seeds`, `--out` (benchmarks/results/NAME.json),
+    `--runs-dir` (runs/NAME) and recipe overrides; a script adds its own."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", type=int, nargs="+", default=seeds)
+    p.add_argument("--out", default=str(ROOT / f"benchmarks/results/{name}.json"))
+    p.add_argument("--runs-dir", default=str(ROOT / f"runs/{name}"))
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+    return p
+
+
+def window_mean(rows: list[dict], key: str, first: bool, n: int) -> float:
+    """Mean of `key` over the first (or last) `n` metric rows that have it (NaN when none does)."""
+    part = rows[:n] if first else rows[-n:]
+    vals = [r[key] for r in part if key in r]
+    return statistics.mean(vals) if vals else float("nan")

@@ -13,13 +13,12 @@ accuracy more. The JSON records every number; a PNG shows per-loop accuracy aver
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from recipe_runs import ROOT, run_recipe
+from recipe_runs import run_recipe, seed_sweep_parser
 
 RECIPE = "recipes/rltt_tiny.yaml"
 GRPO = ["algorithm.loss=ppo_clip", "algorithm.loss_params={eps_low: 0.2, eps_high: 0.2}",
@@ -38,12 +37,8 @@ def _per_loop(model: Path, data: Path, loops: int, max_new_tokens: int) -> dict[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p = seed_sweep_parser("rltt_vs_grpo", [0, 1, 2], "recipe overrides applied to both methods")
     p.add_argument("--loops", type=int, default=4, help="model.tiny.loops of the recipe")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/rltt_vs_grpo.json"))
-    p.add_argument("--runs-dir", default=str(ROOT / "runs/rltt_vs_grpo"))
-    p.add_argument("overrides", nargs="*", help="recipe overrides applied to both methods")
     args = p.parse_args()
     rows = []
     for seed in args.seeds:

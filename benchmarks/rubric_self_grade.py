@@ -15,19 +15,13 @@ is not simply fooled at this scale; the paper sees exploitation only after ~120 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from recipe_runs import ROOT, run_recipe
+from recipe_runs import run_recipe, seed_sweep_parser, window_mean
 
 SELF, RULE = "reward/rubric_self_grade", "reward/rl.synthetic_plans:plan_rubric_check"
-
-
-def _window(rows: list[dict], key: str, first: bool, n: int) -> float:
-    part = rows[:n] if first else rows[-n:]
-    return statistics.mean(r[key] for r in part)
 
 
 def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str, float]:
@@ -66,12 +60,8 @@ def heldout_rule_score(model: Path, eval_path: Path) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p = seed_sweep_parser("rubric_self_grade", [0, 1], "recipe overrides")
     p.add_argument("--window", type=int, default=5, help="RL steps averaged at the start and at the end")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/rubric_self_grade.json"))
-    p.add_argument("--runs-dir", default=str(ROOT / "runs/rubric_self_grade"))
-    p.add_argument("overrides", nargs="*", help="recipe overrides")
     args = p.parse_args()
     table = []
     for seed in args.seeds:
@@ -80,10 +70,10 @@ def main() -> None:
         m = res["metrics"]
         row = {"seed": seed, "steps": len(m), "wall_s": res["wall_s"],
                "grader": grader_agreement(out / "sft_model"),
-               "self_grade_start": _window(m, SELF, True, args.window),
-               "self_grade_end": _window(m, SELF, False, args.window),
-               "rule_start": _window(m, RULE, True, args.window),
-               "rule_end": _window(m, RULE, False, args.window),
+               "self_grade_start": window_mean(m, SELF, True, args.window),
+               "self_grade_end": window_mean(m, SELF, False, args.window),
+               "rule_start": window_mean(m, RULE, True, args.window),
+               "rule_end": window_mean(m, RULE, False, args.window),
                "heldout_self_grade_before": res["accuracy_before_rl"],
                "heldout_self_grade_after": res["accuracy_after_rl"],
                "heldout_rule_before": heldout_rule_score(out / "sft_model", out / "data" / "eval.jsonl"),

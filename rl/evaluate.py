@@ -7,7 +7,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig
 
-from rl.trainer import generate, reward_items
+from rl.trainer import component_means, generate, reward_items
 
 
 def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictConfig, rows: list[dict],
@@ -19,10 +19,8 @@ def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictC
                      seed=seed, group_base=0)
     scored = ray.get(reward_service.score.remote(reward_items(batch), evaluation=True))
     scores = [s["score"] for s in scored]
-    # every function's score and components (a weight-0 held-out judge is measured here too)
-    names = sorted({k for s in scored for k in s["components"]})
-    components = {k: sum(vals) / len(vals) for k in names
-                  if (vals := [s["components"][k] for s in scored if k in s["components"]])}
+    # every function's score and components (weight-0 and eval_only held-out judges included)
+    components = component_means([s["components"] for s in scored])
     return {"accuracy": sum(scores) / len(scores), "num_prompts": float(len(scores)), "components": components,
             "failures": float(sum(s["failed"] for s in scored)),
             "response_length": float(batch.response_attn.sum(-1).float().mean()),

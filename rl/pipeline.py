@@ -83,16 +83,13 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
     need_sft = cfg.sft.enabled and d.sft_path is None
     if d.train_path is None or need_sft:
         s = d.synthetic
-        if s.task == "facts":  # its evidence corpus lands in the same folder: data/corpus.txt
+        if s.task in ("facts", "plans"):  # facts: its evidence corpus lands in the same folder, data/corpus.txt
             from rl.synthetic_facts import write_facts_task
-            n_sft = int(s.num_train * s.sft_fraction)
-            synth = write_facts_task(out / "data", num_sft=n_sft, num_train=s.num_train - n_sft,
-                                     num_eval=s.num_eval, seed=s.seed)
-        elif s.task == "plans":
             from rl.synthetic_plans import write_plans_task
+            write_task = {"facts": write_facts_task, "plans": write_plans_task}[s.task]
             n_sft = int(s.num_train * s.sft_fraction)
-            synth = write_plans_task(out / "data", num_sft=n_sft, num_train=s.num_train - n_sft,
-                                     num_eval=s.num_eval, seed=s.seed)
+            synth = write_task(out / "data", num_sft=n_sft, num_train=s.num_train - n_sft, num_eval=s.num_eval,
+                               seed=s.seed)
         else:
             from rl.synthetic import write_synthetic_task
             synth = write_synthetic_task(out / "data", num_train=s.num_train, num_eval=s.num_eval,

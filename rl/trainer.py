@@ -200,9 +200,7 @@ class RLTrainer:
             "policy_version": float(self.step_idx), "batch/samples": float(len(batch)),
             "rollout/restarts": float(self.rollout_restarts),
         })
-        for comp_name in sorted({k for c in batch.reward_components for k in c}):
-            vals = [c[comp_name] for c in batch.reward_components if comp_name in c]
-            metrics[f"reward/{comp_name}"] = sum(vals) / len(vals)
+        metrics.update({f"reward/{k}": v for k, v in component_means(batch.reward_components).items()})
         for k, v in timing.items():
             metrics[f"time/{k}"] = v
         return metrics
@@ -534,6 +532,16 @@ def reward_items(batch: Batch) -> list[dict]:
     truncated = batch.truncated.tolist() if batch.truncated is not None else [False] * len(batch.prompts)
     return [{"prompt": p, "response": r, "ground_truth": g, "metadata": m, "truncated": bool(t)}
             for p, r, g, m, t in zip(batch.prompts, batch.responses, batch.ground_truth, batch.metadata, truncated)]
+
+
+def component_means(components: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of every reward component over the samples that have it (a function that failed or did not
+    apply to a sample leaves no component there)."""
+    means = {}
+    for name in sorted({k for c in components for k in c}):
+        vals = [c[name] for c in components if name in c]
+        means[name] = sum(vals) / len(vals)
+    return means
 
 
 def attach_rewards(batch: Batch, scored: list[dict]) -> None:

@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -43,14 +44,18 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_accum: int, wo
 
 
 class LearnerWorker(ActorProbes):
-    """One learner rank. Plain class; `LearnerGroup` wraps it as a Ray actor."""
+    """One learner rank. Plain class; `LearnerGroup` wraps it as a Ray actor.
+
+    It knows no algorithm: per micro-batch it runs the model family's forward (`models/families.py`) for
+    the outputs the injected loss names, calls the loss, and steps the recipe's optimizer — by backward
+    through DeepSpeed, or with a loss closure and no backward for forward-only optimizers (`rl/optim.py`).
+    """
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
-                 *, lr: float, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
-                 adam_eps: float = 1e-8, fused_adam: bool = True,
-                 zero_stage: int = 0, micro_batch_size: int = 8, grad_accum: int = 1, grad_clip: float = 1.0,
-                 dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
-                 schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
+                 *, lr: float, weight_decay: float = 0.0, optimizer: dict[str, Any] | None = None,
+                 scheduler: dict[str, Any] | None = None, warmup_steps: int = 0, total_steps: int = 1,
+                 family: str = "causal", zero_stage: int = 0, micro_batch_size: int = 8, grad_accum: int = 1,
+                 grad_clip: float = 1.0, dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
                  trust_remote_code: bool = False, offload_between_phases: bool = False):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
@@ -58,13 +63,16 @@ class LearnerWorker(ActorProbes):
                           LOCAL_WORLD_SIZE=str(world_size))
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         torch.set_num_threads(threads)
-        import models.ouro  # noqa: F401  (registers model_type ouro with AutoModelForCausalLM)
-        self.lr = lr
-        self.loop_logits: torch.nn.Parameter | None = None  # RLTT's learned loop weighting (see _learned_loop_logits)
         import deepspeed
-        from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
+        from rl.optim import is_forward_only
+        from rl.registry import get
+        self.lr = lr
+        self.family = get("family", family)()
+        self.loss_parameters: dict[str, torch.nn.Parameter] | None = None  # declared by the loss (rl.losses)
+        self.loss_parameter_opt: torch.optim.Optimizer | None = None
+        self.backward_passes = 0
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         deepspeed.init_distributed(dist_backend=backend)
@@ -83,43 +91,47 @@ class LearnerWorker(ActorProbes):
         if with_ref:
             # The frozen reference is a full (unsharded) copy on every rank: it only runs forward. It is
             # loaded before the ZeRO-3 config below exists, which would otherwise partition it too.
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
-                                                            trust_remote_code=trust_remote_code).eval()
+            self.ref = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code).eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
         # ZeRO-3: transformers must see the DeepSpeed config *before* from_pretrained so that the
         # weights are partitioned at load time; the object must stay alive.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config) if zero_stage == 3 else None
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype,
-                                                     trust_remote_code=trust_remote_code)
+        model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.offload_between_phases, self.offloaded = offload_between_phases, False
+        opt_spec = {"name": "adamw", "params": {}, **(optimizer or {})}
+        sched_spec = {"name": "constant", "params": {}, **(scheduler or {})}
         if offload_between_phases and zero_stage == 3:
             # DeepSpeed moves ZeRO-3 states only for its own FusedAdam (a CUDA kernel)
             if not torch.cuda.is_available():
                 raise ValueError("learner.offload_between_phases with zero_stage 3 needs CUDA (DeepSpeed offloads "
                                  "ZeRO-3 states only for its FusedAdam); on CPU there is nothing to offload")
+            if opt_spec["name"] != "adamw":
+                raise ValueError("learner.offload_between_phases with zero_stage 3 needs learner.optimizer adamw "
+                                 "(DeepSpeed offloads ZeRO-3 states only for its FusedAdam)")
             from deepspeed.ops.adam import FusedAdam
-            optimizer = FusedAdam(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
-                                  weight_decay=weight_decay, adam_w_mode=True)
+            p = opt_spec["params"]
+            optim = FusedAdam(model.parameters(), lr=lr, betas=tuple(p.get("betas", (0.9, 0.999))),
+                              eps=p.get("eps", 1e-8), weight_decay=weight_decay, adam_w_mode=True)
         else:
-            # The fused AdamW kernel (CPU and CUDA) is ~3x faster than the default per-tensor loop on CPU.
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=adam_eps,
-                                          weight_decay=weight_decay, fused=fused_adam or None)
-
-        def lr_lambda(step: int) -> float:
-            if warmup_steps and step < warmup_steps:
-                return (step + 1) / warmup_steps
-            if schedule == "cosine":
-                progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-                return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-            return 1.0
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+            optim = get("optimizer", opt_spec["name"])(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                                       **opt_spec["params"])
+        sched = get("scheduler", sched_spec["name"])(optim, warmup_steps=warmup_steps, total_steps=total_steps,
+                                                     **sched_spec["params"])
+        self.forward_only = is_forward_only(optim)
+        if self.forward_only:
+            if zero_stage != 0:
+                raise ValueError(f"learner.optimizer {opt_spec['name']!r} is forward-only: it perturbs the full "
+                                 f"weights on every rank and needs learner.zero_stage 0, got {zero_stage}")
+            # DeepSpeed only runs the forward (and places/casts the model); the optimizer steps itself
+            self.engine, _, _, _ = deepspeed.initialize(model=model, config=self.ds_config)
+            self.optimizer, self.scheduler = optim, sched
+        else:
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optim, lr_scheduler=sched, config=self.ds_config)
         if world_size == 1 and zero_stage == 0:
             # Nothing to all-reduce with a single rank; skipping DeepSpeed's flatten/reduce/unflatten
             # copies of every gradient saves ~20% of a CPU training step. Stage 0 only: the ZeRO
@@ -131,14 +143,13 @@ class LearnerWorker(ActorProbes):
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0,
                          micro_batch_size: int = 64) -> torch.Tensor:
-        from rl.logprobs import response_logprobs
         self.reload_states()  # every entry point that computes with the model first brings offloaded states back
         model = self.ref if which == "ref" else self.engine.module
         if model is None:
             raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
         was_training = model.training
         model.eval()
-        outs = [response_logprobs(model, mb, temperature)[0].cpu()
+        outs = [self.family.forward(model, mb, temperature=temperature)["logp"].cpu()
                 for mb in batch.split(max(1, math.ceil(len(batch) / micro_batch_size)))]
         model.train(was_training)
         return torch.cat(outs, 0)
@@ -151,39 +162,33 @@ class LearnerWorker(ActorProbes):
 
         `loss_params` carries the global `num_tokens`/`num_seqs`, so each micro-batch loss is its
         share of the global loss; DeepSpeed averages gradients over ranks, hence `* world_size`.
+        The loss also gets, by the names of its keyword parameters, the family's extra outputs, the
+        Batch fields and extras, and the trainable parameters it declares (see `rl.losses`).
         `rollout_correction` (`level`, `mode`, `cap`) weights each token's advantage by the importance
         weight between the learner's old logprobs and the rollout engine's; every built-in loss is
         linear in the advantage, so this equals weighting the per-token policy-gradient term (KL and
         entropy terms stay unweighted, as in verl and TRL).
         """
-        from rl.logprobs import response_logprobs, response_loop_logprobs
+        import inspect
+
         from rl.losses import rollout_importance_weights
         from rl.registry import get
         loss_fn = get("loss", loss_fn_spec)
-        per_loop = getattr(loss_fn, "needs_loop_logprobs", False)  # RLTT: every loop's readout
-        if len(micro_batches) != self.grad_accum:
-            raise ValueError(f"rank {self.rank}: got {len(micro_batches)} micro-batches, "
-                             f"DeepSpeed was configured for {self.grad_accum}")
-        self.reload_states()
-        t_start = time.perf_counter()
-        self.engine.train()
-        sums: dict[str, float] = {}
-        total_loss = 0.0
-        grad_norm = None
+        named = set(inspect.signature(loss_fn).parameters)
         entropy_grad = bool(loss_params.get("entropy_coef"))
-        if per_loop and entropy_grad:
-            raise ValueError(f"loss {loss_fn_spec!r}: entropy_coef is not supported (final-loop entropy is a metric)")
-        for i, mb in enumerate(micro_batches):
-            extra: dict[str, Any] = {}
-            if per_loop:
-                loop_logp, pdf, entropy = response_loop_logprobs(self.engine, mb, temperature, need_entropy)
-                logp = loop_logp[..., -1]  # the final loop is the sampling policy
-                extra = {"loop_logp": loop_logp, "exit_pdf": pdf}
-                if loss_params.get("loop_weighting") == "learned":
-                    extra["learned_logits"] = self._learned_loop_logits(loop_logp.shape[-1], loss_params)
-            else:
-                logp, entropy = response_logprobs(self.engine, mb, temperature,
-                                                  with_entropy=need_entropy or entropy_grad, entropy_grad=entropy_grad)
+        outputs = (named & set(self.family.outputs)) | {"logp"}
+        if need_entropy or entropy_grad:
+            outputs.add("entropy")
+        self._check_micro_batches(micro_batches)
+
+        def micro_loss(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            out = self.family.forward(self.engine, mb, temperature=temperature, outputs=outputs,
+                                      entropy_grad=entropy_grad)
+            logp, entropy = out["logp"], out.get("entropy")
+            extra = {k: v for k, v in out.items() if k in named and k not in ("logp", "entropy")}
+            extra.update(self._loss_parameters(loss_fn, out, loss_params))
+            extra.update({k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                          for k, v in mb.named_fields(loss_fn).items()})
             old = mb.old_logp.to(self.device) if mb.old_logp is not None else logp.detach()
             ref = mb.ref_logp.to(self.device) if mb.ref_logp is not None else None
             mask = mb.response_mask.to(self.device)
@@ -197,63 +202,116 @@ class LearnerWorker(ActorProbes):
             loss, loss_metrics = loss_fn(logp, old, advantages, mask, ref_logp=ref, entropy=entropy, **loss_params,
                                          **extra)
             metrics.update(loss_metrics)
-            norm = self._backward_and_step(loss, last=i == len(micro_batches) - 1)
-            if self.loop_logits is not None and i == len(micro_batches) - 1:
-                self._step_loop_logits()
-            grad_norm = norm if norm is not None else grad_norm
-            total_loss += float(loss.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v / len(micro_batches)
             if entropy is not None:
-                m = mb.response_mask.to(entropy.device)
-                sums["entropy"] = sums.get("entropy", 0.0) + float((entropy.detach() * m).sum() / m.sum().clamp(min=1)) / len(micro_batches)
-        sums["loss"] = total_loss  # this rank's share; the group sums shares to the global loss
-        sums["grad_norm"] = self._grad_norm_after_step(grad_norm)
+                m = mask.to(entropy.device)
+                metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
+            return loss, metrics
+
+        return self._optimize(micro_batches, micro_loss)
+
+    def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:
+        """Supervised step: token-mean negative log-likelihood of the response tokens (global count)."""
+        self._check_micro_batches(micro_batches)
+
+        def micro_loss(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            logp = self.family.forward(self.engine, mb)["logp"]
+            return -(logp * mb.response_mask.to(logp.device)).sum() / num_tokens, {}
+
+        return self._optimize(micro_batches, micro_loss)
+
+    def _check_micro_batches(self, micro_batches: list[Batch]) -> None:
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"rank {self.rank}: got {len(micro_batches)} micro-batches, "
+                             f"DeepSpeed was configured for {self.grad_accum}")
+
+    def _optimize(self, micro_batches: list[Batch],
+                  micro_loss: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
+        """One optimizer step over `micro_batches`, each contributing `micro_loss(mb)` (its share of the
+        global loss, and metrics averaged over micro-batches). Returns this rank's metrics, `loss` its share."""
+        self.reload_states()
+        t_start = time.perf_counter()
+        self.engine.train()
+        if self.forward_only:
+            sums = self._forward_only_step(micro_batches, micro_loss)
+        else:
+            sums, total_loss, grad_norm = {}, 0.0, None
+            for i, mb in enumerate(micro_batches):
+                loss, metrics = micro_loss(mb)
+                last = i == len(micro_batches) - 1
+                norm = self._backward_and_step(loss, last=last)
+                if last and self.loss_parameter_opt is not None:
+                    self._step_loss_parameters()
+                grad_norm = norm if norm is not None else grad_norm
+                total_loss += float(loss.detach())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v / len(micro_batches)
+            sums["loss"] = total_loss  # this rank's share; the group sums shares to the global loss
+            sums["grad_norm"] = self._grad_norm_after_step(grad_norm)
         sums["lr"] = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else 0.0
         sums["compute_s"] = time.perf_counter() - t_start  # inside the rank, without Ray transfer
         return sums
 
-    def _learned_loop_logits(self, num_loops: int, params: dict[str, Any]) -> torch.nn.Parameter:
-        """RLTT's learnable loop-weight logits θ_w `[T]` (ω = softmax(θ_w/τ)): initialised to zeros
-        (uniform) or log(progressive(α)), with their own AdamW at `learned_lr_scale` × the model lr and no
-        weight decay (spec §1.3). They live beside the DeepSpeed engine, replicated on every rank."""
-        if self.loop_logits is None:
-            from rl.rltt import compute_loop_weights
-            init = params.get("learned_init", "uniform")
-            if init not in ("uniform", "progressive"):
-                raise ValueError(f"algorithm.loss_params.learned_init must be uniform or progressive, got {init!r}")
-            w = compute_loop_weights(init, num_loops, alpha=params.get("alpha", 1.0))
-            self.loop_logits = torch.nn.Parameter(torch.log(w).to(self.device) - torch.log(w).mean().to(self.device))
-            self.loop_opt = torch.optim.AdamW([self.loop_logits], lr=self.lr * params.get("learned_lr_scale", 10.0),
-                                              weight_decay=0.0)
-        return self.loop_logits
-
-    def _step_loop_logits(self) -> None:
-        """Average the loop logits' gradient over ranks as DeepSpeed does for the model, then step."""
+    @torch.no_grad()
+    def _forward_only_step(self, micro_batches: list[Batch],
+                           micro_loss: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
+        """A forward-only optimizer's step: it calls the closure (the global loss: this rank's micro-batch
+        shares summed, then all-reduced, so every rank sees the same value and takes the same step) as
+        often as it needs; no backward pass runs."""
         import torch.distributed as dist
-        grad = self.loop_logits.grad
-        if grad is not None:
-            if dist.is_initialized() and self.world_size > 1:
-                dist.all_reduce(grad)
-            grad.div_(self.world_size)  # each rank's backward ran on loss * world_size
-            self.loop_opt.step()
-        self.loop_opt.zero_grad(set_to_none=True)
+        last_metrics: dict[str, float] = {}
 
-    def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:
-        """Supervised step: token-mean negative log-likelihood of the response tokens (global count)."""
-        from rl.logprobs import response_logprobs
-        self.reload_states()
-        self.engine.train()
-        total, grad_norm = 0.0, None
-        for i, mb in enumerate(micro_batches):
-            logp, _ = response_logprobs(self.engine, mb)
-            mask = mb.response_mask.to(logp.device)
-            loss = -(logp * mask).sum() / num_tokens
-            norm = self._backward_and_step(loss, last=i == len(micro_batches) - 1)
-            grad_norm = norm if norm is not None else grad_norm
-            total += float(loss.detach())
-        return {"loss": total, "grad_norm": self._grad_norm_after_step(grad_norm),
-                "lr": float(self.scheduler.get_last_lr()[0])}
+        def closure() -> torch.Tensor:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            last_metrics.clear()
+            for mb in micro_batches:
+                loss, metrics = micro_loss(mb)
+                total += loss.double()
+                for k, v in metrics.items():
+                    last_metrics[k] = last_metrics.get(k, 0.0) + v / len(micro_batches)
+            if self.world_size > 1:
+                dist.all_reduce(total)
+            return total
+
+        loss = float(self.optimizer.step(closure))
+        self.scheduler.step()
+        sums = dict(last_metrics)  # of the last loss evaluation
+        sums.update({f"zo/{k}": v for k, v in getattr(self.optimizer, "last", {}).items()})
+        sums["loss"] = loss / self.world_size  # the group sums the ranks' shares
+        sums["grad_norm"] = float("nan")  # no gradient exists
+        return sums
+
+    def _loss_parameters(self, loss_fn: Any, outputs: dict[str, torch.Tensor], loss_params: dict[str, Any]
+                         ) -> dict[str, torch.nn.Parameter]:
+        """The trainable parameters the loss declares (`trainable_parameters`, see rl.losses), made on
+        first use from the family outputs of the first micro-batch, then kept."""
+        if self.loss_parameters is None:
+            factory = getattr(loss_fn, "trainable_parameters", None)
+            declared = factory(outputs, **loss_params) if factory is not None else {}
+            self._make_loss_parameters({name: p.init for name, p in declared.items()},
+                                       {name: p.lr_scale for name, p in declared.items()})
+        return self.loss_parameters
+
+    def _make_loss_parameters(self, init: dict[str, torch.Tensor], lr_scales: dict[str, float]) -> None:
+        """Replicated on every rank, with their own AdamW (`lr_scale` × the model lr, no weight decay)."""
+        self.loss_parameters = {name: torch.nn.Parameter(t.detach().clone().float().to(self.device))
+                                for name, t in init.items()}
+        self.loss_parameter_opt = torch.optim.AdamW(
+            [{"params": [p], "lr": self.lr * lr_scales[name]} for name, p in self.loss_parameters.items()],
+            lr=self.lr, weight_decay=0.0) if self.loss_parameters else None
+
+    def _step_loss_parameters(self) -> None:
+        """Average the loss parameters' gradients over ranks as DeepSpeed does for the model, then step."""
+        import torch.distributed as dist
+        stepped = False
+        for p in self.loss_parameters.values():
+            if p.grad is not None:
+                if dist.is_initialized() and self.world_size > 1:
+                    dist.all_reduce(p.grad)
+                p.grad.div_(self.world_size)  # each rank's backward ran on loss * world_size
+                stepped = True
+        if stepped:
+            self.loss_parameter_opt.step()
+        self.loss_parameter_opt.zero_grad(set_to_none=True)
 
     def _backward_and_step(self, loss: torch.Tensor, last: bool) -> float | None:
         """Backward of one micro-batch's share of the global loss, then DeepSpeed's step (which only
@@ -261,9 +319,14 @@ class LearnerWorker(ActorProbes):
         `* world_size`; the loss is already a share, hence no division by the accumulation steps.
         Returns the stage-0 pre-clip gradient norm on the last micro-batch, else None."""
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.backward_passes += 1
         norm = self._grad_norm_before_step() if last else None
         self.engine.step()
         return norm
+
+    def counters(self) -> dict[str, int]:
+        """How many backward passes this rank has run (forward-only optimizers run none)."""
+        return {"backward_passes": self.backward_passes}
 
     def _grad_norm_before_step(self) -> float | None:
         """Stage 0 fp32: gradients are reduced and still in `.grad` before step(); clip them here and
@@ -377,21 +440,26 @@ class LearnerWorker(ActorProbes):
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
         self.reload_states()  # a checkpoint reads the optimizer states where DeepSpeed expects them
-        if self.loop_logits is not None:
-            client_state = {**client_state, "loop_logits": self.loop_logits.detach().cpu(),
-                            "loop_opt": self.loop_opt.state_dict()}
+        if self.loss_parameter_opt is not None:
+            client_state = {**client_state,
+                            "loss_parameters": {k: p.detach().cpu() for k, p in self.loss_parameters.items()},
+                            "loss_parameter_optimizer": self.loss_parameter_opt.state_dict()}
+        if self.forward_only:  # DeepSpeed does not hold the optimizer: it travels in the client state
+            client_state = {**client_state, "optimizer": self.optimizer.state_dict(),
+                            "scheduler": self.scheduler.state_dict()}
         self.engine.save_checkpoint(path, tag="ds", client_state=client_state)
 
     def load_checkpoint(self, path: str) -> dict:
         self.reload_states()
         _, client_state = self.engine.load_checkpoint(path, tag="ds")
         client_state = client_state or {}
-        if "loop_logits" in client_state:
-            logits = client_state.pop("loop_logits")
-            self._learned_loop_logits(len(logits), {})
-            with torch.no_grad():
-                self.loop_logits.copy_(logits.to(self.device))
-            self.loop_opt.load_state_dict(client_state.pop("loop_opt"))
+        if "loss_parameters" in client_state:  # the optimizer state restores their learning rates
+            saved = client_state.pop("loss_parameters")
+            self._make_loss_parameters(saved, {name: 1.0 for name in saved})
+            self.loss_parameter_opt.load_state_dict(client_state.pop("loss_parameter_optimizer"))
+        if self.forward_only:
+            self.optimizer.load_state_dict(client_state.pop("optimizer"))
+            self.scheduler.load_state_dict(client_state.pop("scheduler"))
         return client_state
 
     def save_hf(self, path: str, tokenizer_path: str | None = None) -> None:
@@ -486,6 +554,10 @@ class LearnerGroup:
                                 for w, shard in zip(self.workers, self._shards(batch))], "an SFT step")
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
                 "lr": results[0]["lr"]}
+
+    def counters(self) -> list[dict[str, int]]:
+        """Every rank's counters (backward passes run)."""
+        return self.get_all([w.counters.remote() for w in self.workers], "reading counters")
 
     def offload_states(self) -> float:
         return max(self.get_all([w.offload_states.remote() for w in self.workers], "offloading learner states"))

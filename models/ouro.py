@@ -46,7 +46,8 @@ class OuroConfig(PretrainedConfig):
                  tie_word_embeddings: bool = False, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
                  attention_dropout: float = 0.0, layer_types: list[str] | None = None,
                  sliding_window: int | None = None, total_ut_steps: int = 4, early_exit_threshold: float = 1.0,
-                 early_exit_step: int | None = None, **kwargs):
+                 early_exit_step: int | None = None, pad_token_id: int | None = None, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -67,7 +68,10 @@ class OuroConfig(PretrainedConfig):
         self.total_ut_steps = total_ut_steps  # loops over the shared layer stack
         self.early_exit_threshold = early_exit_threshold  # exit at the first loop whose exit CDF reaches this
         self.early_exit_step = early_exit_step
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # transformers' own configs declare the special tokens; generate() and padding read them
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = pad_token_id, bos_token_id, eos_token_id
+        super().__init__(tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id,
+                         bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
 
 
 def exit_pdf(gate_logits: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@ Layout: prompts are left-padded `[N, P]`, responses right-padded `[N, L]`; per-t
 (`*_logp`, `advantages`) are `[N, L]` aligned with `response_ids`; looped models may add
 `[N, L, T]` tensors. `group_id [N]` names the prompt a sample came from: group-relative
 estimators need it, and a batch whose grouping does not match the recipe is rejected loudly.
+
+Per-method data travels in `extras`: named per-sample or per-token tensors (or per-sample lists), each
+with its padding rule, so a method adds a field without editing this file. Any advantage estimator or
+loss that names a core field of `NAMED_FIELDS` or an extra as a keyword parameter receives it.
 """
 
 from __future__ import annotations
@@ -15,10 +19,25 @@ from typing import Any
 import torch
 
 # Tensor fields that are per response token and right-padded, or per prompt token and left-padded.
-_RIGHT_PADDED = ("response_ids", "response_mask", "response_attn", "token_step", "observation_mask", "rollout_logp", "old_logp", "ref_logp", "advantages",
-                 "per_loop_logp", "exit_pdf")
+_RIGHT_PADDED = ("response_ids", "response_mask", "response_attn", "token_step", "observation_mask", "rollout_logp",
+                 "old_logp", "ref_logp", "advantages")
 _LEFT_PADDED = ("prompt_ids", "prompt_mask")
 _PAD_VALUE = {"token_step": -1}  # padding belongs to no step
+PAD_RULES = ("none", "right", "left")
+
+# Core fields that an advantage estimator or a loss receives when it names them as keyword parameters
+# (multi-turn/step data); extras are passed the same way.
+NAMED_FIELDS = ("token_step", "step_rewards", "step_types", "valid", "observation_mask")
+
+
+@dataclass(frozen=True)
+class Extra:
+    """One per-method field: `value` is a tensor `[N, ...]` or a per-sample list; `pad` says how batches of
+    different widths are joined: `none` (per sample), `right` (per response token, dim 1 right-padded, as
+    `response_ids`) or `left` (per prompt token, as `prompt_ids`), filling with `pad_value`."""
+    value: Any
+    pad: str = "none"
+    pad_value: float = 0
 
 
 @dataclass
@@ -36,8 +55,6 @@ class Batch:
     rewards: torch.Tensor | None = None  # [N] float
     reward_failed: torch.Tensor | None = None  # [N] bool: the reward could not be computed
     truncated: torch.Tensor | None = None  # [N] bool: generation hit max_new_tokens
-    per_loop_logp: torch.Tensor | None = None  # [N, L, T] looped models
-    exit_pdf: torch.Tensor | None = None  # [N, L, T] looped models
     token_step: torch.Tensor | None = None  # [N, L] long: index of the step (span) a token belongs to, -1 outside
     observation_mask: torch.Tensor | None = None  # [N, L] 1 on environment/tool-output tokens (never trained on)
     valid: torch.Tensor | None = None  # [N] bool: trajectory passed its validity check (multi-granularity rewards)
@@ -49,9 +66,37 @@ class Batch:
     step_rewards: list[list[float]] = field(default_factory=list)  # per sample, one reward per step
     step_types: list[list[str]] = field(default_factory=list)  # per sample, the type of each step
     policy_version: int = 0
+    extras: dict[str, Extra] = field(default_factory=dict)  # per-method fields with their padding rule
 
     def __len__(self) -> int:
         return int(self.response_ids.shape[0])
+
+    # ------------------------------------------------------------------ extras
+    def set_extra(self, name: str, value: Any, pad: str = "none", pad_value: float = 0) -> None:
+        """Attach a per-method field (see `Extra`); its first dimension must be the batch size."""
+        if name in {f.name for f in dataclasses.fields(Batch)}:
+            raise ValueError(f"batch extra {name!r}: the name of a core Batch field")
+        if pad not in PAD_RULES:
+            raise ValueError(f"batch extra {name!r}: pad must be one of {PAD_RULES}, got {pad!r}")
+        rows = value.shape[0] if isinstance(value, torch.Tensor) else len(value)
+        if rows != len(self):
+            raise ValueError(f"batch extra {name!r}: {rows} rows for a batch of {len(self)} samples")
+        if pad != "none" and not (isinstance(value, torch.Tensor) and value.dim() >= 2):
+            raise ValueError(f"batch extra {name!r}: pad {pad!r} needs a tensor with a token dimension")
+        self.extras[name] = Extra(value, pad, pad_value)
+
+    def named_fields(self, fn: Any) -> dict[str, Any]:
+        """The core fields of `NAMED_FIELDS` and the extras that `fn` names as parameters and this batch
+        carries (e.g. MGPO's step map), by name."""
+        import inspect
+        params = inspect.signature(fn).parameters
+        out = {}
+        for name in NAMED_FIELDS:
+            value = getattr(self, name)
+            if name in params and value is not None and (not isinstance(value, list) or value):
+                out[name] = value
+        out.update({name: e.value for name, e in self.extras.items() if name in params})
+        return out
 
     # ------------------------------------------------------------------ structure
     def select(self, index: torch.Tensor | list[int] | slice) -> Batch:
@@ -68,6 +113,11 @@ class Batch:
                 out[f.name] = v.index_select(0, idx)
             elif isinstance(v, list):
                 out[f.name] = [v[i] for i in rows] if v else []
+            elif f.name == "extras":
+                out[f.name] = {name: dataclasses.replace(e, value=e.value.index_select(0, idx)
+                                                         if isinstance(e.value, torch.Tensor)
+                                                         else [e.value[i] for i in rows])
+                               for name, e in v.items()}
             else:
                 out[f.name] = v
         return Batch(**out)
@@ -100,6 +150,8 @@ class Batch:
                 out[f.name] = [x for v in vals for x in v]
             elif f.name == "policy_version":
                 out[f.name] = min(vals)
+            elif f.name == "extras":
+                out[f.name] = _concat_extras(vals)
             else:
                 raise ValueError(f"cannot concat batches: field {f.name!r} is set in some and not others")
         return Batch(**out)
@@ -124,6 +176,28 @@ class Batch:
         if bad:
             raise ValueError(f"group_id mismatch: expected {group_size} samples per prompt, got "
                              f"(group_id, count) = {bad[:5]}{' ...' if len(bad) > 5 else ''}")
+
+
+def _concat_extras(parts: list[dict[str, Extra]]) -> dict[str, Extra]:
+    names = set(parts[0])
+    for p in parts[1:]:
+        if set(p) != names:
+            raise ValueError(f"cannot concat batches: extras {sorted(names ^ set(p))} are set in some and not others")
+    out = {}
+    for name in sorted(names):
+        es = [p[name] for p in parts]
+        if len({(e.pad, e.pad_value) for e in es}) > 1:
+            raise ValueError(f"cannot concat batches: extra {name!r} has different padding rules")
+        pad, value = es[0].pad, es[0].pad_value
+        if isinstance(es[0].value, torch.Tensor):
+            vals = [e.value for e in es]
+            if pad != "none":
+                width = max(v.shape[1] for v in vals)
+                vals = [_pad_dim1(v, width, left=pad == "left", value=value) for v in vals]
+            out[name] = Extra(torch.cat(vals, 0), pad, value)
+        else:
+            out[name] = Extra([x for e in es for x in e.value], pad, value)
+    return out
 
 
 def _pad_dim1(t: torch.Tensor, width: int, left: bool, value: int = 0) -> torch.Tensor:

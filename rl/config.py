@@ -35,8 +35,15 @@ class TinyModelConfig:
 
 
 @dataclass
+class ComponentConfig:
+    name: str  # registered name, 'package.module:attr' or 'path/to/file.py:attr'
+    params: dict[str, Any] = field(default_factory=dict)  # keyword parameters of the component
+
+
+@dataclass
 class ModelConfig:
     path: str | None = None  # HF model folder; null builds a tiny model and tokenizer in code (models/tiny.py)
+    family: str = "auto"  # model family (registry kind "family"): how the learner loads the model and what its training forward returns; auto (looped for model_type ouro, else causal) | causal | looped
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when path is null
     dtype: str = "float32"  # float32 | bfloat16 for learner and rollout weights
     trust_remote_code: bool = False  # passed to transformers' from_pretrained
@@ -72,9 +79,9 @@ class SFTConfig:
     steps: int = 1200  # optimizer steps
     batch_size: int = 64  # sequences per optimizer step (global)
     lr: float = 2e-3  # peak learning rate
-    warmup_steps: int = 50  # linear warm-up steps, then cosine decay to 10% of lr
-    weight_decay: float = 0.0  # AdamW weight decay
-
+    warmup_steps: int = 50  # linear warm-up steps before the scheduler's shape
+    weight_decay: float = 0.0  # weight decay passed to learner.optimizer
+    scheduler: ComponentConfig = field(default_factory=lambda: ComponentConfig("cosine"))  # SFT learning-rate schedule (registry kind "scheduler"): cosine (decay to params.min_lr_ratio, default 0.1, of lr) | constant
 
 @dataclass
 class RolloutConfig:
@@ -103,13 +110,12 @@ class LearnerConfig:
     world_size: int = 1  # DeepSpeed data-parallel ranks (one Ray actor each)
     zero_stage: int = 0  # ZeRO stage 0-3
     micro_batch_size: int = 64  # sequences per forward/backward per rank
-    lr: float = 1e-4  # RL learning rate (AdamW)
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    adam_eps: float = 1e-8  # AdamW epsilon
-    fused_adam: bool = True  # use torch's fused AdamW kernel (CPU and CUDA)
+    lr: float = 1e-4  # RL learning rate
+    weight_decay: float = 0.0  # weight decay passed to the optimizer
+    optimizer: ComponentConfig = field(default_factory=lambda: ComponentConfig("adamw"))  # optimizer for SFT and RL (registry kind "optimizer"): adamw {betas: [0.9, 0.999], eps: 1e-8, fused: true} | mezo (forward-only, zero_stage 0) {eps: 1e-3, seed: 0}
+    scheduler: ComponentConfig = field(default_factory=lambda: ComponentConfig("constant"))  # RL learning-rate schedule (registry kind "scheduler"): constant | cosine {min_lr_ratio: 0.1}
     grad_clip: float = 1.0  # global gradient-norm clip (0 disables)
-    warmup_steps: int = 0  # linear learning-rate warm-up steps, constant afterwards
+    warmup_steps: int = 0  # linear learning-rate warm-up steps before the scheduler's shape
     num_cpus: float = 0.5  # CPUs reserved per rank in the placement group
     threads: int = 1  # torch intra-op threads per rank
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
@@ -249,6 +255,11 @@ def _list_item_dataclass(tp: Any) -> type | None:
     return None
 
 
+# Keys that moved: a recipe that still sets one is told the new place.
+MOVED_KEYS = {"learner.betas": "learner.optimizer.params.betas", "learner.adam_eps": "learner.optimizer.params.eps",
+              "learner.fused_adam": "learner.optimizer.params.fused"}
+
+
 def _check_keys(data: Any, schema: type, path: str, source: str) -> None:
     """Recursively reject keys that the schema does not declare, naming the closest valid one."""
     if not isinstance(data, dict):
@@ -256,6 +267,8 @@ def _check_keys(data: Any, schema: type, path: str, source: str) -> None:
     hints = typing.get_type_hints(schema)
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
+        if full in MOVED_KEYS:
+            raise ConfigError(f"{source}: {full!r} is now {MOVED_KEYS[full]!r} (with learner.optimizer.name: adamw)")
         if key not in hints:
             close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.5)
             hint = f"; did you mean {(path + '.' if path else '') + close[0]!r}?" if close else \

@@ -4,9 +4,19 @@ Contract: `fn(logp, old_logp, advantages, response_mask, *, ref_logp=None, **par
 All tensors are `[N, L]`. `num_tokens` / `num_seqs` are the *global* counts over the optimizer
 step (all ranks, all micro-batches): the learner passes them so that summing the per-micro-batch
 losses gives the loss of the whole batch, whatever the data-parallel size or micro-batching.
+
+Beyond the contract a loss receives, by naming them as keyword parameters: the model family's extra
+outputs (`loop_logp`, `exit_pdf` for looped models; see `models/families.py`), Batch fields and extras
+(`rl.batch.NAMED_FIELDS`), and its own trainable parameters. A loss declares those with a
+`trainable_parameters` attribute: `fn(outputs, **loss_params) -> {name: LossParameter}`, called once with
+the family outputs of the first micro-batch. The learner keeps them beside the model (replicated on every
+rank, gradients averaged over ranks), steps them with their own AdamW (`lr_scale` × the model lr, no weight
+decay) and saves them with the checkpoint.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +24,18 @@ from rl.registry import register
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# Keywords the learner passes to every loss itself (a recipe's loss_params may not set them).
+LOSS_INPUTS = ("logp", "old_logp", "advantages", "response_mask", "ref_logp", "entropy", "agg", "num_tokens",
+               "num_seqs", "norm_len", "kl_coef", "kl_estimator", "entropy_coef")
+
+
+@dataclass
+class LossParameter:
+    """A trainable tensor that a loss owns (not part of the model): its initial value and its learning
+    rate as a multiple of the model's."""
+    init: torch.Tensor
+    lr_scale: float = 1.0
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

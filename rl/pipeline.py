@@ -28,7 +28,7 @@ from rl.evaluate import evaluate
 from rl.registry import check_params
 from rl.sft import run_sft
 from rl.tracking import MetricsLogger
-from rl.trainer import BATCH_FIELDS_FOR_ESTIMATORS, RLTrainer, latest_checkpoint, make_learner_group
+from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, model_family
 from rollout.hf_engine import load_tokenizer
 
 
@@ -103,6 +103,34 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
     return paths
 
 
+def check_components(cfg: DictConfig, model_path: str) -> None:
+    """Resolve every named component of the recipe and check its parameters before any actor starts:
+    advantage, loss (its inputs against the model family's outputs), optimizer, schedulers."""
+    from rl.batch import NAMED_FIELDS
+    from rl.losses import LOSS_INPUTS
+    from rl.registry import get, required_parameters
+    a, lc = cfg.algorithm, cfg.learner
+    check_params("advantage", a.advantage, as_container(a.advantage_params), "algorithm.advantage_params",
+                 supplied=("rewards", "group_id", "response_mask", *NAMED_FIELDS))
+    family_name = model_family(cfg, model_path)
+    family = get("family", family_name)
+    check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
+                 supplied=(*LOSS_INPUTS, *family.outputs))
+    missing = [n for n in required_parameters(get("loss", a.loss))[4:]
+               if n not in (*LOSS_INPUTS, *family.outputs, *NAMED_FIELDS, *a.loss_params)]
+    if missing:
+        raise ValueError(f"algorithm.loss: loss {a.loss!r} needs {missing}, which model family {family_name!r} "
+                         f"(model.family: {cfg.model.family}) does not provide; it provides {list(family.outputs)}")
+    check_params("optimizer", lc.optimizer.name, as_container(lc.optimizer.params), "learner.optimizer.params",
+                 supplied=("params", "lr", "weight_decay"))
+    if getattr(get("optimizer", lc.optimizer.name), "forward_only", False) and lc.zero_stage != 0:
+        raise ValueError(f"learner.optimizer {lc.optimizer.name!r} is forward-only (it perturbs the full weights on "
+                         f"every rank): it needs learner.zero_stage 0, got {lc.zero_stage}")
+    for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
+        check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
+                     supplied=("optimizer", "warmup_steps", "total_steps"))
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -136,13 +164,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     elif cfg.resume != "no":
         ckpt = Path(cfg.resume)
 
-    a = cfg.algorithm
-    check_params("advantage", a.advantage, as_container(a.advantage_params), "algorithm.advantage_params",
-                 supplied=("rewards", "group_id", "response_mask", *BATCH_FIELDS_FOR_ESTIMATORS))
-    check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
-                 supplied=("logp", "old_logp", "advantages", "response_mask", "ref_logp", "entropy", "agg",
-                           "num_tokens", "num_seqs", "norm_len", "kl_coef", "kl_estimator", "entropy_coef",
-                           "loop_logp", "exit_pdf", "learned_logits"))
+    check_components(cfg, model_path)
     check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
                  supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
     for name, judge in cfg.reward.judges.items():
@@ -287,7 +309,7 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
     grad_accum = max(1, -(-s.batch_size // (lc.world_size * lc.micro_batch_size)))
     group = make_learner_group(cfg, model_path, placement, lr=s.lr, weight_decay=s.weight_decay,
                                micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),
-                               grad_accum=grad_accum, schedule="cosine", warmup_steps=s.warmup_steps,
+                               grad_accum=grad_accum, scheduler=s.scheduler, warmup_steps=s.warmup_steps,
                                total_steps=s.steps)
     out = Path(out_path)
     log_path = Path(cfg.output_dir) / "sft_metrics.jsonl"

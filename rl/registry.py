@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding")
+KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding", "family", "optimizer", "scheduler")
 
 _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 
@@ -28,6 +28,13 @@ _BUILTIN_MODULES = {
     "loss": ["rl.losses", "rl.rltt"],
     "reward": ["rewards.math", "rewards.factuality", "rewards.rubric"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
+    "optimizer": ["rl.optim"],
+    "scheduler": ["rl.optim"],
+}
+# Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only
+# torch and transformers); resolved on first use.
+_BUILTIN_ATTRS = {
+    "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily"},
 }
 
 
@@ -52,6 +59,10 @@ def register(kind: str, name: str) -> Callable[[Any], Any]:
 def _load_builtins(kind: str) -> None:
     for mod in _BUILTIN_MODULES.get(kind, []):
         importlib.import_module(mod)
+    for name, target in _BUILTIN_ATTRS.get(kind, {}).items():
+        if name not in _REGISTRY[kind]:
+            module, attr = target.split(":")
+            _REGISTRY[kind][name] = getattr(importlib.import_module(module), attr)
 
 
 def known(kind: str) -> list[str]:
@@ -138,3 +149,11 @@ def check_params(kind: str, spec: str, params: dict[str, Any], key: str,
         if name not in accepted:
             raise RegistryError(f"{key}.{name}: {kind} {spec!r} has no parameter {name!r}; "
                                 f"its parameters are {[a for a in accepted if a not in supplied]}")
+
+
+def required_parameters(fn: Any) -> list[str]:
+    """Names of `fn`'s parameters that have no default, in order."""
+    import inspect
+    return [n for n, p in inspect.signature(fn).parameters.items()
+            if p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.losses import _masked_mean, _regularise_and_aggregate
+from rl.losses import LossParameter, _masked_mean, _regularise_and_aggregate
 from rl.registry import register
 
 LOOP_WEIGHTINGS = ("uniform", "progressive", "exit_pdf", "learned", "last")
@@ -61,8 +61,9 @@ def rltt_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     """RLTT loss from per-loop sampled-token logprobs `loop_logp [N, L, T]` (the learner supplies them,
     and `logp` = the final loop's). `old_logp` is unused: RLTT has no importance ratio.
 
-    `learned_init` (uniform | progressive) and `learned_lr_scale` (× the model lr) configure the learner's
-    learnable loop logits for `loop_weighting: learned`; the learner passes them in as `learned_logits`."""
+    `learned_init` (uniform | progressive) and `learned_lr_scale` (× the model lr) configure the learnable
+    loop logits of `loop_weighting: learned` (`rltt_trainable_parameters`); the learner passes them in as
+    `learned_logits`."""
     num_loops = loop_logp.shape[-1]
     omega = compute_loop_weights(loop_weighting, num_loops, alpha=alpha, exit_pdf=exit_pdf,
                                  detach_exit_pdf=detach_exit_pdf, learned_logits=learned_logits, tau=tau)
@@ -83,4 +84,18 @@ def rltt_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return loss, metrics
 
 
-rltt_loss.needs_loop_logprobs = True  # the learner runs the looped model's per-loop forward for this loss
+def rltt_trainable_parameters(outputs: dict[str, torch.Tensor], *, loop_weighting: str = "exit_pdf",
+                              learned_init: str = "uniform", alpha: float = 1.0, learned_lr_scale: float = 10.0,
+                              **_: object) -> dict[str, LossParameter]:
+    """RLTT's learnable loop-weight logits θ_w `[T]` (ω = softmax(θ_w/τ)) for `loop_weighting: learned`:
+    initialised to zeros (uniform) or log(progressive(α)) centred, with `learned_lr_scale` × the model lr
+    and no weight decay (spec §1.3). None for the other weightings."""
+    if loop_weighting != "learned":
+        return {}
+    if learned_init not in ("uniform", "progressive"):
+        raise ValueError(f"algorithm.loss_params.learned_init must be uniform or progressive, got {learned_init!r}")
+    w = compute_loop_weights(learned_init, outputs["loop_logp"].shape[-1], alpha=alpha)
+    return {"learned_logits": LossParameter(torch.log(w) - torch.log(w).mean(), lr_scale=learned_lr_scale)}
+
+
+rltt_loss.trainable_parameters = rltt_trainable_parameters

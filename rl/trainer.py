@@ -6,7 +6,6 @@ service, learner group) are Ray actors placed by `cluster.ray_utils.make_placeme
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import random
@@ -101,7 +100,7 @@ class RLTrainer:
         self.learners = make_learner_group(
             cfg, model_path, placement, lr=lc.lr, weight_decay=lc.weight_decay,
             micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
-            schedule="constant", warmup_steps=lc.warmup_steps,
+            scheduler=lc.scheduler, warmup_steps=lc.warmup_steps,
             total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches)
         # colocated roles take turns on one device: the learner's states wait in host memory while the
         # engines generate, the engines sleep while the learner computes
@@ -147,7 +146,7 @@ class RLTrainer:
             if a.kl_in_reward:
                 rewards = penalised
         batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
-                                       **batch_fields_for(self.adv_fn, batch), **as_container(a.advantage_params))
+                                       **batch.named_fields(self.adv_fn), **as_container(a.advantage_params))
 
         t0 = time.perf_counter()
         loss_params = {**as_container(a.loss_params), "agg": a.loss_agg, "norm_len": float(cfg.rollout.max_new_tokens)}
@@ -424,7 +423,7 @@ class RLTrainer:
 
 # ---------------------------------------------------------------------- helpers shared with other stages
 def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
-                       micro_batch_size: int, grad_accum: int, schedule: str, warmup_steps: int, total_steps: int,
+                       micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
                        with_ref: bool = False) -> LearnerGroup:
     """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
     settings are arguments, everything else comes from the recipe's `learner`/`model` sections."""
@@ -432,12 +431,25 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
     return LearnerGroup(
         lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
         num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=actor_env(),
-        lr=lr, betas=tuple(lc.betas), adam_eps=lc.adam_eps, fused_adam=lc.fused_adam, weight_decay=weight_decay,
-        zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size, grad_accum=grad_accum, grad_clip=lc.grad_clip,
-        dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref, schedule=schedule, warmup_steps=warmup_steps,
-        total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
-        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
+        lr=lr, weight_decay=weight_decay, optimizer=as_container(lc.optimizer), scheduler=as_container(scheduler),
+        family=model_family(cfg, model_path), zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref,
+        warmup_steps=warmup_steps, total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
         offload_between_phases=lc.offload_between_phases)
+
+
+def model_family(cfg: DictConfig, model_path: str | None) -> str:
+    """`model.family`, with `auto` resolved from the model folder's `model_type` (the tiny model's `arch`
+    when the recipe builds one; causal when the folder is not there to read)."""
+    if cfg.model.family != "auto":
+        return cfg.model.family
+    from models.families import family_for_model_type
+    if cfg.model.path is None:
+        return family_for_model_type(cfg.model.tiny.arch)
+    config = Path(model_path or cfg.model.path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
+    return family_for_model_type(model_type)
 
 
 def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement) -> list[Any]:
@@ -497,21 +509,6 @@ def _gather(refs: list[Any]) -> Batch:
     # a batch mixes the versions of its workers only if they were out of step: keep the oldest
     batch.policy_version = min(p.policy_version for p in parts)
     return batch
-
-
-# Batch fields an estimator may ask for by naming them as keyword parameters (multi-turn/step data).
-BATCH_FIELDS_FOR_ESTIMATORS = ("token_step", "step_rewards", "step_types", "valid", "observation_mask")
-
-
-def batch_fields_for(fn: Any, batch: Batch) -> dict[str, Any]:
-    """The Batch fields that `fn` declares and the batch carries (e.g. MGPO's step map)."""
-    params = inspect.signature(fn).parameters
-    out = {}
-    for name in BATCH_FIELDS_FOR_ESTIMATORS:
-        value = getattr(batch, name)
-        if name in params and value is not None and (not isinstance(value, list) or value):
-            out[name] = value
-    return out
 
 
 def apply_length_shaping(batch: Batch, a: Any, max_new_tokens: int) -> None:

@@ -8,7 +8,7 @@ Conventions shared with the `hf` engine, so that the trainer cannot tell them ap
 - prompts are tokenised by the looprl tokenizer and passed as token ids;
 - a response keeps its EOS token; rows are right-padded with the pad token;
 - `rollout_logp` are the sampled tokens' logprobs of the *processed* distribution (after
-  temperature), which is what the learner computes (`rl.logprobs.response_logprobs`);
+  temperature), which is what the learner computes (`models.families.response_logprobs`);
 - `truncated` marks responses that hit `max_new_tokens` without EOS or a stop string;
 - one seed per sample, derived from the call's seed, so a resumed run samples what an uninterrupted
   one did.

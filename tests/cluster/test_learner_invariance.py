@@ -28,7 +28,8 @@ def setup(tmp_path_factory):
 def _train(path, batch, world_size, grad_accum, zero_stage, agg, loss="ppo_clip", params=None):
     # AdamW with a large epsilon is close to SGD on the first step (update ~ lr * grad), so weight
     # differences measure gradient differences rather than Adam's sign-like normalisation.
-    group = LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), lr=1.0, adam_eps=1.0,
+    group = LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), lr=1.0,
+                         optimizer={"name": "adamw", "params": {"eps": 1.0}},
                          zero_stage=zero_stage,
                          micro_batch_size=max(1, len(batch) // world_size // grad_accum), grad_accum=grad_accum,
                          grad_clip=0.0)

@@ -203,3 +203,19 @@ def test_config_defaults_are_ouro_1_4b():
     c = OuroConfig()
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size, c.vocab_size,
             c.total_ut_steps, c.early_exit_threshold) == (2048, 24, 16, 5632, 49152, 4, 1.0)
+
+
+def test_a_config_without_special_tokens_builds_and_import_models_registers_the_type(tmp_path):
+    tiny = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                total_ut_steps=2)
+    model = OuroForCausalLM(OuroConfig(**tiny))  # no pad_token_id given, as with transformers' own configs
+    assert model.config.pad_token_id is None
+    assert OuroConfig(pad_token_id=3, **tiny).pad_token_id == 3
+    model.save_pretrained(tmp_path)
+    # a fresh interpreter that imports the package only (not models.ouro) reloads it with the Auto classes
+    code = ("import models, sys; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}); print(type(m).__name__)")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "OuroForCausalLM"

@@ -87,3 +87,40 @@ def test_observation_tokens_leave_the_loss():
     b.observation_mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0]])
     apply_length_shaping(b, SimpleNamespace(overlong_buffer=0, overlong_penalty=1.0, mask_truncated=False), 4)
     assert b.response_mask.tolist() == [[1, 0, 0, 1], [1, 1, 1, 1]]
+
+
+def test_extras_follow_select_split_and_concat_with_their_padding_rule():
+    a, b = _batch(2, 3, 4), _batch(2, 5, 2, seed=1)
+    a.set_extra("w", torch.ones(2, 4), pad="right", pad_value=-1)
+    b.set_extra("w", torch.full((2, 2), 2.0), pad="right", pad_value=-1)
+    a.set_extra("p", torch.ones(2, 3, dtype=torch.long), pad="left")
+    b.set_extra("p", torch.ones(2, 5, dtype=torch.long), pad="left")
+    a.set_extra("tag", ["x", "y"])
+    b.set_extra("tag", ["z", "w"])
+    c = Batch.concat([a, b])
+    assert c.extras["w"].value.tolist()[2] == [2.0, 2.0, -1.0, -1.0]  # right-padded with its pad value
+    assert c.extras["p"].value.tolist()[0] == [0, 0, 1, 1, 1]  # left-padded like the prompt
+    assert c.extras["tag"].value == ["x", "y", "z", "w"]
+    parts = c.split(2)
+    assert parts[1].extras["tag"].value == ["z", "w"] and parts[1].extras["w"].value.shape == (2, 4)
+    assert c.select([3, 0]).extras["tag"].value == ["w", "x"]
+
+
+def test_extras_are_checked_and_passed_by_name():
+    b = _batch(4)
+    with pytest.raises(ValueError, match="3 rows for a batch of 4"):
+        b.set_extra("w", torch.ones(3, 4))
+    with pytest.raises(ValueError, match="core Batch field"):
+        b.set_extra("rewards", torch.ones(4))
+    with pytest.raises(ValueError, match="token dimension"):
+        b.set_extra("w", torch.ones(4), pad="right")
+    b.set_extra("w", torch.ones(4))
+    b.token_step = torch.zeros(4, 4, dtype=torch.long)
+
+    def estimator(rewards, group_id, response_mask, *, w, token_step, other=None):
+        return rewards
+
+    assert set(b.named_fields(estimator)) == {"w", "token_step"}
+    b.token_step = None
+    with pytest.raises(ValueError, match=r"extras \['w'\] are set in some"):
+        Batch.concat([b, _batch(2, seed=1)])

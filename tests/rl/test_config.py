@@ -95,6 +95,37 @@ def test_every_recipe_validates(recipe):
     for name, judge in cfg.reward.judges.items():
         check_params("engine", judge.engine, config.as_container(judge.engine_params),
                      f"reward.judges.{name}.engine_params")
+    # advantage, loss (against the model family), optimizer and schedulers, as `looprl run` checks them
+    from rl.pipeline import check_components
+    check_components(cfg, None)
+
+
+def test_a_loss_that_needs_outputs_the_family_lacks_fails_at_start_up():
+    from rl.pipeline import check_components
+    cfg = config.load(ROOT / "recipes/rltt_tiny.yaml", ["model.family=causal"])
+    with pytest.raises(ValueError, match=r"loss 'rltt' needs \['loop_logp'\].*family 'causal'"):
+        check_components(cfg, None)
+    check_components(config.load(ROOT / "recipes/rltt_tiny.yaml"), None)  # auto: the tiny ouro arch is looped
+
+
+@pytest.mark.parametrize("override,match", [
+    ("learner.optimizer.params.betaz=[0.9,0.99]", "learner.optimizer.params.betaz: optimizer 'adamw' has no parameter"),
+    ("learner.optimizer.name=lion", "unknown optimizer 'lion'"),
+    ("learner.scheduler.params.min_lr_ratio=0.2", "constant' has no parameter 'min_lr_ratio'"),
+    ("learner.optimizer={name: mezo, params: {eps: 0.001}}", None),
+])
+def test_optimizer_and_scheduler_components_are_checked(override, match):
+    from rl.pipeline import check_components
+    overrides = [override, "learner.zero_stage=1"] if "mezo" in override else [override]
+    cfg = config.load(ROOT / "recipes/quickstart.yaml", overrides)
+    with pytest.raises(Exception, match=match or "forward-only.*zero_stage 0"):
+        check_components(cfg, None)
+
+
+def test_a_moved_key_names_its_new_place(tmp_path):
+    p = _write(tmp_path, "learner:\n  betas: [0.9, 0.95]\n")
+    with pytest.raises(ConfigError, match="'learner.betas' is now 'learner.optimizer.params.betas'"):
+        config.load(p)
 
 
 def test_a_tensor_parallel_judge_needs_as_many_gpus(tmp_path):

@@ -309,9 +309,9 @@ def test_soft_overlong_penalty_ramp():
 
 
 def test_entropy_is_a_metric_unless_the_bonus_needs_its_gradient():
+    from models.families import response_logprobs
     from models.tiny import build_tiny_model, build_tiny_tokenizer
     from rl.batch import Batch
-    from rl.logprobs import response_logprobs
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
     b = Batch(prompt_ids=torch.tensor([[7, 8]]), prompt_mask=torch.ones(1, 2, dtype=torch.long),

@@ -132,8 +132,17 @@ def test_gradients_by_loop_and_into_the_gate():
     assert gate.weight.grad is None or float(gate.weight.grad.abs().sum()) == 0.0
 
 
-def test_registered_and_marked_for_the_loop_forward():
-    assert get("loss", "rltt") is rltt_loss and rltt_loss.needs_loop_logprobs
+def test_registered_and_declares_its_learned_loop_logits():
+    assert get("loss", "rltt") is rltt_loss
+    outputs = {"loop_logp": torch.zeros(2, 3, 4)}
+    assert rltt_loss.trainable_parameters(outputs, loop_weighting="exit_pdf") == {}
+    declared = rltt_loss.trainable_parameters(outputs, loop_weighting="learned", learned_init="progressive",
+                                              learned_lr_scale=5.0)
+    p = declared["learned_logits"]
+    assert p.lr_scale == 5.0 and p.init.shape == (4,) and float(p.init.sum()) == pytest.approx(0.0, abs=1e-6)
+    assert torch.softmax(p.init, -1).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    with pytest.raises(ValueError, match="learned_init"):
+        rltt_loss.trainable_parameters(outputs, loop_weighting="learned", learned_init="ramp")
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "exit_pdf", "last"])

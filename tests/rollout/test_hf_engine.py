@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from models.families import response_logprobs
 from models.tiny import save_tiny
-from rl.logprobs import response_logprobs
 from rollout.hf_engine import HFEngine, SamplingParams
 
 

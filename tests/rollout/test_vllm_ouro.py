@@ -22,7 +22,7 @@ def _compare(model_path: str, other_path: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl.logprobs import response_logprobs
+    from models.families import response_logprobs
     from rollout.hf_engine import HFEngine, SamplingParams
     from rollout.vllm_engine import VLLMEngine
     hf, v = HFEngine(model_path), VLLMEngine(model_path, dtype="float32", max_model_len=128)

@@ -1,0 +1,106 @@
+"""The learner runs a family's forward and an injected loss: optimizers named in the recipe (a forward-only
+MeZO among them), batch extras reaching a loss, on real DeepSpeed engines in Ray actors (gloo on CPU)."""
+
+import pytest
+import torch
+
+from cluster.learner import LearnerGroup
+from cluster.ray_utils import actor_env
+from models.tiny import save_tiny
+from rl.advantages import compute_grpo_advantages
+from rl.sft import make_sft_batch
+from rollout.hf_engine import HFEngine, SamplingParams, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=2, num_heads=2,
+                         intermediate_size=64))
+
+
+def _sft_batch(path, n=16):
+    tok = load_tokenizer(path)
+    prompts = [f"{a}+{b}*{c}=" for a, b, c in zip(range(1, n + 1), range(2, n + 2), range(3, n + 3))]
+    return make_sft_batch(tok, prompts, [f"{b}*{c}={b * c}" for b, c in zip(range(2, n + 2), range(3, n + 3))])
+
+
+def _nll(group, batch):
+    logp = group.compute_logprobs(batch)
+    return float(-(logp * batch.response_mask).sum() / batch.response_mask.sum())
+
+
+def _group(path, world_size, grad_accum, batch, **kw):
+    return LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), grad_accum=grad_accum,
+                        micro_batch_size=len(batch) // world_size // grad_accum, grad_clip=0.0, **kw)
+
+
+MEZO = {"name": "mezo", "params": {"eps": 1e-3, "seed": 3}}
+
+
+@pytest.mark.slow
+def test_mezo_lowers_the_sft_loss_with_no_backward_pass_and_two_ranks_take_the_same_step(ray_cluster, tiny):
+    batch = _sft_batch(tiny)
+    one = _group(tiny, 1, 2, batch, lr=5e-3, optimizer=MEZO)
+    try:
+        before = _nll(one, batch)
+        history = [one.sft_step(batch, 2) for _ in range(30)]
+        after = _nll(one, batch)
+        counters = one.counters()
+        one_state = one.full_state_dict()
+    finally:
+        one.shutdown()
+    assert counters == [{"backward_passes": 0}]
+    assert after < before - 0.05, (before, after)
+    assert all(h["grad_norm"] != h["grad_norm"] for h in history)  # NaN: no gradient exists
+
+    two = _group(tiny, 2, 1, batch, lr=5e-3, optimizer=MEZO)
+    try:
+        for _ in range(30):
+            two.sft_step(batch, 1)
+        two_state = two.full_state_dict()
+        assert two.counters() == [{"backward_passes": 0}] * 2
+    finally:
+        two.shutdown()
+    for k, v in one_state.items():
+        assert torch.allclose(two_state[k], v, atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_mezo_needs_zero_stage_0(ray_cluster, tiny):
+    batch = _sft_batch(tiny)
+    with pytest.raises(Exception, match="forward-only.*zero_stage 0"):
+        _group(tiny, 1, 1, batch, lr=1e-3, optimizer=MEZO, zero_stage=1)
+
+
+def weighted_pg_loss(logp, old_logp, advantages, response_mask, *, token_weight, num_tokens, **_):
+    """A policy-gradient loss that reads a per-token batch extra."""
+    return -(token_weight * advantages * logp * response_mask).sum() / num_tokens, {}
+
+
+@pytest.mark.slow
+def test_a_batch_extra_reaches_the_loss_and_splits_across_ranks_and_micro_batches(ray_cluster, tiny):
+    eng = HFEngine(tiny)
+    batch = eng.generate(["12+3*4=", "5+6*7="], SamplingParams(n=4, max_new_tokens=10, seed=5))
+    batch.advantages = compute_grpo_advantages(torch.tensor([1.0, 0, 0, 1, 0, 0, 1, 1]), batch.group_id,
+                                               batch.response_mask)
+    weight = torch.linspace(0.0, 2.0, batch.response_ids.shape[1]).expand(len(batch), -1).contiguous()
+    batch.set_extra("token_weight", weight, pad="right")
+    spec = f"{__file__}:weighted_pg_loss"
+
+    def train(world_size, grad_accum, b):
+        group = _group(tiny, world_size, grad_accum, b, lr=1.0, optimizer={"name": "adamw", "params": {"eps": 1.0}})
+        try:
+            m = group.train_step(b, grad_accum, spec, {})
+            return m, group.full_state_dict()
+        finally:
+            group.shutdown()
+
+    ref_m, ref_state = train(1, 1, batch)
+    m, state = train(2, 2, batch)
+    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
+    for k, v in ref_state.items():
+        assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), k
+    flat = batch.select(list(range(len(batch))))
+    flat.set_extra("token_weight", torch.ones_like(weight), pad="right")
+    flat_m, _ = train(1, 1, flat)
+    assert flat_m["loss"] != pytest.approx(ref_m["loss"], abs=1e-4)  # the extra changed the loss

@@ -21,7 +21,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rl import config
     cfg = config.load(args.recipe, args.overrides)
     from rl.pipeline import run
-    summary = run(cfg)
+    summary = run(cfg, only_stage=args.stage)
     keys = ("accuracy_before_rl", "accuracy_after_rl", "reward/mean", "steps", "wall_s")
     print("looprl summary: " + ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else
                                          f"{k}={summary[k]}" for k in keys if k in summary))
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a recipe: looprl run recipes/quickstart.yaml key=value ...")
     r.add_argument("recipe")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5 learner.lr=1e-5")
+    r.add_argument("--stage", default=None, help="run only this stage, from the artifacts of the stages before it "
+                                                 "already in output_dir")
     r.set_defaults(fn=cmd_run)
     sj = sub.add_parser("submit", help="submit a recipe to a running Ray cluster (job API), stream its logs")
     sj.add_argument("recipe")

@@ -211,6 +211,16 @@ class LoggingConfig:
 
 
 @dataclass
+class StageConfig:
+    name: str  # stage (registry kind "stage"): model | data | sft | rl | export | evaluate, 'package.module:Cls' or 'path/to/file.py:Cls'
+    params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the stage class
+    label: str | None = None  # the stage's name in this run (records, --stage, summary); default: name
+
+
+DEFAULT_STAGES = ("model", "data", "sft", "rl", "export", "evaluate")
+
+
+@dataclass
 class Config:
     output_dir: str = "runs/default"  # where metrics, checkpoints and exports go
     seed: int = 0  # global seed (data order, sampling, init)
@@ -225,6 +235,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # loop length, eval, checkpoints
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # Ray and placement
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # logs and trackers
+    stages: list[StageConfig] = field(default_factory=lambda: [StageConfig(n) for n in DEFAULT_STAGES])  # the steps of the run, in order; a stage reuses its artifacts while its params, recipe keys and inputs are unchanged
 
 
 # ---------------------------------------------------------------------------- validation
@@ -425,6 +436,9 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
+    labels = [s.label or s.name for s in cfg.stages]
+    need(len(set(labels)) == len(labels), "stages",
+         f"{sorted({x for x in labels if labels.count(x) > 1})} appear more than once: give each a distinct label")
     need(any(not f.eval_only for f in cfg.reward.functions), "reward.functions",
          "at least one function must not be eval_only (the training reward)")
     keys = [f.label or f.remote or f.name for f in cfg.reward.functions]

@@ -1,12 +1,15 @@
-"""The stage pipeline of one recipe: model → data → (SFT warm-up) → RL → evaluation → export.
+"""The built-in stages of a recipe and the run that drives them: model → data → sft → rl → export → evaluate
+(the default `stages:` list; see `rl/stages.py` for the contract, fingerprints and reuse).
 
-Each stage reads and writes artifacts by path inside `output_dir`, so a re-run (or `resume=auto`)
-skips what is already complete.
+Stage artifacts: `model` publishes `policy` (and `base_model`), `data` the `train`/`eval`/`sft` data files,
+`sft` the warmed-up `policy`, `rl` its final `checkpoint`, `export` the trained `policy` (`hf_model/`).
+A user stage placed among them replaces what it publishes for the stages after it (e.g. a data-selection
+stage's `train`). `export` comes before `evaluate` so that an evaluation re-run after a reused RL stage
+can load the exported policy; both read the same weights, so the order changes no figure.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -25,10 +28,11 @@ from rewards.service import RewardService, RewardSpec
 from rl.config import as_container, to_yaml
 from rl.data import format_prompt, load_rows
 from rl.evaluate import evaluate
-from rl.registry import check_params
+from rl.registry import check_params, register
 from rl.sft import run_sft
+from rl.stages import Stage, StageContext, StageError, fingerprint, run_stages
 from rl.tracking import MetricsLogger
-from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, model_family
+from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, make_rollout_workers, model_family
 from rollout.hf_engine import load_tokenizer
 
 
@@ -52,18 +56,6 @@ def prepare_model(cfg: DictConfig, out: Path) -> str:
 
 
 ARTIFACT_MARKER = "LOOPRL_ARTIFACT"
-
-
-def fingerprint(*parts: Any) -> str:
-    """Stable hash of the config parts an artifact was built from."""
-    blob = json.dumps([as_container(p) for p in parts], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def fingerprint_file(model_dir: str) -> str:
-    """Identity of a model folder: its marker when looprl built it, else its path."""
-    marker = Path(model_dir) / ARTIFACT_MARKER
-    return marker.read_text().strip() if marker.exists() else str(Path(model_dir).resolve())
 
 
 def _artifact_matches(path: Path, key: str) -> bool:
@@ -140,72 +132,106 @@ def _say(msg: str) -> None:
     print(f"[looprl] {msg}", file=sys.stderr, flush=True)
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Run every stage of the recipe and return the summary (also written to summary.json)."""
-    t_run = time.perf_counter()
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    seed_everything(cfg.seed)
+class Runtime:
+    """What the driver stages share: Ray, the reward service, the placement of the learner and rollout
+    actors (made on first use, so that stages before SFT have the whole cluster), the live RL trainer."""
 
-    model_path = prepare_model(cfg, out)
-    tokenizer = load_tokenizer(model_path)
-    paths = prepare_data(cfg, out)
-    d = cfg.data
-    train_rows = load_rows(paths["train"], [d.prompt_column, d.answer_column], "data.train_path")
-    eval_rows = load_rows(paths["eval"], [d.prompt_column, d.answer_column], "data.eval_path") \
-        if paths["eval"] else []
-    sft_rows = load_rows(paths["sft"], [d.prompt_column, d.target_column], "data.sft_path") \
-        if cfg.sft.enabled else []
+    def __init__(self, cfg: DictConfig, specs: list[RewardSpec]):
+        self.cfg = cfg
+        mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
+        _say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
+        self.reward_service = ray.remote(RewardService).options(
+            num_cpus=0, runtime_env={"env_vars": actor_env()}).remote(
+            specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+            failure_reward=cfg.reward.failure_reward)
+        self._placement = None
+        self.trainer: RLTrainer | None = None
+        self.judges: dict[str, Any] = {}
 
-    ckpt = None
-    if cfg.resume == "auto":
-        ckpt = latest_checkpoint(out)
-    elif cfg.resume != "no":
-        ckpt = Path(cfg.resume)
+    @property
+    def placement(self) -> Any:
+        if self._placement is None:
+            cfg, lc = self.cfg, self.cfg.learner
+            use_gpu = torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0
+            self._placement = make_placement(
+                lc.world_size, cfg.rollout.num_workers, lc.num_cpus, cfg.rollout.num_cpus, cfg.cluster.placement,
+                cfg.cluster.placement_strategy, use_gpu=use_gpu,
+                learner_resources=as_container(cfg.cluster.learner_resources),
+                rollout_resources=as_container(cfg.cluster.rollout_resources))
+        return self._placement
 
-    check_components(cfg, model_path)
-    check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
-                 supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
-    for name, judge in cfg.reward.judges.items():
-        check_params("engine", judge.engine, as_container(judge.engine_params), f"reward.judges.{name}.engine_params",
-                     supplied=("model_path", "dtype", "device"))
-    specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params), f.label, f.eval_only)
-             for f in cfg.reward.functions]
-    RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
-    from rewards.remote import check_health, is_remote
-    for spec in specs:
-        if is_remote(spec.name):
-            check_health(spec.name)
-    mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
-    _say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
-    reward_service = ray.remote(RewardService).options(
-        num_cpus=0, runtime_env={"env_vars": actor_env()}).remote(
-        specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-        failure_reward=cfg.reward.failure_reward)
-    use_gpu = torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0
-    lc = cfg.learner
-    placement = make_placement(lc.world_size, cfg.rollout.num_workers, lc.num_cpus, cfg.rollout.num_cpus,
-                               cfg.cluster.placement, cfg.cluster.placement_strategy, use_gpu=use_gpu,
-                               learner_resources=as_container(cfg.cluster.learner_resources),
-                               rollout_resources=as_container(cfg.cluster.rollout_resources))
-    summary: dict[str, Any] = {}
-    trainer = None
-    try:
-        policy_path = model_path
-        if cfg.sft.enabled:
-            policy_path = str(out / "sft_model")
-            key = fingerprint(cfg.seed, cfg.model, cfg.sft, cfg.data, cfg.learner.world_size, cfg.learner.zero_stage,
-                              cfg.learner.micro_batch_size, cfg.learner.grad_clip, fingerprint_file(model_path))
-            if not _artifact_matches(Path(policy_path), key):
-                shutil.rmtree(policy_path, ignore_errors=True)
-                summary.update(_sft_stage(cfg, model_path, policy_path, tokenizer, sft_rows, placement))
-                _mark_artifact(Path(policy_path), key)
-            else:
-                _say(f"sft: reusing {policy_path} (built from the same recipe)")
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+        ray.kill(self.reward_service)
+        if self._placement is not None:
+            self._placement.remove()
 
-        judges = _start_judges(cfg, policy_path, reward_service, summary)
-        trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, placement, reward_service)
+
+def _rows(ctx: StageContext, split: str, columns: list[str]) -> list[dict]:
+    path = ctx.artifact(split)
+    return load_rows(path, columns, f"data.{split}_path") if path else []
+
+
+@register("stage", "model")
+class ModelStage(Stage):
+    """The base model folder: `model.path`, or a tiny model and tokenizer built in code."""
+    config_keys = ("seed", "model.path", "model.tiny")
+    runs_in_driver = True
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        path = prepare_model(ctx.cfg, ctx.output_dir)
+        return {"base_model": path, "policy": path}
+
+
+@register("stage", "data")
+class DataStage(Stage):
+    """The sft/train/eval data files; the embedded synthetic task fills what the recipe leaves null."""
+    config_keys = ("data", "sft.enabled")
+    runs_in_driver = True
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        return {k: v for k, v in prepare_data(ctx.cfg, ctx.output_dir).items() if v}
+
+
+@register("stage", "sft")
+class SFTStage(Stage):
+    """Supervised warm-up of the policy on the learner group (`sft`; nothing when `sft.enabled` is false)."""
+    config_keys = ("seed", "model", "sft", "data", "learner.world_size", "learner.zero_stage",
+                   "learner.micro_batch_size", "learner.grad_clip", "learner.optimizer")
+    runs_in_driver = True
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        cfg = ctx.cfg
+        if not cfg.sft.enabled:
+            return {}
+        d = cfg.data
+        rows = _rows(ctx, "sft", [d.prompt_column, d.target_column])
+        base = ctx.require("policy")
+        out_path = str(ctx.output_dir / "sft_model")
+        shutil.rmtree(out_path, ignore_errors=True)
+        ctx.summary.update(_sft_stage(cfg, base, out_path, load_tokenizer(base), rows, ctx.runtime.placement))
+        return {"policy": out_path}
+
+
+@register("stage", "rl")
+class RLStage(Stage):
+    """The RL loop (`rl.trainer`): held-out evaluation before it, checkpoints, `resume`. The trainer stays
+    alive for the stages after it (export, evaluate)."""
+    runs_in_driver = True
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        cfg, rt, out = ctx.cfg, ctx.runtime, ctx.output_dir
+        d, tc = cfg.data, cfg.trainer
+        train_path = ctx.require("train")
+        train_rows = load_rows(train_path, [d.prompt_column, d.answer_column], "data.train_path")
+        ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
+        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column])
+        policy_path = ctx.require("policy")
+        ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
+        tokenizer = load_tokenizer(ctx.require("base_model"))
+        rt.judges = _start_judges(cfg, policy_path, rt.reward_service, ctx.summary)
+        trainer = rt.trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, rt.placement, rt.reward_service)
         before_path = out / "eval_before.json"
         if ckpt is None:  # a fresh run: no metrics from an earlier run in this folder
             (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -216,14 +242,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if eval_rows and before_path.exists() and ckpt is not None:
             before = json.loads(before_path.read_text())
         elif eval_rows:
-            before = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
+            before = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
             before_path.write_text(json.dumps(before))
         else:
             before = None
         if before is not None:
             _say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({int(before['num_prompts'])} prompts)")
+            ctx.summary["accuracy_before_rl"] = before["accuracy"]
+            ctx.summary["heldout_rewards_before_rl"] = before.get("components", {})
 
-        tc = cfg.trainer
         logger = MetricsLogger(out, tc.steps, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
                                config=as_container(cfg), start_step=trainer.step_idx)
@@ -240,7 +267,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     raise LearnerDied(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
                 step = trainer.step_idx
                 if eval_rows and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                    ev = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
+                    ev = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
                     metrics["eval/accuracy"] = ev["accuracy"]
                     metrics.update({f"eval/reward/{k}": v for k, v in ev["components"].items()})
                 logger.log(step, metrics)
@@ -250,33 +277,109 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         finally:
             logger.close()
         rl_s = time.perf_counter() - t_rl
+        final = out / "checkpoints" / f"step_{trainer.step_idx}"
         if not tc.checkpoint_every or trainer.step_idx % tc.checkpoint_every:
-            trainer.save_checkpoint()
-        summary.update({k: v for k, v in last.items()})
-        summary["steps"] = trainer.step_idx
-        summary["rl_wall_s"] = rl_s
-        summary["peak_rss_gib"] = trainer.peak_memory()
-        summary["actor_nodes"] = trainer.actor_nodes()
-        if eval_rows:
-            after = evaluate(trainer.rollout, reward_service, tokenizer, cfg, eval_rows)
-            summary["accuracy_before_rl"] = before["accuracy"]
-            summary["accuracy_after_rl"] = after["accuracy"]
-            summary["heldout_rewards_before_rl"] = before.get("components", {})
-            summary["heldout_rewards_after_rl"] = after["components"]
-            summary["eval_examples_after_rl"] = after["examples"]
-            _say(f"held-out accuracy: before RL {before['accuracy']:.3f} -> after RL {after['accuracy']:.3f}")
-        if tc.save_hf:
-            hf_dir = out / "hf_model"
-            trainer.learners.save_hf(str(hf_dir), tokenizer_path=model_path)
-            summary["hf_model"] = str(hf_dir)
-        for name, client in judges.items():  # a judge never receives weights: show it
+            final = trainer.save_checkpoint()
+        ctx.summary.update(last)
+        ctx.summary.update(steps=trainer.step_idx, rl_wall_s=rl_s, peak_rss_gib=trainer.peak_memory(),
+                           actor_nodes=trainer.actor_nodes())
+        return {"checkpoint": str(final)}
+
+
+def _learners_with_rl_weights(ctx: StageContext) -> Any:
+    """The live trainer's learners, or (RL reused from an earlier run) a learner group loaded from its checkpoint."""
+    if ctx.runtime.trainer is not None:
+        return ctx.runtime.trainer.learners, False
+    cfg = ctx.cfg
+    group = make_learner_group(cfg, ctx.require("policy"), ctx.runtime.placement, lr=cfg.learner.lr,
+                               weight_decay=cfg.learner.weight_decay, micro_batch_size=cfg.learner.micro_batch_size,
+                               grad_accum=1, scheduler=cfg.learner.scheduler, warmup_steps=0, total_steps=1)
+    group.load_checkpoint(ctx.require("checkpoint"))
+    return group, True
+
+
+@register("stage", "export")
+class ExportStage(Stage):
+    """`save_pretrained` export of the trained policy to `output_dir/hf_model` (when `trainer.save_hf`)."""
+    config_keys = ("trainer.save_hf",)
+    runs_in_driver = True
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        if not ctx.cfg.trainer.save_hf or ctx.artifact("checkpoint") is None:
+            return {}
+        learners, own = _learners_with_rl_weights(ctx)
+        hf_dir = ctx.output_dir / "hf_model"
+        try:
+            learners.save_hf(str(hf_dir), tokenizer_path=ctx.require("base_model"))
+        finally:
+            if own:
+                learners.shutdown()
+        ctx.summary["hf_model"] = str(hf_dir)
+        return {"policy": str(hf_dir)}
+
+
+@register("stage", "evaluate")
+class EvaluateStage(Stage):
+    """Held-out evaluation of the trained policy (`data.eval_path`; greedy at `rollout.eval_temperature`,
+    `trainer.eval_max_prompts` prompts), scored by every reward function including eval_only judges."""
+    config_keys = ("data", "rollout", "trainer.eval_max_prompts", "reward")
+    runs_in_driver = True
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        cfg, rt = ctx.cfg, ctx.runtime
+        d = cfg.data
+        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column])
+        if not eval_rows:
+            return {}
+        workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)
+        if own:  # RL was reused: evaluate its exported policy
+            if ctx.artifact("checkpoint") is not None and not cfg.trainer.save_hf:
+                raise StageError("stage 'evaluate' needs the RL policy: set trainer.save_hf (export) or re-run rl")
+            workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
+        try:
+            after = evaluate(workers, rt.reward_service, load_tokenizer(ctx.require("base_model")), cfg, eval_rows)
+        finally:
+            if own:
+                for w in workers:
+                    ray.kill(w)
+        ctx.summary.update(accuracy_after_rl=after["accuracy"], heldout_rewards_after_rl=after["components"],
+                           eval_examples_after_rl=after["examples"])
+        record = ctx.output_dir / "eval_after.json"
+        record.write_text(json.dumps(after))
+        before = ctx.output_dir / "eval_before.json"
+        before_acc = f"before RL {json.loads(before.read_text())['accuracy']:.3f} -> " if before.exists() else ""
+        _say(f"held-out accuracy: {before_acc}after RL {after['accuracy']:.3f}")
+        return {"report": str(record)}
+
+
+def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
+    """Run the recipe's stages (or only `only_stage`) and return the summary (also written to summary.json)."""
+    t_run = time.perf_counter()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    seed_everything(cfg.seed)
+    check_components(cfg, cfg.model.path)
+    check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
+                 supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
+    for name, judge in cfg.reward.judges.items():
+        check_params("engine", judge.engine, as_container(judge.engine_params), f"reward.judges.{name}.engine_params",
+                     supplied=("model_path", "dtype", "device"))
+    specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params), f.label, f.eval_only)
+             for f in cfg.reward.functions]
+    RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
+    from rewards.remote import check_health, is_remote
+    for spec in specs:
+        if is_remote(spec.name):
+            check_health(spec.name)
+    runtime = Runtime(cfg, specs)
+    try:
+        summary = run_stages(cfg, runtime, only=only_stage)
+        for name, client in runtime.judges.items():  # a judge never receives weights: show it
             if name in summary.get("judges", {}):
                 summary["judges"][name]["weights_sha256_end"] = client.weights_sha256()
     finally:
-        if trainer is not None:
-            trainer.close()
-        ray.kill(reward_service)
-        placement.remove()
+        runtime.close()
     summary["wall_s"] = time.perf_counter() - t_run
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

@@ -29,6 +29,7 @@ _BUILTIN_MODULES = {
     "reward": ["rewards.math", "rewards.factuality", "rewards.rubric"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
     "optimizer": ["rl.optim"],
+    "stage": ["rl.pipeline"],
     "scheduler": ["rl.optim"],
 }
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only

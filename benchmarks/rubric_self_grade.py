@@ -30,7 +30,8 @@ def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str
 
     from rewards.rubric import parse_grades
     from rl.synthetic_plans import write_plans_task
-    from rollout.hf_engine import HFEngine, SamplingParams
+    from rollout.base import SamplingParams
+    from rollout.hf_engine import HFEngine
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_plans_task(tmp, num_sft=4 * num, num_train=1, num_eval=1, grader_fraction=1.0, seed=seed)
         rows = [json.loads(x) for x in open(paths["sft"])][:num]
@@ -52,7 +53,8 @@ def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str
 def heldout_rule_score(model: Path, eval_path: Path) -> float:
     """Greedy plans for the held-out goals, scored by the rule (what the self-grade stands for)."""
     from rl.synthetic_plans import plan_rubric_check
-    from rollout.hf_engine import HFEngine, SamplingParams
+    from rollout.base import SamplingParams
+    from rollout.hf_engine import HFEngine
     rows = [json.loads(x) for x in open(eval_path)]
     said = HFEngine(str(model)).generate([r["prompt"] for r in rows],
                                          SamplingParams(temperature=0.0, max_new_tokens=80)).responses

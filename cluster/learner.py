@@ -468,7 +468,7 @@ class LearnerWorker(ActorProbes):
         if self.rank == 0:
             self.engine.module.save_pretrained(path, state_dict=sd)
             if tokenizer_path:
-                from rollout.hf_engine import load_tokenizer
+                from rollout.base import load_tokenizer
                 load_tokenizer(tokenizer_path).save_pretrained(path)
 
     def shutdown(self) -> None:

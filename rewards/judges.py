@@ -32,7 +32,7 @@ class JudgeWorker:
 
     def generate(self, prompts: list[str], sampling: dict[str, Any]) -> list[str]:
         from rl.data import format_prompt
-        from rollout.hf_engine import SamplingParams
+        from rollout.base import SamplingParams
         prompts = [format_prompt(p, self.engine.tokenizer, chat_template=self.chat_template) for p in prompts]
         return list(self.engine.generate(prompts, SamplingParams(n=1, **sampling)).responses)
 

@@ -95,6 +95,10 @@ class RolloutConfig:
     max_new_tokens: int = 32  # response length cap
     stop: list[str] = field(default_factory=list)  # stop strings: a response ends after the first one it produces
     eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
+    decoding: str | None = None  # decoding method of RL rollouts (registry kind "decoding"; hf engine): null = transformers generate | plain (looprl's own decode loop, no hooks) | a plugin with hooks
+    decoding_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the decoding method
+    eval_decoding: str | None = None  # decoding method of held-out evaluation (as rollout.decoding; null = transformers generate)
+    eval_decoding_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the evaluation decoding method
     generation_batch_size: int = 256  # prompts*n per generate call inside a worker
     num_cpus: float = 0.5  # CPUs reserved per worker in the placement group
     # NCCL cannot join two ranks on one GPU, hence cuda_ipc for colocated GPU roles
@@ -436,6 +440,8 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
+    need((cfg.rollout.decoding is None and cfg.rollout.eval_decoding is None) or cfg.rollout.engine != "vllm",
+         "rollout.decoding", "decoding methods hook into the hf engine's decode loop: set rollout.engine: hf")
     labels = [s.label or s.name for s in cfg.stages]
     need(len(set(labels)) == len(labels), "stages",
          f"{sorted({x for x in labels if labels.count(x) > 1})} appear more than once: give each a distinct label")

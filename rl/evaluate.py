@@ -16,7 +16,7 @@ def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictC
     and the mean of every reward function's score and components (`components`)."""
     rows = rows[: cfg.trainer.eval_max_prompts]
     batch = generate(workers, tokenizer, cfg, rows, temperature=cfg.rollout.eval_temperature, n=1,
-                     seed=seed, group_base=0)
+                     seed=seed, group_base=0, evaluation=True)
     scored = ray.get(reward_service.score.remote(reward_items(batch), evaluation=True))
     scores = [s["score"] for s in scored]
     # every function's score and components (weight-0 and eval_only held-out judges included)

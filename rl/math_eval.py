@@ -92,7 +92,7 @@ class MathEvaluator:
 
     def run(self, *, temperature: float, top_p: float, seed: int, exit_at_step: int | None = None) -> np.ndarray:
         """Score of every problem for one run, `[problems]`."""
-        from rollout.hf_engine import SamplingParams
+        from rollout.base import SamplingParams
         sp = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_new_tokens=self.cfg.max_new_tokens,
                             seed=seed, exit_at_step=exit_at_step)
         batch = self.engine.generate(self.prompts, sp, ground_truth=self.answers)

@@ -33,7 +33,7 @@ from rl.sft import run_sft
 from rl.stages import Stage, StageContext, StageError, fingerprint, run_stages
 from rl.tracking import MetricsLogger
 from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, make_rollout_workers, model_family
-from rollout.hf_engine import load_tokenizer
+from rollout.base import load_tokenizer
 
 
 def prepare_model(cfg: DictConfig, out: Path) -> str:
@@ -97,7 +97,7 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
 
 def check_components(cfg: DictConfig, model_path: str) -> None:
     """Resolve every named component of the recipe and check its parameters before any actor starts:
-    advantage, loss (its inputs against the model family's outputs), optimizer, schedulers."""
+    advantage, loss (its inputs against the model family's outputs), optimizer, decoding methods, schedulers."""
     from rl.batch import NAMED_FIELDS
     from rl.losses import LOSS_INPUTS
     from rl.registry import get, required_parameters
@@ -118,6 +118,10 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if getattr(get("optimizer", lc.optimizer.name), "forward_only", False) and lc.zero_stage != 0:
         raise ValueError(f"learner.optimizer {lc.optimizer.name!r} is forward-only (it perturbs the full weights on "
                          f"every rank): it needs learner.zero_stage 0, got {lc.zero_stage}")
+    for key, name, params in (("rollout.decoding", cfg.rollout.decoding, cfg.rollout.decoding_params),
+                              ("rollout.eval_decoding", cfg.rollout.eval_decoding, cfg.rollout.eval_decoding_params)):
+        if name is not None:
+            check_params("decoding", name, as_container(params), f"{key}_params")
     for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
         check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
                      supplied=("optimizer", "warmup_steps", "total_steps"))

@@ -30,6 +30,7 @@ _BUILTIN_MODULES = {
     "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline"],
+    "decoding": ["rollout.decoding"],
     "scheduler": ["rl.optim"],
 }
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only

@@ -475,10 +475,11 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
 
 
 def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *,
-                      temperature: float, n: int, seed: int, group_base: int = 0) -> list[Any]:
+                      temperature: float, n: int, seed: int, group_base: int = 0, evaluation: bool = False) -> list[Any]:
     """Spread prompts over the rollout workers without waiting; returns the workers' ObjectRefs
     (`Batch.concat(ray.get(refs))` is the prompt-major batch). Each worker runs its calls in order, so
-    a generation submitted before a weight update samples from the weights before it."""
+    a generation submitted before a weight update samples from the weights before it. `evaluation` picks
+    the recipe's evaluation decoding method instead of the rollout one."""
     d = cfg.data
     prompts = [format_prompt(r[d.prompt_column], tokenizer, d.prompt_prefix, d.chat_template) for r in rows]
     answers = [r.get(d.answer_column) for r in rows]
@@ -490,6 +491,10 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
         sampling = {"n": n, "temperature": temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
                     "max_new_tokens": cfg.rollout.max_new_tokens, "seed": seed * 131 + w,
                     "stop": list(cfg.rollout.stop) or None}
+        r = cfg.rollout
+        decoding, params = (r.eval_decoding, r.eval_decoding_params) if evaluation else (r.decoding, r.decoding_params)
+        if decoding is not None:
+            sampling.update(decoding=decoding, decoding_params=as_container(params))
         futures.append(workers[w].generate.remote(
             prompts[lo:hi], sampling, list(range(group_base + lo, group_base + hi)), answers[lo:hi],
             [{"row": group_base + i} for i in range(lo, hi)]))
@@ -497,10 +502,10 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
 
 
 def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *, temperature: float,
-             n: int, seed: int, group_base: int = 0) -> Batch:
+             n: int, seed: int, group_base: int = 0, evaluation: bool = False) -> Batch:
     """Spread prompts over the rollout workers; returns one Batch (prompt-major rows)."""
     return _gather(submit_generation(workers, tokenizer, cfg, rows, temperature=temperature, n=n, seed=seed,
-                                     group_base=group_base))
+                                     group_base=group_base, evaluation=evaluation))
 
 
 def _gather(refs: list[Any]) -> Batch:

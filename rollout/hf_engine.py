@@ -9,60 +9,14 @@ top-p), which for temperature 1 and no truncation equals the raw model distribut
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
 from rl.batch import Batch
 from rl.registry import register
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class SamplingParams:
-    n: int = 1  # samples per prompt
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 32
-    seed: int | None = None
-    stop: list[str] | None = None  # stop strings: a response ends after the first one it produces
-    exit_at_step: int | None = None  # looped models (Ouro): read out after this loop, 1-based (None: the model's default)
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """The tokenizer saved with a model folder, left-padded for generation."""
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (ValueError, OSError, KeyError):
-        tok = PreTrainedTokenizerFast.from_pretrained(path)
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def encode_prompts(tok: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
-    """Left-padded prompt ids and mask. An empty prompt is given the BOS token (EOS without one): vLLM
-    rejects empty prompts, and a judge may well be asked about an empty response; both engines do the
-    same so that their batches agree."""
-    start = tok.bos_token or tok.eos_token
-    return tok([p if p else start for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
-
-
-def attach_prompt_fields(batch: Batch, prompts: list[str], n: int, group_ids: list[int] | None,
-                        ground_truth: list[Any] | None, metadata: list[dict] | None) -> Batch:
-    """Give each of the `n` rows per prompt (prompt-major) its prompt's text, group id, ground truth and
-    metadata; shared by the engines so their batches carry the same fields."""
-    group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
-    batch.group_id = torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long)
-    batch.prompts = [p for p in prompts for _ in range(n)]
-    batch.ground_truth = [g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)]
-    batch.metadata = [dict(m) for m in (metadata or [{} for _ in prompts]) for _ in range(n)]
-    return batch
+from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_prompts, load_tokenizer
 
 
 @register("engine", "hf")
@@ -75,6 +29,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
         self.batch_size = batch_size
+        self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
@@ -90,9 +45,21 @@ class HFEngine:
             chunks.append(self._generate_chunk(rows_prompt[start:start + self.batch_size], sampling))
         return attach_prompt_fields(Batch.concat(chunks), prompts, n, group_ids, ground_truth, metadata)
 
+    def decoding_method(self, name: str, params: dict[str, Any] | None) -> Any:
+        """The decoding method `name` built with `params` (kept for later calls with the same choice)."""
+        import json
+
+        from rl.registry import get
+        key = json.dumps([name, params or {}], sort_keys=True, default=str)
+        if key not in self._methods:
+            self._methods[key] = get("decoding", name)(**(params or {}))
+        return self._methods[key]
+
     def _generate_chunk(self, prompts: list[str], sp: SamplingParams) -> Batch:
         tok = self.tokenizer
         enc = encode_prompts(tok, prompts).to(self.device)
+        if sp.decoding is not None:
+            return self._decode_chunk(enc, prompts, sp)
         greedy = sp.temperature <= 0
         kwargs: dict[str, Any] = dict(max_new_tokens=sp.max_new_tokens, do_sample=not greedy,
                                       output_scores=True, return_dict_in_generate=True,
@@ -137,6 +104,31 @@ class HFEngine:
                      rollout_logp=torch.where(attn.bool(), logp, torch.zeros_like(logp)),
                      truncated=~stopped, responses=texts,
                      metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
+
+    def _decode_chunk(self, enc: dict[str, torch.Tensor], prompts: list[str], sp: SamplingParams) -> Batch:
+        """The project's decode loop (`rollout.decoding`) with the chosen method's hooks."""
+        from rollout.decoding import decode
+        tok = self.tokenizer
+        forward_kwargs = {}
+        if sp.exit_at_step is not None:
+            if not hasattr(self.model, "loop_states"):
+                raise ValueError("SamplingParams.exit_at_step needs a looped model (model_type ouro)")
+            forward_kwargs["exit_at_step"] = sp.exit_at_step
+        t0 = time.perf_counter()
+        resp, logp, lengths, inserted, ended = decode(
+            self.model, enc["input_ids"], enc["attention_mask"], max_new_tokens=sp.max_new_tokens,
+            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, method=self.decoding_method(sp.decoding, sp.decoding_params),
+            tokenizer=tok, stop=sp.stop, forward_kwargs=forward_kwargs)
+        gen_s = time.perf_counter() - t0
+        L = resp.shape[1]
+        attn = (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        texts = tok.batch_decode([r[: int(n)] for r, n in zip(resp, lengths)], skip_special_tokens=True)
+        batch = Batch(prompt_ids=enc["input_ids"].cpu(), prompt_mask=enc["attention_mask"].cpu(), response_ids=resp,
+                      response_mask=attn.float(), response_attn=attn, group_id=torch.zeros(len(prompts), dtype=torch.long),
+                      rollout_logp=logp, truncated=~ended, responses=texts, observation_mask=inserted,
+                      metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
+        return batch  # inserted tokens are context (observation_mask), never trained on
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """Copy new weights in place (all parameters and buffers by name; unknown names are an error)."""

@@ -23,7 +23,7 @@ import torch
 
 from rl.batch import Batch
 from rl.registry import register
-from rollout.hf_engine import SamplingParams, attach_prompt_fields, encode_prompts, load_tokenizer
+from rollout.base import SamplingParams, attach_prompt_fields, encode_prompts, load_tokenizer
 
 
 def _reload_weights(worker: Any, named_tensors: dict[str, torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ import torch
 from cluster.ray_utils import ActorProbes
 from rl.batch import Batch
 from rl.registry import get
-from rollout.hf_engine import SamplingParams
+from rollout.base import SamplingParams
 from rollout.weight_sync import PackedState, unpack_state
 
 

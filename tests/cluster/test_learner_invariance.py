@@ -8,7 +8,8 @@ from cluster.learner import LearnerGroup
 from cluster.ray_utils import actor_env
 from models.tiny import save_tiny
 from rl.advantages import compute_grpo_advantages
-from rollout.hf_engine import HFEngine, SamplingParams
+from rollout.base import SamplingParams
+from rollout.hf_engine import HFEngine
 
 
 @pytest.fixture(scope="module")

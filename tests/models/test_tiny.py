@@ -2,7 +2,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.tiny import build_tiny_tokenizer, save_tiny
-from rollout.hf_engine import load_tokenizer
+from rollout.base import load_tokenizer
 
 
 def test_tokenizer_is_character_level_and_roundtrips():

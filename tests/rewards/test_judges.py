@@ -19,7 +19,8 @@ from rewards.factuality import (
 from rewards.judges import JudgeClient, JudgeWorker, state_dict_sha256
 from rewards.rubric import grader_prompt, rubric_self_grade
 from rewards.service import RewardService, RewardSpec
-from rollout.hf_engine import HFEngine, SamplingParams
+from rollout.base import SamplingParams
+from rollout.hf_engine import HFEngine
 
 PROMPTS = ["12+3*4=", "5+6*7=", "9+9*9=", "1+1*1=", "2+2*2="]
 

@@ -122,6 +122,16 @@ def test_optimizer_and_scheduler_components_are_checked(override, match):
         check_components(cfg, None)
 
 
+def test_decoding_methods_need_the_hf_engine_and_known_params():
+    with pytest.raises(ConfigError, match="rollout.decoding.*rollout.engine: hf"):
+        config.load(ROOT / "recipes/quickstart.yaml", ["rollout.engine=vllm", "rollout.decoding=plain"])
+    from rl.pipeline import check_components
+    cfg = config.load(ROOT / "recipes/quickstart.yaml", ["rollout.eval_decoding=plain",
+                                                         "rollout.eval_decoding_params={window: 3}"])
+    with pytest.raises(Exception, match="rollout.eval_decoding_params.window: decoding 'plain' has no parameter"):
+        check_components(cfg, None)
+
+
 def test_a_moved_key_names_its_new_place(tmp_path):
     p = _write(tmp_path, "learner:\n  betas: [0.9, 0.95]\n")
     with pytest.raises(ConfigError, match="'learner.betas' is now 'learner.optimizer.params.betas'"):

@@ -50,7 +50,7 @@ def looped_model(tmp_path_factory):
 def test_per_loop_readout_is_the_models_exit_at_step(looped_model):
     from transformers import AutoModelForCausalLM
 
-    from rollout.hf_engine import load_tokenizer
+    from rollout.base import load_tokenizer
     cfg = MathEvalConfig(max_new_tokens=8, reward=f"{looped_model / 'digits.py'}:digits", device="cpu")
     ev = MathEvaluator(str(looped_model / "model"), cfg, str(looped_model / "probs.jsonl"))
     tok = load_tokenizer(str(looped_model / "model"))

@@ -267,3 +267,16 @@ def test_colocated_phase_swapping_leaves_the_run_unchanged(ray_cluster, tmp_path
             assert a[key] == pytest.approx(c[key], rel=1e-5, abs=1e-7), (a["step"], key)
     assert all(m["time/swap"] > 0 and m["memory/learner_gpu_gib_offloaded"] == 0.0 for m in swapped)
     assert "time/swap" not in plain[0]
+
+
+@pytest.mark.slow
+def test_the_own_decode_loop_chosen_by_the_recipe_leaves_a_run_unchanged(ray_cluster, tmp_path):
+    # `plain` samples exactly what transformers' generate samples (tests/rollout/test_decoding.py), so a run
+    # that picks it for rollout and evaluation must give the same metrics step for step
+    common = ["trainer.steps=2", "learner.lr=5e-3", _digit_reward(tmp_path)]
+    base = run(_cfg(tmp_path, "generate", *common))
+    own = run(_cfg(tmp_path, "plain", *common, "rollout.decoding=plain", "rollout.eval_decoding=plain"))
+    for a, b in zip(read_metrics(tmp_path / "generate"), read_metrics(tmp_path / "plain")):
+        for key in COMPARE:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert own["accuracy_after_rl"] == base["accuracy_after_rl"]

@@ -3,7 +3,8 @@ import torch
 
 from models.families import response_logprobs
 from models.tiny import save_tiny
-from rollout.hf_engine import HFEngine, SamplingParams
+from rollout.base import SamplingParams
+from rollout.hf_engine import HFEngine
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ vllm = pytest.importorskip("vllm", reason="the vllm engine needs vLLM: pip insta
 
 from models.families import response_logprobs  # noqa: E402
 from models.tiny import save_tiny  # noqa: E402
-from rollout.hf_engine import HFEngine, SamplingParams  # noqa: E402
+from rollout.base import SamplingParams  # noqa: E402
+from rollout.hf_engine import HFEngine  # noqa: E402
 from rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 PROMPTS = ["12+3*4=", "5+6*7="]

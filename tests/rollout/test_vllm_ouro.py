@@ -23,7 +23,8 @@ def _compare(model_path: str, other_path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from models.families import response_logprobs
-    from rollout.hf_engine import HFEngine, SamplingParams
+    from rollout.base import SamplingParams
+    from rollout.hf_engine import HFEngine
     from rollout.vllm_engine import VLLMEngine
     hf, v = HFEngine(model_path), VLLMEngine(model_path, dtype="float32", max_model_len=128)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=16, seed=0)

@@ -1,0 +1,61 @@
+"""What every generation engine shares: sampling parameters, the tokenizer helpers, and the fields every
+engine's `Batch` carries. Engines (`hf`, `vllm`, plugins) take prompts and `SamplingParams` and return a
+`Batch` (see `rl/batch.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from rl.batch import Batch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    seed: int | None = None
+    stop: list[str] | None = None  # stop strings: a response ends after the first one it produces
+    exit_at_step: int | None = None  # looped models (Ouro): read out after this loop, 1-based (None: the model's default)
+    decoding: str | None = None  # decoding method (registry kind "decoding"; hf engine): None = transformers generate
+    decoding_params: dict[str, Any] | None = None  # keyword arguments of the decoding method
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved with a model folder, left-padded for generation."""
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, KeyError):
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def encode_prompts(tok: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Left-padded prompt ids and mask. An empty prompt is given the BOS token (EOS without one): vLLM
+    rejects empty prompts, and a judge may well be asked about an empty response; both engines do the
+    same so that their batches agree."""
+    start = tok.bos_token or tok.eos_token
+    return tok([p if p else start for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def attach_prompt_fields(batch: Batch, prompts: list[str], n: int, group_ids: list[int] | None,
+                        ground_truth: list[Any] | None, metadata: list[dict] | None) -> Batch:
+    """Give each of the `n` rows per prompt (prompt-major) its prompt's text, group id, ground truth and
+    metadata; shared by the engines so their batches carry the same fields."""
+    group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
+    batch.group_id = torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long)
+    batch.prompts = [p for p in prompts for _ in range(n)]
+    batch.ground_truth = [g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)]
+    batch.metadata = [dict(m) for m in (metadata or [{} for _ in prompts]) for _ in range(n)]
+    return batch

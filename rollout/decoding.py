@@ -1,0 +1,196 @@
+"""Decoding methods (registry kind `decoding`): hooks on the `hf` engine's own decode loop.
+
+A decoding method is a class, built as `Cls(**params)` once per engine and per choice of params, whose
+optional methods the loop calls (each receives the `DecodeState` of the batch being decoded):
+
+* `process_logits(logits [B, V], state) -> logits`: before temperature / top-k / top-p, so that the
+  sampled token's logprob is that of the fully processed distribution (as the engines report it).
+* `residual_hooks(model) -> {layer_index: fn(hidden [B, T, H], state) -> hidden}`: forward hooks on the
+  output of decoder layers (the residual stream), for the prefill and every decode step.
+* `kv_policy(cache, state) -> None`: between steps, may evict or compress cache entries; it changes the
+  cache's key/value tensors along the sequence dimension and `state.attention_mask` to match (see
+  `keep_cache_positions`). Positions of new tokens keep counting real tokens, whatever was evicted.
+* `insert(state) -> list[list[int]] | None`: after a token is sampled, token ids to append to some rows'
+  responses (one list per row, empty for none). They are fed to the model together with the next step's
+  input (re-prefill of the inserted span), are marked in the batch's `observation_mask` (never trained on)
+  and have logprob 0.
+
+`plain` is the loop with no hooks: greedy tokens and logprobs equal to transformers' `generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl.registry import register
+
+
+@dataclass
+class DecodeState:
+    """What the hooks see: the prompt, the response so far, which rows are done, the step index."""
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    attention_mask: torch.Tensor  # [B, S] over the cache's entries plus the tokens being fed
+    responses: list[list[int]]  # per row, the response ids so far (inserted ones included)
+    inserted: list[list[bool]]  # per row, whether each response token was inserted
+    finished: torch.Tensor  # [B] bool
+    step: int = 0  # decode steps done
+    tokenizer: Any = None
+    scratch: dict = field(default_factory=dict)  # per-call state a method may keep
+
+
+@register("decoding", "plain")
+class Plain:
+    """No hooks: the project's decode loop as it is."""
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layer stack (`model.model.layers` for Llama-style and looped models)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: no decoder layer list at model.layers for residual-stream hooks")
+    return layers
+
+
+def keep_cache_positions(cache: Any, state: DecodeState, keep: torch.Tensor) -> None:
+    """Keep only the cache entries at sequence positions `keep` (1-D indices, shared by the batch) in every
+    layer, and the attention mask with them: the building block of eviction policies."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(-2, keep.to(layer.keys.device))
+            layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
+    state.attention_mask = state.attention_mask.index_select(1, keep.to(state.attention_mask.device))
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) filtering, as transformers' sampling warpers do."""
+    logits = logits / temperature
+    if top_k and top_k > 0:
+        k = min(top_k, logits.shape[-1])
+        logits = logits.masked_fill(logits < torch.topk(logits, k)[0][..., -1, None], float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[..., -1:] = False  # keep at least one token
+        remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, state: DecodeState,
+          cache: Any, forward_kwargs: dict) -> torch.Tensor:
+    """Feed a block `ids [B, k]` (left-padded by `mask [B, k]`) after the cache; returns the last column's
+    logits `[B, V]`. Positions continue each row's count of real tokens."""
+    state.attention_mask = torch.cat([state.attention_mask, mask], 1)
+    pos = (next_pos[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=state.attention_mask, position_ids=pos, past_key_values=cache,
+                use_cache=True, **forward_kwargs)
+    next_pos += mask.sum(-1)
+    return out.logits[:, -1].float()
+
+
+@torch.no_grad()
+def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+           temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int,
+           method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
+           forward_kwargs: dict | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
+    `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
+
+    Returns `(response_ids [B, L], logp [B, L], lengths [B], inserted [B, L], ended [B])`, right-padded
+    with `pad_token_id`; `lengths` count up to and including EOS (or the end of a stop string); `ended`
+    is true for rows that ended by EOS or a stop string (not by the length cap)."""
+    from transformers import DynamicCache
+    method = method if method is not None else Plain()
+    forward_kwargs = forward_kwargs or {}
+    device = prompt_ids.device
+    B = prompt_ids.shape[0]
+    state = DecodeState(prompt_ids, prompt_mask[:, :0].long(), [[] for _ in range(B)], [[] for _ in range(B)],
+                        torch.zeros(B, dtype=torch.bool, device=device), tokenizer=tokenizer)
+    logps: list[list[float]] = [[] for _ in range(B)]
+    hooks = []
+    residual = getattr(method, "residual_hooks", None)
+    if residual is not None:
+        layers = _decoder_layers(model)
+        for index, fn in residual(model).items():
+            def hook(_module, _inputs, output, fn: Callable = fn):
+                if isinstance(output, tuple):
+                    return (fn(output[0], state), *output[1:])
+                return fn(output, state)
+            hooks.append(layers[index].register_forward_hook(hook))
+    process = getattr(method, "process_logits", None)
+    kv_policy = getattr(method, "kv_policy", None)
+    insert = getattr(method, "insert", None)
+    cache = DynamicCache()
+    next_pos = torch.zeros(B, dtype=torch.long, device=device)
+    capped = torch.zeros(B, dtype=torch.bool, device=device)  # rows whose response reached max_new_tokens
+    try:
+        logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
+        while not bool((state.finished | capped).all()):
+            if process is not None:
+                logits = process(logits, state).float()
+            greedy = temperature <= 0
+            scores = logits if greedy else warp_logits(logits, temperature, top_k, top_p)
+            if greedy:
+                tokens = scores.argmax(-1)
+            else:
+                tokens = torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
+            logp = torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
+            active = ~(state.finished | capped)
+            tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
+            for i in range(B):
+                if active[i]:
+                    state.responses[i].append(int(tokens[i]))
+                    state.inserted[i].append(False)
+                    logps[i].append(float(logp[i]))
+            state.step += 1
+            state.finished |= active & (tokens == eos_token_id)
+            if stop and tokenizer is not None:
+                for i in range(B):
+                    if active[i] and not state.finished[i]:
+                        text = tokenizer.decode(state.responses[i], skip_special_tokens=True)
+                        if text.endswith(tuple(stop)):
+                            state.finished[i] = True
+            extra = insert(state) if insert is not None else None
+            blocks = []
+            for i in range(B):
+                room = max_new_tokens - len(state.responses[i])
+                add = list(extra[i])[:max(0, room)] if extra is not None and active[i] and not state.finished[i] else []
+                state.responses[i].extend(add)
+                state.inserted[i].extend([True] * len(add))
+                logps[i].extend([0.0] * len(add))
+                blocks.append([int(tokens[i])] + add)
+                if len(state.responses[i]) >= max_new_tokens:
+                    capped[i] = True
+            if bool((state.finished | capped).all()):
+                break
+            if kv_policy is not None:
+                kv_policy(cache, state)
+            width = max(len(b) for b in blocks)
+            ids = torch.full((B, width), pad_token_id, dtype=torch.long, device=device)
+            mask = torch.zeros((B, width), dtype=torch.long, device=device)
+            for i, b in enumerate(blocks):  # left-padded: every row's last column is real
+                ids[i, width - len(b):] = torch.tensor(b, device=device)
+                mask[i, width - len(b):] = 1
+            logits = _feed(model, ids, mask, next_pos, state, cache, forward_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    L = max(1, max(len(r) for r in state.responses))
+    resp = torch.full((B, L), pad_token_id, dtype=torch.long)
+    out_logp = torch.zeros((B, L))
+    inserted = torch.zeros((B, L), dtype=torch.long)
+    lengths = torch.zeros(B, dtype=torch.long)
+    for i in range(B):
+        r = state.responses[i]
+        resp[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        out_logp[i, :len(r)] = torch.tensor(logps[i])
+        inserted[i, :len(r)] = torch.tensor(state.inserted[i], dtype=torch.long)
+        lengths[i] = len(r)
+    return resp, out_logp, lengths, inserted, state.finished.cpu()

@@ -1,0 +1,179 @@
+"""The hf engine's own decode loop and its hook points (logits, residual stream, KV cache, insertion)."""
+
+import pytest
+import torch
+
+from models.ouro import build_tiny_ouro
+from models.tiny import build_tiny_tokenizer, save_tiny
+from rollout.base import SamplingParams
+from rollout.decoding import decode, keep_cache_positions
+from rollout.hf_engine import HFEngine
+
+PROMPTS = ["12+3*4=", "5+6*7=", "1+2*3="]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
+                                  intermediate_size=128)))
+
+
+@pytest.fixture(scope="module")
+def looped_engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ouro")
+    tok = build_tiny_tokenizer()
+    build_tiny_ouro(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, total_ut_steps=3,
+                    seed=1).save_pretrained(path)
+    tok.save_pretrained(path)
+    return HFEngine(str(path))
+
+
+def _gen(engine, decoding=None, params=None, **kw):
+    sp = dict(n=1, temperature=0.0, max_new_tokens=16, seed=0)
+    sp.update(kw)
+    return engine.generate(PROMPTS, SamplingParams(**sp, decoding=decoding, decoding_params=params))
+
+
+def _same(a, b, logp_atol=1e-5):
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_attn, b.response_attn) and torch.equal(a.truncated, b.truncated)
+    assert torch.allclose(a.rollout_logp, b.rollout_logp, atol=logp_atol)
+    assert a.responses == b.responses
+
+
+@pytest.mark.parametrize("which", ["engine", "looped_engine"])
+def test_plain_loop_equals_generate_greedy(which, request):
+    eng = request.getfixturevalue(which)
+    _same(_gen(eng), _gen(eng, "plain"))
+
+
+def test_plain_loop_equals_generate_when_sampling_with_top_k_and_top_p(engine):
+    kw = dict(n=4, temperature=0.8, top_k=6, top_p=0.9, seed=11)
+    _same(_gen(engine, **kw), _gen(engine, "plain", **kw))
+
+
+def test_plain_loop_honours_stop_strings_like_generate(engine):
+    kw = dict(n=3, temperature=1.0, seed=3, max_new_tokens=30, stop=list("0123456789"))
+    _same(_gen(engine, **kw), _gen(engine, "plain", **kw))
+
+
+class BanToken:
+    def __init__(self, token_id: int):
+        self.token_id = token_id
+
+    def process_logits(self, logits, state):
+        return logits.index_fill(-1, torch.tensor([self.token_id]), float("-inf"))
+
+
+def test_a_logits_processor_changes_the_distribution_the_logprobs_are_of(engine, monkeypatch):
+    plain = _gen(engine, "plain")
+    first = int(plain.response_ids[0, 0])
+    from rl import registry
+    monkeypatch.setitem(registry._REGISTRY["decoding"], "ban", BanToken)
+    banned = _gen(engine, "ban", {"token_id": first})
+    assert first not in banned.response_ids[0, : int(banned.response_attn[0].sum())].tolist()
+    # the first token is the runner-up of the raw distribution, and its logprob is under the renormalised one
+    inputs = engine.tokenizer(PROMPTS[:1], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        logits = engine.model(**inputs).logits[0, -1].float()
+    second = int(logits.topk(2).indices[1])
+    assert int(banned.response_ids[0, 0]) == second
+    logits[first] = float("-inf")
+    assert float(banned.rollout_logp[0, 0]) == pytest.approx(float(torch.log_softmax(logits, -1)[second]), abs=1e-5)
+
+
+class Steer:
+    """Adds `scale` × a fixed direction to the residual stream after `layer`; counts its calls."""
+
+    def __init__(self, layer: int = 0, scale: float = 0.0):
+        self.layer, self.scale, self.calls = layer, scale, []
+
+    def residual_hooks(self, model):
+        direction = torch.ones(model.config.hidden_size)
+
+        def hook(hidden, state):
+            self.calls.append((state.step, hidden.shape[1]))
+            return hidden + self.scale * direction
+        return {self.layer: hook}
+
+
+def test_residual_stream_hooks_run_at_prefill_and_every_step(engine, monkeypatch):
+    from rl import registry
+    monkeypatch.setitem(registry._REGISTRY["decoding"], "steer", Steer)
+    plain = _gen(engine, "plain", max_new_tokens=6)
+    zero = _gen(engine, "steer", {"layer": 1, "scale": 0.0}, max_new_tokens=6)
+    _same(plain, zero)
+    method = engine.decoding_method("steer", {"layer": 1, "scale": 0.0})
+    steps = [s for s, _ in method.calls]
+    widths = [w for _, w in method.calls]
+    assert steps[0] == 0 and widths[0] == engine.tokenizer(PROMPTS, padding=True,
+                                                           return_tensors="pt")["input_ids"].shape[1]  # prefill
+    assert all(w == 1 for w in widths[1:]) and steps[1:] == list(range(1, len(steps)))  # one per decode step
+    steered = _gen(engine, "steer", {"layer": 1, "scale": 8.0}, max_new_tokens=6)
+    assert not torch.equal(steered.response_ids, plain.response_ids)
+
+
+class Window:
+    """Keeps the last `size` cache entries (a sliding-window eviction policy); records the cache length."""
+
+    def __init__(self, size: int):
+        self.size, self.lengths = size, []
+
+    def kv_policy(self, cache, state):
+        n = cache.get_seq_length()
+        if n > self.size:
+            keep_cache_positions(cache, state, torch.arange(n - self.size, n))
+        self.lengths.append(cache.get_seq_length())
+
+
+def test_a_kv_cache_policy_evicts_between_steps(engine, monkeypatch):
+    from rl import registry
+    monkeypatch.setitem(registry._REGISTRY["decoding"], "window", Window)
+    plain = _gen(engine, "plain", max_new_tokens=20)
+    _same(plain, _gen(engine, "window", {"size": 1000}, max_new_tokens=20))  # nothing to evict: unchanged
+    small = _gen(engine, "window", {"size": 6}, max_new_tokens=20)
+    method = engine.decoding_method("window", {"size": 6})
+    assert method.lengths and max(method.lengths) <= 6
+    assert small.response_ids.shape[0] == 3 and not torch.equal(small.response_ids, plain.response_ids)
+
+
+class InsertAfterFirst:
+    """After the first sampled token, append `text`'s tokens to every row (re-prefilled in the next step)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def insert(self, state):
+        if state.step != 1:
+            return None
+        ids = state.tokenizer(self.text, add_special_tokens=False)["input_ids"]
+        return [ids for _ in state.responses]
+
+
+def test_inserted_tokens_are_re_prefilled_and_masked_from_training(engine, monkeypatch):
+    from rl import registry
+    monkeypatch.setitem(registry._REGISTRY["decoding"], "insert", InsertAfterFirst)
+    plain = _gen(engine, "plain")
+    out = _gen(engine, "insert", {"text": "7*7"})
+    k = len(engine.tokenizer("7*7", add_special_tokens=False)["input_ids"])
+    assert torch.equal(out.response_ids[:, 0], plain.response_ids[:, 0])
+    assert out.observation_mask[:, 1:1 + k].sum() == 3 * k and out.observation_mask[:, 0].sum() == 0
+    assert out.observation_mask[:, 1 + k:].sum() == 0 and out.rollout_logp[:, 1:1 + k].abs().sum() == 0
+    # what follows the insertion is what plain greedy decoding gives from prompt + first token + inserted span
+    for i, prompt in enumerate(PROMPTS):
+        n = int(out.response_attn[i].sum())
+        head = engine.tokenizer.decode(out.response_ids[i, :1 + k])
+        cont = engine.generate([prompt + head], SamplingParams(n=1, temperature=0.0, max_new_tokens=16 - 1 - k,
+                                                               decoding="plain"))
+        m = int(cont.response_attn[0].sum())
+        assert out.response_ids[i, 1 + k:n].tolist() == cont.response_ids[0, :m].tolist()
+        assert torch.allclose(out.rollout_logp[i, 1 + k:n], cont.rollout_logp[0, :m], atol=1e-5)
+
+
+def test_decode_without_a_method_needs_no_registry(engine):
+    enc = engine.tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    tok = engine.tokenizer
+    resp, logp, lengths, inserted, ended = decode(engine.model, enc["input_ids"], enc["attention_mask"],
+                                                  max_new_tokens=5, temperature=0.0, top_k=0, top_p=1.0,
+                                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert resp.shape[0] == 3 and int(inserted.sum()) == 0 and lengths.max() <= 5 and ended.dtype == torch.bool

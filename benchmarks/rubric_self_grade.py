@@ -4,7 +4,7 @@
 
 Per seed, `recipes/research_plans_tiny.yaml` runs the SFT warm-up (plans and grading) and RL with
 `rubric_self_grade`, the grader being a frozen copy of the initial policy. Recorded per run:
-- the grader's item-level agreement with the rule it was taught (`rl.synthetic_plans.rule_verdicts`), on
+- the grader's item-level agreement with the rule it was taught (`rewards.rubric.rule_verdicts`), on
   200 fresh grader prompts (new goals and plans, greedy);
 - the self-grade and the rule's score of the training samples, averaged over the first and the last
   `--window` RL steps; the held-out self-grade and rule score (greedy) before and after RL, and every
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from recipe_runs import run_recipe, seed_sweep_parser, window_mean
 
-SELF, RULE = "reward/rubric_self_grade", "reward/rl.synthetic_plans:plan_rubric_check"
+SELF, RULE = "reward/rubric_self_grade", "reward/plan_rubric_check"
 
 
 def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str, float]:
@@ -29,7 +29,7 @@ def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str
     import tempfile
 
     from rewards.rubric import parse_grades
-    from rl.synthetic_plans import write_plans_task
+    from rl.tasks.plans import write_plans_task
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,7 +52,7 @@ def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str
 
 def heldout_rule_score(model: Path, eval_path: Path) -> float:
     """Greedy plans for the held-out goals, scored by the rule (what the self-grade stands for)."""
-    from rl.synthetic_plans import plan_rubric_check
+    from rewards.rubric import plan_rubric_check
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     rows = [json.loads(x) for x in open(eval_path)]

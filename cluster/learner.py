@@ -19,8 +19,8 @@ from typing import Any
 import ray
 import torch
 
-from cluster.ray_utils import ActorProbes
 from rl.batch import Batch
+from rollout.base import ActorProbes
 
 
 def free_port() -> int:

@@ -26,22 +26,6 @@ ACTOR_ENV = {
 }
 
 
-def peak_rss_gib() -> float:
-    """This process's peak resident memory in GiB (Linux reports ru_maxrss in KiB)."""
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-class ActorProbes:
-    """What the driver asks every looprl actor at the end of a run (mixed into the actor classes)."""
-
-    def peak_rss_gib(self) -> float:
-        return peak_rss_gib()
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-
 def actor_env() -> dict[str, str]:
     env = {k: v for k, v in ACTOR_ENV.items() if v}
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")

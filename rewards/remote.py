@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from rewards.base import RewardFailure, batched
+from rl.registry import register_resolver
 
 SCORE_PATH, HEALTH_PATH = "/score", "/health"
 
@@ -34,7 +35,7 @@ def make_app(spec: str, params: dict[str, Any] | None = None, timeout_s: float =
 
     from aiohttp import web
 
-    from rewards.service import _score_chunk
+    from rewards.scoring import score_chunk
     from rl.registry import get
     get("reward", spec)
     params = dict(params or {})
@@ -51,7 +52,7 @@ def make_app(spec: str, params: dict[str, Any] | None = None, timeout_s: float =
         if not items:
             return web.json_response({"results": []})
         loop = asyncio.get_running_loop()
-        raw = await loop.run_in_executor(pool, _score_chunk, spec, params, items, timeout_s)
+        raw = await loop.run_in_executor(pool, score_chunk, spec, params, items, timeout_s)
         results = []
         for value, error in raw:
             if isinstance(value, RewardFailure):
@@ -126,3 +127,6 @@ def remote_reward(url: str):
 
     call.__name__ = f"remote({url})"
     return call
+
+
+register_resolver("reward", is_remote, remote_reward)  # reward functions named by URL (rl.registry.get)

@@ -10,7 +10,7 @@ The reward `rubric_self_grade` asks the judge named by `judge` (`reward.judges`,
 (`truncate`) [RECONSTRUCTION: the paper's length control was not recovered]. Malformed grader output is
 asked again (a new seed; use a grader temperature > 0 for the retry to differ) up to `retries` times,
 then the sample is a recorded failure. `template: compact` is a short grader prompt for tiny models
-(`data.synthetic.task: plans`, rl/synthetic_plans.py).
+(`data.synthetic.task: plans`, rl/tasks/plans.py).
 """
 
 from __future__ import annotations
@@ -215,3 +215,25 @@ if __name__ == "__main__":
     if len(sys.argv) != 3:
         raise SystemExit("usage: python -m rewards.rubric SRC DST.jsonl  (ResearchPlanGen split -> looprl rows)")
     print(f"wrote {write_research_plan_jsonl(sys.argv[1], sys.argv[2])} rows to {sys.argv[2]}")
+
+
+# ---------------------------------------------------------------------------- the rule of the synthetic plans task
+def plan_sentences(plan: str) -> set[str]:
+    return {s.strip() + "." for s in re.split(r"\.\s*", plan) if s.strip()}
+
+
+def rule_verdicts(rubric: list[str], plan: str) -> list[bool]:
+    """An item passes when the plan states its step as written."""
+    said = plan_sentences(plan)
+    return [item in said for item in rubric]
+
+
+@register("reward", "plan_rubric_check")
+def plan_rubric_check(prompt: str, response: str, ground_truth: dict[str, Any], **_: Any) -> float:
+    """The rule the SFT grader was taught: share of rubric steps the `<solution>` states as written (0
+    without a solution). Log it at weight 0 beside `rubric_self_grade`."""
+    plan, _over = extract_plan(response)
+    if plan is None:
+        return 0.0
+    verdicts = rule_verdicts(ground_truth["rubric"], plan)
+    return sum(verdicts) / len(verdicts)

@@ -52,7 +52,7 @@ class ModelConfig:
 
 @dataclass
 class SyntheticTaskConfig:
-    task: str = "arithmetic"  # arithmetic (a+b*c=, rl/synthetic.py) | facts (made-up people and facts with an evidence corpus, rl/synthetic_facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/synthetic_plans.py)
+    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/tasks/facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/tasks/plans.py)
     num_train: int = 4000  # generated training problems (SFT warm-up and RL prompts draw from disjoint parts)
     num_eval: int = 200  # held-out problems, never trained on
     sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest
@@ -421,8 +421,6 @@ def validate(cfg: DictConfig) -> None:
     need(per_update % cfg.learner.world_size == 0, "learner.world_size",
          f"must divide the samples per optimizer step ({per_update})")
     need(cfg.trainer.max_staleness >= 0, "trainer.max_staleness", "must be >= 0")
-    need(cfg.data.synthetic.task in ("arithmetic", "facts", "plans"), "data.synthetic.task",
-         "must be arithmetic, facts or plans")
     need(cfg.rollout.weight_sync in ("object_store", "collective", "cuda_ipc"), "rollout.weight_sync",
          "must be object_store, collective or cuda_ipc")
     need(cfg.rollout.weight_sync != "cuda_ipc" or (cfg.cluster.placement == "colocated"

@@ -28,7 +28,7 @@ from rewards.service import RewardService, RewardSpec
 from rl.config import as_container, to_yaml
 from rl.data import format_prompt, load_rows
 from rl.evaluate import evaluate
-from rl.registry import check_params, register
+from rl.registry import check_params, get, register
 from rl.sft import run_sft
 from rl.stages import Stage, StageContext, StageError, fingerprint, run_stages
 from rl.tracking import MetricsLogger
@@ -75,18 +75,7 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
     need_sft = cfg.sft.enabled and d.sft_path is None
     if d.train_path is None or need_sft:
         s = d.synthetic
-        if s.task in ("facts", "plans"):  # facts: its evidence corpus lands in the same folder, data/corpus.txt
-            from rl.synthetic_facts import write_facts_task
-            from rl.synthetic_plans import write_plans_task
-            write_task = {"facts": write_facts_task, "plans": write_plans_task}[s.task]
-            n_sft = int(s.num_train * s.sft_fraction)
-            synth = write_task(out / "data", num_sft=n_sft, num_train=s.num_train - n_sft, num_eval=s.num_eval,
-                               seed=s.seed)
-        else:
-            from rl.synthetic import write_synthetic_task
-            synth = write_synthetic_task(out / "data", num_train=s.num_train, num_eval=s.num_eval,
-                                         sft_fraction=s.sft_fraction, wrong_order_fraction=s.wrong_order_fraction,
-                                         seed=s.seed)
+        synth = get("task", s.task)(out / "data", **as_container(s))
         if d.train_path is None:  # the synthetic task's held-out split goes with its training split
             paths["train"] = synth["train"]
             paths["eval"] = d.eval_path or (synth["eval"] if s.num_eval > 0 else None)

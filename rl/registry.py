@@ -18,7 +18,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding", "family", "optimizer", "scheduler")
+KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding", "family", "optimizer", "scheduler",
+         "task")
 
 _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 
@@ -26,11 +27,12 @@ _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses", "rl.rltt"],
-    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric"],
+    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.remote"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline"],
     "decoding": ["rollout.decoding"],
+    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans"],
     "scheduler": ["rl.optim"],
 }
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only
@@ -38,6 +40,16 @@ _BUILTIN_MODULES = {
 _BUILTIN_ATTRS = {
     "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily"},
 }
+
+
+# Resolvers for specs that are not names (e.g. reward servers named by URL): kind -> [(matches, make)],
+# added by the modules that know them (`rewards.remote`), so that this core module imports none of them.
+_RESOLVERS: dict[str, list[tuple[Callable[[str], bool], Callable[[str], Any]]]] = {k: [] for k in KINDS}
+
+
+def register_resolver(kind: str, matches: Callable[[str], bool], make: Callable[[str], Any]) -> None:
+    """Specs of `kind` for which `matches(spec)` is true resolve to `make(spec)` (kept once made)."""
+    _RESOLVERS[kind].append((matches, make))
 
 
 class RegistryError(LookupError):
@@ -102,10 +114,10 @@ def get(kind: str, spec: str) -> Any:
     _load_builtins(kind)
     if spec in _REGISTRY[kind]:
         return _REGISTRY[kind][spec]
-    if kind == "reward" and spec.startswith(("http://", "https://")):  # a `looprl serve-reward` server
-        from rewards.remote import remote_reward
-        _REGISTRY[kind][spec] = remote_reward(spec)
-        return _REGISTRY[kind][spec]
+    for matches, make in _RESOLVERS[kind]:
+        if matches(spec):
+            _REGISTRY[kind][spec] = make(spec)
+            return _REGISTRY[kind][spec]
     if ":" in spec:
         target, attr = spec.rsplit(":", 1)
         if target.endswith(".py") or "/" in target:

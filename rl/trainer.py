@@ -405,7 +405,7 @@ class RLTrainer:
 
     def peak_memory(self) -> dict[str, float]:
         """Peak resident memory (GiB) of every actor of the run and of the driver."""
-        from cluster.ray_utils import peak_rss_gib
+        from rollout.base import peak_rss_gib
         out = self._ask_learners_and_rollout("peak_rss_gib")
         out["reward_service"] = ray.get(self.rewards.peak_rss_gib.remote())
         out["driver"] = peak_rss_gib()

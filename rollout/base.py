@@ -1,5 +1,5 @@
-"""What every generation engine shares: sampling parameters, the tokenizer helpers, and the fields every
-engine's `Batch` carries. Engines (`hf`, `vllm`, plugins) take prompts and `SamplingParams` and return a
+"""What every generation engine and actor shares: sampling parameters, the tokenizer helpers, the fields
+every engine's `Batch` carries, and the probes the driver asks every actor. Engines (`hf`, `vllm`, plugins) take prompts and `SamplingParams` and return a
 `Batch` (see `rl/batch.py`)."""
 
 from __future__ import annotations
@@ -11,6 +11,25 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rl.batch import Batch
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory in GiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class ActorProbes:
+    """What the driver asks every looprl actor at the end of a run (mixed into the actor classes: rollout
+    workers, the reward service, learners)."""
+
+    def peak_rss_gib(self) -> float:
+        return peak_rss_gib()
+
+    def node_id(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
-from cluster.ray_utils import ActorProbes
 from rl.batch import Batch
 from rl.registry import get
-from rollout.base import SamplingParams
+from rollout.base import ActorProbes, SamplingParams
 from rollout.weight_sync import PackedState, unpack_state
 
 

@@ -204,8 +204,8 @@ def test_the_tiny_research_plans_recipe_runs_end_to_end(ray_cluster, tmp_path):
     assert grader["model"].endswith("sft_model") and grader["weights_sha256_start"] == grader["weights_sha256_end"]
     m = json.loads((tmp_path / "plans" / "metrics.jsonl").read_text().splitlines()[0])
     # the self-grade and the rule it stands for are both logged; the rule has weight 0
-    assert {"reward/rubric_self_grade", "reward/rl.synthetic_plans:plan_rubric_check"} <= set(m)
+    assert {"reward/rubric_self_grade", "reward/plan_rubric_check"} <= set(m)
     # held-out evaluation reports every function, the weight-0 rule included
-    assert {"rubric_self_grade", "rl.synthetic_plans:plan_rubric_check"} <= set(summary["heldout_rewards_after_rl"])
+    assert {"rubric_self_grade", "plan_rubric_check"} <= set(summary["heldout_rewards_after_rl"])
     if m["reward/failures"] == 0:  # (a failed sample counts in reward/mean but has no component)
         assert m["reward/mean"] == pytest.approx(m["reward/rubric_self_grade"])

@@ -5,7 +5,7 @@ import pytest
 
 from rl.config import ConfigError
 from rl.data import format_prompt, load_rows
-from rl.synthetic import write_synthetic_task
+from rl.tasks.arithmetic import write_synthetic_task
 
 
 def _rows():
@@ -64,7 +64,7 @@ def test_format_prompt_chat_template():
 
 def test_synthetic_facts_task(tmp_path):
     from rewards.factuality import factuality_reward
-    from rl.synthetic_facts import ATTRIBUTES, write_facts_task
+    from rl.tasks.facts import ATTRIBUTES, write_facts_task
     paths = write_facts_task(tmp_path, num_people=5, num_sft=200, num_train=20, num_eval=5, seed=3)
     corpus = (tmp_path / "corpus.txt").read_text().splitlines()
     assert len(corpus) == 5 * len(ATTRIBUTES)

@@ -1,4 +1,4 @@
-"""A synthetic long-form factuality task for the factuality reward at tiny scale (`data.synthetic.task: facts`).
+"""A synthetic long-form factuality task for the factuality reward at tiny scale (`data.synthetic.task: facts`, registry kind `task`).
 
 A small world of made-up people, each with one value per attribute ("Kov lives in Tam."). The evidence
 corpus (`corpus.txt`) holds every true fact. Prompts ask about one person ("Tell me about Kov."); SFT
@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
+
+from rl.registry import register
 
 ATTRIBUTES = (("lives in", ["Tam", "Rook", "Vel", "Moor", "Sask", "Lund", "Pell", "Ords"]),
               ("eats", ["figs", "rice", "kale", "plums", "oats", "corn", "leeks", "beans"]),
@@ -73,3 +76,12 @@ def write_facts_task(out_dir: str | Path, num_people: int = 40, num_sft: int = 4
                 f.write(json.dumps(row) + "\n")
         paths[split] = str(path)
     return paths
+
+
+@register("task", "facts")
+def facts_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float, seed: int,
+               **_: Any) -> dict[str, str]:
+    """`data.synthetic`: `num_train` problems, `sft_fraction` of them SFT rows, the rest RL prompts; the
+    evidence corpus lands beside them (`corpus.txt`)."""
+    n_sft = int(num_train * sft_fraction)
+    return write_facts_task(out_dir, num_sft=n_sft, num_train=num_train - n_sft, num_eval=num_eval, seed=seed)

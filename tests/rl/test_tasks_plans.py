@@ -4,8 +4,15 @@ import json
 
 import pytest
 
-from rewards.rubric import COMPACT_GRADER_TEMPLATE, grader_prompt, parse_grades, rubric_self_grade
-from rl.synthetic_plans import grades_xml, plan_rubric_check, plan_steps, rule_verdicts, write_plans_task
+from rewards.rubric import (
+    COMPACT_GRADER_TEMPLATE,
+    grader_prompt,
+    parse_grades,
+    plan_rubric_check,
+    rubric_self_grade,
+    rule_verdicts,
+)
+from rl.tasks.plans import grades_xml, plan_steps, write_plans_task
 
 RUBRIC = plan_steps("salt", "growth")
 TASK = {"goal": "Find how salt changes growth.", "rubric": RUBRIC, "reference": " ".join(RUBRIC)}

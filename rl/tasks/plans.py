@@ -1,4 +1,4 @@
-"""A synthetic research-plan task for rubric self-grading at tiny scale (`data.synthetic.task: plans`).
+"""A synthetic research-plan task for rubric self-grading at tiny scale (`data.synthetic.task: plans`, registry kind `task`).
 
 A goal names a factor and an outcome ("Find how salt changes growth."). Its rubric has four items,
 each one step a sound plan takes (`Vary salt.`, `Measure growth.`, `Keep a control.`,
@@ -14,18 +14,19 @@ The SFT warm-up teaches the one model both roles that rubric self-grading needs:
 
 The frozen initial policy is then a grader that reads plans the way the rule does, more or less: RL with
 `rubric_self_grade` should raise the share of steps the plans take, and `plan_rubric_check`, the rule
-itself, logged beside it at weight 0, tells a real gain from a fooled grader.
+itself (`rewards.rubric.plan_rubric_check`), logged beside it at weight 0, tells a real gain from a fooled
+grader.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 from typing import Any
 
-from rewards.rubric import extract_plan, grader_prompt, policy_prompt
+from rewards.rubric import grader_prompt, policy_prompt, rule_verdicts
+from rl.registry import register
 
 FACTORS = ("heat", "light", "salt", "noise", "water", "dust", "wind", "sugar")
 OUTCOMES = ("growth", "speed", "yield", "sleep", "rust", "color", "weight", "taste")
@@ -36,28 +37,8 @@ def plan_steps(factor: str, outcome: str) -> list[str]:
     return [f"Vary {factor}.", f"Measure {outcome}.", "Keep a control.", "Repeat it 3 times."]
 
 
-def plan_sentences(plan: str) -> set[str]:
-    return {s.strip() + "." for s in re.split(r"\.\s*", plan) if s.strip()}
-
-
-def rule_verdicts(rubric: list[str], plan: str) -> list[bool]:
-    """An item passes when the plan states its step as written."""
-    said = plan_sentences(plan)
-    return [item in said for item in rubric]
-
-
 def grades_xml(passes: list[bool]) -> str:
     return "".join(f"<item num={k}><errors>{'none' if ok else '1'}</errors></item>" for k, ok in enumerate(passes, 1))
-
-
-def plan_rubric_check(prompt: str, response: str, ground_truth: dict[str, Any], **_: Any) -> float:
-    """The rule the SFT grader was taught: share of rubric steps the `<solution>` states as written (0
-    without a solution). Log it at weight 0 beside `rubric_self_grade`."""
-    plan, _over = extract_plan(response)
-    if plan is None:
-        return 0.0
-    verdicts = rule_verdicts(ground_truth["rubric"], plan)
-    return sum(verdicts) / len(verdicts)
 
 
 def write_plans_task(out_dir: str | Path, num_sft: int = 4000, num_train: int = 2000, num_eval: int = 100,
@@ -106,3 +87,11 @@ def write_plans_task(out_dir: str | Path, num_sft: int = 4000, num_train: int = 
                 f.write(json.dumps(row) + "\n")
         paths[split] = str(path)
     return paths
+
+
+@register("task", "plans")
+def plans_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float, seed: int,
+               **_: Any) -> dict[str, str]:
+    """`data.synthetic`: `num_train` problems, `sft_fraction` of them SFT rows, the rest RL prompts."""
+    n_sft = int(num_train * sft_fraction)
+    return write_plans_task(out_dir, num_sft=n_sft, num_train=num_train - n_sft, num_eval=num_eval, seed=seed)

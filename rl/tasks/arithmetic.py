@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
+
+from rl.registry import register
 
 
 def make_problem(rng: random.Random) -> tuple[int, int, int]:
@@ -69,3 +72,11 @@ def write_synthetic_task(out_dir: str | Path, num_train: int = 4000, num_eval: i
                 f.write(json.dumps(row) + "\n")
         paths[name] = str(path)
     return paths
+
+
+@register("task", "arithmetic")
+def arithmetic_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float,
+                    wrong_order_fraction: float, seed: int, **_: Any) -> dict[str, str]:
+    """`data.synthetic` as it is: the a+b*c= task with its wrong-order SFT targets."""
+    return write_synthetic_task(out_dir, num_train=num_train, num_eval=num_eval, sft_fraction=sft_fraction,
+                                wrong_order_fraction=wrong_order_fraction, seed=seed)

@@ -95,6 +95,11 @@ class RolloutConfig:
     max_new_tokens: int = 32  # response length cap
     stop: list[str] = field(default_factory=list)  # stop strings: a response ends after the first one it produces
     eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
+    env: str | None = None  # environment of multi-turn episodes (registry kind "env"): null = single-turn generation | calculator | a plugin
+    env_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment class
+    max_turns: int = 4  # env: policy turns per episode
+    max_episode_tokens: int = 256  # env: response tokens per episode, actions and observations together
+    env_opponent_path: str | None = None  # env: model folder of a frozen engine playing the environment's 'frozen' seat
     decoding: str | None = None  # decoding method of RL rollouts (registry kind "decoding"; hf engine): null = transformers generate | plain (looprl's own decode loop, no hooks) | a plugin with hooks
     decoding_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the decoding method
     eval_decoding: str | None = None  # decoding method of held-out evaluation (as rollout.decoding; null = transformers generate)
@@ -440,6 +445,8 @@ def validate(cfg: DictConfig) -> None:
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
     need((cfg.rollout.decoding is None and cfg.rollout.eval_decoding is None) or cfg.rollout.engine != "vllm",
          "rollout.decoding", "decoding methods hook into the hf engine's decode loop: set rollout.engine: hf")
+    need(cfg.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1")
+    need(cfg.rollout.max_episode_tokens >= 1, "rollout.max_episode_tokens", "must be >= 1")
     labels = [s.label or s.name for s in cfg.stages]
     need(len(set(labels)) == len(labels), "stages",
          f"{sorted({x for x in labels if labels.count(x) > 1})} appear more than once: give each a distinct label")

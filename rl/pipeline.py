@@ -111,6 +111,8 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
                               ("rollout.eval_decoding", cfg.rollout.eval_decoding, cfg.rollout.eval_decoding_params)):
         if name is not None:
             check_params("decoding", name, as_container(params), f"{key}_params")
+    if cfg.rollout.env is not None:
+        check_params("env", cfg.rollout.env, as_container(cfg.rollout.env_params), "rollout.env_params")
     for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
         check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
                      supplied=("optimizer", "warmup_steps", "total_steps"))

@@ -27,7 +27,8 @@ _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses", "rl.rltt"],
-    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.remote"],
+    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote"],
+    "env": ["rollout.envs"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline"],

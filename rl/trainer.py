@@ -200,6 +200,7 @@ class RLTrainer:
             "rollout/restarts": float(self.rollout_restarts),
         })
         metrics.update({f"reward/{k}": v for k, v in component_means(batch.reward_components).items()})
+        metrics.update(episode_metrics(batch))
         for k, v in timing.items():
             metrics[f"time/{k}"] = v
         return metrics
@@ -495,9 +496,14 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
         decoding, params = (r.eval_decoding, r.eval_decoding_params) if evaluation else (r.decoding, r.decoding_params)
         if decoding is not None:
             sampling.update(decoding=decoding, decoding_params=as_container(params))
-        futures.append(workers[w].generate.remote(
-            prompts[lo:hi], sampling, list(range(group_base + lo, group_base + hi)), answers[lo:hi],
-            [{"row": group_base + i} for i in range(lo, hi)]))
+        groups, meta = list(range(group_base + lo, group_base + hi)), [{"row": group_base + i} for i in range(lo, hi)]
+        if r.env is not None:  # multi-turn episodes of an environment
+            env = {"name": r.env, "params": as_container(r.env_params), "max_turns": r.max_turns,
+                   "max_episode_tokens": r.max_episode_tokens, "opponent_path": r.env_opponent_path}
+            rows_w = [{**row, "answer": row.get(d.answer_column)} for row in rows[lo:hi]]
+            futures.append(workers[w].run_episodes.remote(prompts[lo:hi], rows_w, sampling, groups, env, meta))
+        else:
+            futures.append(workers[w].generate.remote(prompts[lo:hi], sampling, groups, answers[lo:hi], meta))
     return futures
 
 
@@ -534,6 +540,16 @@ def reward_items(batch: Batch) -> list[dict]:
     truncated = batch.truncated.tolist() if batch.truncated is not None else [False] * len(batch.prompts)
     return [{"prompt": p, "response": r, "ground_truth": g, "metadata": m, "truncated": bool(t)}
             for p, r, g, m, t in zip(batch.prompts, batch.responses, batch.ground_truth, batch.metadata, truncated)]
+
+
+def episode_metrics(batch: Batch) -> dict[str, float]:
+    """Multi-turn episodes (`rollout.env`): turns per episode, failed turns, share of observation tokens."""
+    if not batch.step_types:
+        return {}
+    obs = float(batch.observation_mask.sum()) if batch.observation_mask is not None else 0.0
+    return {"env/turns_mean": sum(len(t) for t in batch.step_types) / len(batch),
+            "env/failed_turns": float(sum(t.count("failed") for t in batch.step_types)),
+            "env/observation_token_frac": obs / max(1.0, float(batch.response_attn.sum()))}
 
 
 def component_means(components: list[dict[str, float]]) -> dict[str, float]:

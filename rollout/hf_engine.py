@@ -105,6 +105,30 @@ class HFEngine:
                      truncated=~stopped, responses=texts,
                      metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
 
+    @torch.no_grad()
+    def generate_ids(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int]) -> list[Any]:
+        """One continuation per prompt of token ids (`rollout.multiturn`): new ids, their logprobs, whether
+        each ended by EOS or a stop string. The call is seeded with `seeds[0]` (the hf loop samples a batch
+        from one generator)."""
+        from rollout.decoding import Plain, decode
+        from rollout.multiturn import Completion
+        tok = self.tokenizer
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):  # left-padded
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        torch.manual_seed(seeds[0] if seeds else 0)
+        method = self.decoding_method(sampling.decoding, sampling.decoding_params) if sampling.decoding else Plain()
+        resp, logp, lengths, _, ended = decode(
+            self.model, ids.to(self.device), mask.to(self.device), max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, method=method, tokenizer=tok,
+            stop=sampling.stop)
+        return [Completion(resp[i, :int(n)].tolist(), logp[i, :int(n)].tolist(), bool(ended[i]))
+                for i, n in enumerate(lengths)]
+
     def _decode_chunk(self, enc: dict[str, torch.Tensor], prompts: list[str], sp: SamplingParams) -> Batch:
         """The project's decode loop (`rollout.decoding`) with the chosen method's hooks."""
         from rollout.decoding import decode

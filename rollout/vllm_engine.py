@@ -117,6 +117,28 @@ class VLLMEngine:
                       truncated=torch.tensor(rows_trunc), responses=texts)
         return attach_prompt_fields(batch, prompts, n, group_ids, ground_truth, metadata)
 
+    def generate_ids(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int]) -> list[Any]:
+        """One continuation per prompt of token ids (`rollout.multiturn`), each request with its own seed."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from rollout.multiturn import Completion
+        tok, greedy = self.tokenizer, sampling.temperature <= 0
+        params = [VSamplingParams(
+            n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0,
+            stop=list(sampling.stop or []) or None, stop_token_ids=[tok.eos_token_id],
+            include_stop_str_in_output=True, skip_special_tokens=True) for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
+                                    use_tqdm=False)
+        out = []
+        for o in outputs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            out.append(Completion(ids, [lp[t].logprob for t, lp in zip(ids, c.logprobs)],
+                                  c.finish_reason != "length"))
+        return out
+
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """New weights into the running engine (HF names; vLLM maps them onto its fused layers)."""
         self.llm.collective_rpc(_reload_weights, args=(named_tensors,))

@@ -42,6 +42,25 @@ class RolloutWorker(ActorProbes):
         batch.policy_version = self.policy_version
         return batch
 
+    def run_episodes(self, prompts: list[str], rows: list[dict], sampling: dict, group_ids: list[int],
+                     env: dict[str, Any], metadata: list[dict] | None = None) -> Batch:
+        """Multi-turn episodes of the environment `env` ({name, params, max_turns, max_episode_tokens,
+        opponent_path}) from `prompts` (see `rollout.multiturn`)."""
+        from rollout.multiturn import Seats, run_episodes
+        if self.needs_weights:
+            raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
+        env_cls, params = get("env", env["name"]), dict(env.get("params") or {})
+        if env.get("opponent_path") and getattr(self, "frozen_engine", None) is None:
+            from rollout.hf_engine import HFEngine
+            self.frozen_engine = HFEngine(env["opponent_path"])
+        sp = SamplingParams(**sampling)
+        batch = run_episodes(self.engine, lambda: env_cls(**params), prompts, rows, sp,
+                             max_turns=env["max_turns"], max_episode_tokens=env["max_episode_tokens"],
+                             seats=Seats(self.engine, getattr(self, "frozen_engine", None)), group_ids=group_ids,
+                             metadata=metadata)
+        batch.policy_version = self.policy_version
+        return batch
+
     def load_weights(self, packed: PackedState, version: int) -> float:
         """Load weights sent by the learner (`cluster.weight_sync.pack_state`) and tag the new policy version."""
         t0 = time.perf_counter()

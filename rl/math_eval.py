@@ -1,4 +1,5 @@
-"""Math benchmark evaluation stage: mean@k accuracy, paired comparison of two checkpoints, per-loop accuracy.
+"""`looprl eval`: the evaluation protocol of `rl.evaluate` (mean@k, paired comparison, per-loop accuracy) on
+model folders, in-process. The recipe's `evaluate` stage runs the same protocol on the run's policy.
 
     looprl eval MODEL --data math500.jsonl [--compare OTHER_MODEL] [--runs 10] [--loops 1 2 3 4] [--out F]
 
@@ -25,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from rl.evaluate import mean_at_k, paired_comparison, per_loop_accuracy, protocol_scores
+
 
 @dataclass
 class MathEvalConfig:
@@ -43,30 +46,6 @@ class MathEvalConfig:
     batch_size: int = 64  # prompts per generate call
     device: str = "auto"  # cpu | cuda | auto
     dtype: str = "auto"  # float32 | bfloat16 | auto (bfloat16 on GPU, float32 on CPU)
-
-
-def mean_at_k(correct: np.ndarray) -> dict[str, Any]:
-    """`correct [runs, problems]` (0/1 or graded) → mean accuracy over runs, its std over runs, per run."""
-    per_run = correct.mean(axis=1)
-    return {"mean": float(per_run.mean()), "std_over_runs": float(per_run.std(ddof=1)) if len(per_run) > 1 else 0.0,
-            "per_run": [float(x) for x in per_run], "runs": int(correct.shape[0]), "problems": int(correct.shape[1])}
-
-
-def paired_comparison(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
-    """Model A vs model B on the same problems: per-problem accuracy (mean over each model's runs),
-    mean difference A − B and the two-sided paired t-test over problems. Identical per-problem
-    accuracies give p = 1."""
-    from scipy.stats import ttest_rel
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"paired comparison needs the same problems: {a.shape[1]} vs {b.shape[1]}")
-    pa, pb = a.mean(axis=0), b.mean(axis=0)
-    diff = pa - pb
-    if np.allclose(diff, diff[0]) and diff[0] == 0:
-        t, p = 0.0, 1.0
-    else:
-        res = ttest_rel(pa, pb)
-        t, p = float(res.statistic), float(res.pvalue)
-    return {"mean_diff": float(diff.mean()), "t": t, "p_value": p, "problems": int(len(diff))}
 
 
 class MathEvaluator:
@@ -90,28 +69,36 @@ class MathEvaluator:
         self.rewards = RewardService([RewardSpec(cfg.reward, 1.0, dict(cfg.reward_params))], num_workers=2)
         self.last_responses: list[str] = []
 
-    def run(self, *, temperature: float, top_p: float, seed: int, exit_at_step: int | None = None) -> np.ndarray:
-        """Score of every problem for one run, `[problems]`."""
+    def generate(self, *, temperature: float, top_p: float, seed: int, exit_at_step: int | None = None) -> Any:
+        """One answer per problem (a `Batch`)."""
         from rollout.base import SamplingParams
         sp = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_new_tokens=self.cfg.max_new_tokens,
                             seed=seed, exit_at_step=exit_at_step)
         batch = self.engine.generate(self.prompts, sp, ground_truth=self.answers)
         self.last_responses = list(batch.responses)
+        return batch
+
+    def score(self, batch: Any) -> list[float]:
         scored = self.rewards.score([{"prompt": p, "response": r, "ground_truth": g, "metadata": {}}
                                      for p, r, g in zip(batch.prompts, batch.responses, batch.ground_truth)])
-        return np.array([s["score"] for s in scored], dtype=np.float64)
+        return [s["score"] for s in scored]
+
+    def run(self, *, temperature: float, top_p: float, seed: int, exit_at_step: int | None = None) -> np.ndarray:
+        """Score of every problem for one run, `[problems]`."""
+        return protocol_scores(self.generate, self.score, runs=1, temperature=temperature, top_p=top_p, seed=seed,
+                               exit_at_step=exit_at_step)[0]
 
     def sampled_runs(self) -> np.ndarray:
         """`[runs, problems]` scores of the protocol's sampled runs."""
         c = self.cfg
-        return np.stack([self.run(temperature=c.temperature, top_p=c.top_p, seed=c.seed + r) for r in range(c.runs)])
+        return protocol_scores(self.generate, self.score, runs=c.runs, temperature=c.temperature, top_p=c.top_p,
+                               seed=c.seed)
 
     def per_loop(self, loops: list[int]) -> dict[str, float]:
         """Greedy accuracy read out after each loop t in `loops` (looped models only)."""
         if not hasattr(self.engine.model, "loop_states"):
             raise ValueError("--loops needs a looped model (model_type ouro)")
-        return {str(t): float(self.run(temperature=0.0, top_p=1.0, seed=self.cfg.seed, exit_at_step=t).mean())
-                for t in loops}
+        return per_loop_accuracy(self.generate, self.score, loops, seed=self.cfg.seed)
 
     def close(self) -> None:
         self.rewards.close()

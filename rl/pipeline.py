@@ -34,6 +34,7 @@ from rl.stages import Stage, StageContext, StageError, fingerprint, run_stages
 from rl.tracking import MetricsLogger
 from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, make_rollout_workers, model_family
 from rollout.base import load_tokenizer
+from rollout.weight_sync import pack_state
 
 
 def prepare_model(cfg: DictConfig, out: Path) -> str:
@@ -316,9 +317,19 @@ class ExportStage(Stage):
 @register("stage", "evaluate")
 class EvaluateStage(Stage):
     """Held-out evaluation of the trained policy (`data.eval_path`; greedy at `rollout.eval_temperature`,
-    `trainer.eval_max_prompts` prompts), scored by every reward function including eval_only judges."""
+    `trainer.eval_max_prompts` prompts), scored by every reward function including eval_only judges.
+
+    With `runs > 0`, also the benchmark protocol of `rl.evaluate` on the same prompts: mean@k over `runs`
+    sampled runs (`temperature`, `top_p`, seeds `seed + r`), with `compare_before` the same runs of the
+    policy before RL and their paired comparison, with `loops` greedy accuracy after each loop (looped
+    models). The report is `output_dir/eval_after.json`."""
     config_keys = ("data", "rollout", "trainer.eval_max_prompts", "reward")
     runs_in_driver = True
+
+    def __init__(self, runs: int = 0, temperature: float = 0.2, top_p: float = 0.95, seed: int = 0,
+                 loops: list[int] | None = None, compare_before: bool = False):
+        self.runs, self.temperature, self.top_p, self.seed = runs, temperature, top_p, seed
+        self.loops, self.compare_before = list(loops or []), compare_before
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         cfg, rt = ctx.cfg, ctx.runtime
@@ -331,20 +342,54 @@ class EvaluateStage(Stage):
             if ctx.artifact("checkpoint") is not None and not cfg.trainer.save_hf:
                 raise StageError("stage 'evaluate' needs the RL policy: set trainer.save_hf (export) or re-run rl")
             workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
+        tokenizer = load_tokenizer(ctx.require("base_model"))
         try:
-            after = evaluate(workers, rt.reward_service, load_tokenizer(ctx.require("base_model")), cfg, eval_rows)
+            after = evaluate(workers, rt.reward_service, tokenizer, cfg, eval_rows)
+            if self.runs or self.loops:
+                after["protocol"] = self.protocol(ctx, workers, tokenizer, eval_rows)
         finally:
             if own:
                 for w in workers:
                     ray.kill(w)
         ctx.summary.update(accuracy_after_rl=after["accuracy"], heldout_rewards_after_rl=after["components"],
                            eval_examples_after_rl=after["examples"])
+        if "protocol" in after:
+            ctx.summary["eval_protocol"] = after["protocol"]
         record = ctx.output_dir / "eval_after.json"
         record.write_text(json.dumps(after))
         before = ctx.output_dir / "eval_before.json"
         before_acc = f"before RL {json.loads(before.read_text())['accuracy']:.3f} -> " if before.exists() else ""
         _say(f"held-out accuracy: {before_acc}after RL {after['accuracy']:.3f}")
         return {"report": str(record)}
+
+    def protocol(self, ctx: StageContext, workers: list[Any], tokenizer: Any, rows: list[dict]) -> dict[str, Any]:
+        from rl.evaluate import (
+            mean_at_k,
+            paired_comparison,
+            per_loop_accuracy,
+            protocol_scores,
+            worker_protocol,
+        )
+        cfg, rt = ctx.cfg, ctx.runtime
+        generate, score = worker_protocol(workers, rt.reward_service, tokenizer, cfg, rows)
+        runs = dict(runs=self.runs, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        out: dict[str, Any] = {"config": {**runs, "loops": self.loops}}
+        after = protocol_scores(generate, score, **runs) if self.runs else None
+        if after is not None:
+            out["mean_at_k"] = mean_at_k(after)
+        if self.loops:
+            out["per_loop_accuracy"] = per_loop_accuracy(generate, score, self.loops, seed=self.seed)
+        if self.compare_before and after is not None:
+            # the same workers with the policy the RL stage started from, then the RL weights back
+            before_path = ctx.artifact_before("policy", "checkpoint")
+            state = pack_state(get("family", model_family(cfg, before_path))().load(before_path).state_dict())
+            ray.get([w.load_weights.remote(state, -1) for w in workers])
+            before = protocol_scores(generate, score, **runs)
+            out.update(before_policy=before_path, mean_at_k_before=mean_at_k(before),
+                       paired=paired_comparison(after, before))
+            if rt.trainer is not None:
+                rt.trainer.sync_weights()
+        return out
 
 
 def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:

@@ -62,6 +62,18 @@ class StageContext:
                 return arts[key]
         return default
 
+    def artifact_before(self, key: str, later: str) -> str:
+        """The artifact `key` as it was before the earliest stage that published `later` (e.g. the policy
+        the RL stage started from: `artifact_before("policy", "checkpoint")`)."""
+        value = None
+        for arts in self.artifacts.values():
+            if later in arts:
+                break
+            value = arts.get(key, value)
+        if value is None:
+            raise StageError(f"stage {self.name!r} needs the artifact {key!r} from before {later!r}")
+        return value
+
     def require(self, key: str) -> str:
         value = self.artifact(key)
         if value is None:

@@ -481,11 +481,13 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
 
 
 def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *,
-                      temperature: float, n: int, seed: int, group_base: int = 0, evaluation: bool = False) -> list[Any]:
+                      temperature: float, n: int, seed: int, group_base: int = 0, evaluation: bool = False,
+                      sampling_overrides: dict[str, Any] | None = None) -> list[Any]:
     """Spread prompts over the rollout workers without waiting; returns the workers' ObjectRefs
     (`Batch.concat(ray.get(refs))` is the prompt-major batch). Each worker runs its calls in order, so
     a generation submitted before a weight update samples from the weights before it. `evaluation` picks
-    the recipe's evaluation decoding method instead of the rollout one."""
+    the recipe's evaluation decoding method instead of the rollout one; `sampling_overrides` replace sampling
+    parameters (top_p, exit_at_step) for an evaluation protocol."""
     d = cfg.data
     prompts = [format_prompt(r[d.prompt_column], tokenizer, d.prompt_prefix, d.chat_template) for r in rows]
     answers = [r.get(d.answer_column) for r in rows]
@@ -501,6 +503,7 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
         decoding, params = (r.eval_decoding, r.eval_decoding_params) if evaluation else (r.decoding, r.decoding_params)
         if decoding is not None:
             sampling.update(decoding=decoding, decoding_params=as_container(params))
+        sampling.update(sampling_overrides or {})
         groups, meta = list(range(group_base + lo, group_base + hi)), [{"row": group_base + i} for i in range(lo, hi)]
         if r.env is not None:  # multi-turn episodes of an environment
             env = {"name": r.env, "params": as_container(r.env_params), "max_turns": r.max_turns,
@@ -513,10 +516,12 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
 
 
 def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *, temperature: float,
-             n: int, seed: int, group_base: int = 0, evaluation: bool = False) -> Batch:
+             n: int, seed: int, group_base: int = 0, evaluation: bool = False,
+             sampling_overrides: dict[str, Any] | None = None) -> Batch:
     """Spread prompts over the rollout workers; returns one Batch (prompt-major rows)."""
     return _gather(submit_generation(workers, tokenizer, cfg, rows, temperature=temperature, n=n, seed=seed,
-                                     group_base=group_base, evaluation=evaluation))
+                                     group_base=group_base, evaluation=evaluation,
+                                     sampling_overrides=sampling_overrides))
 
 
 def _gather(refs: list[Any]) -> Batch:

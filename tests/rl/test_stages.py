@@ -39,12 +39,12 @@ class KeepFirst:
 '''
 
 
-def _cfg(tmp_path, keep, *extra):
+def _cfg(tmp_path, keep, *extra, evaluate="{}"):
     plugin = tmp_path / "select_stage.py"
     plugin.write_text(SELECT_STAGE)
     stages = ("stages=[{name: model}, {name: data}, {name: sft}, "
               f"{{name: '{plugin}:KeepFirst', label: select, params: {{keep: {keep}}}}}, "
-              "{name: rl}, {name: export}, {name: evaluate}]")
+              f"{{name: rl}}, {{name: export}}, {{name: evaluate, params: {evaluate}}}]")
     return config.load(ROOT / "recipes/quickstart.yaml", [f"output_dir={tmp_path / 'run'}", *TINY, stages, *extra])
 
 
@@ -78,6 +78,15 @@ def test_a_user_stage_feeds_rl_is_reused_and_reruns_with_everything_after_it_whe
         run(_cfg(tmp_path, 12), only_stage="nope")
     record = json.loads((tmp_path / "run" / "stages" / "select.json").read_text())
     assert record["complete"] and record["artifacts"]["train"].endswith("stages/select/train.jsonl")
+
+    # the evaluation protocol: only the evaluate stage runs again, on the exported policy (no live trainer),
+    # and compares it with the policy RL started from on the same sampled runs
+    protocol = run(_cfg(tmp_path, 12, evaluate="{runs: 2, temperature: 1.0, compare_before: true}"))
+    assert [n for n, st in protocol["stages"].items() if not st["reused"]] == ["evaluate"]
+    p = protocol["eval_protocol"]
+    assert p["mean_at_k"]["runs"] == 2 and p["mean_at_k"]["problems"] == 8 and p["paired"]["problems"] == 8
+    assert p["before_policy"] == changed["stages"]["model"]["artifacts"]["policy"]  # sft off: the base model
+    assert protocol["accuracy_after_rl"] == changed["accuracy_after_rl"]
 
 
 def test_a_bad_stage_param_names_the_recipe_key(tmp_path):

@@ -175,6 +175,9 @@ class ModelStage(Stage):
     config_keys = ("seed", "model.path", "model.tiny")
     runs_in_driver = True
 
+    def input_files(self, cfg: DictConfig) -> list[str | None]:
+        return [cfg.model.path]
+
     def run(self, ctx: StageContext) -> dict[str, str]:
         path = prepare_model(ctx.cfg, ctx.output_dir)
         return {"base_model": path, "policy": path}
@@ -186,8 +189,19 @@ class DataStage(Stage):
     config_keys = ("data", "sft.enabled")
     runs_in_driver = True
 
+    def input_files(self, cfg: DictConfig) -> list[str | None]:
+        return [cfg.data.train_path, cfg.data.eval_path, cfg.data.sft_path]
+
     def run(self, ctx: StageContext) -> dict[str, str]:
-        return {k: v for k, v in prepare_data(ctx.cfg, ctx.output_dir).items() if v}
+        cfg, d = ctx.cfg, ctx.cfg.data
+        paths = {k: v for k, v in prepare_data(cfg, ctx.output_dir).items() if v}
+        # read every split now: a missing file, column or empty set fails here, before any training
+        columns = {"train": [d.prompt_column, d.answer_column], "eval": [d.prompt_column, d.answer_column],
+                   "sft": [d.prompt_column, d.target_column]}
+        for split, path in paths.items():
+            if split != "sft" or cfg.sft.enabled:
+                load_rows(path, columns[split], f"data.{split}_path")
+        return paths
 
 
 @register("stage", "sft")

@@ -9,7 +9,8 @@ published a name wins: a data-selection stage's `train` replaces the data stage'
   task with the resources they declare (`resources`, default none reserved) and get a context without
   the runtime; what they add to `ctx.summary` comes back with their artifacts.
 * Every stage has a fingerprint: its name, params, the recipe keys it declares (`config_keys`; a user
-  stage depends on the whole recipe) and the fingerprints of every stage before it. A stage whose record
+  stage depends on the whole recipe), the identity (size, modification time) of the files outside the run
+  it reads (`input_files(cfg)`, e.g. the recipe's data files) and the fingerprints of every stage before it. A stage whose record
   (`output_dir/stages/NAME.json`) is complete with the same fingerprint, and whose artifacts are all on
   disk, is skipped and its artifacts are reused; a changed stage re-runs, and so does every stage after it (their fingerprints change with it).
 * `looprl run RECIPE --stage NAME` runs that stage alone, with the artifacts of the stages before it read
@@ -95,6 +96,22 @@ class Stage:
         raise NotImplementedError
 
 
+def files_identity(*paths: str | None) -> list:
+    """Name, size and modification time of every file at or below `paths` (None and missing paths count as
+    such): what a stage that reads user files puts in its fingerprint, so that a file edited in place is
+    read again."""
+    out: list = []
+    for p in paths:
+        if p is None or not Path(p).exists():
+            out.append([p, None])
+            continue
+        root = Path(p)
+        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
+        out.append([p, [[str(f.relative_to(root)) if f != root else f.name, f.stat().st_size,
+                         f.stat().st_mtime_ns] for f in files]])
+    return out
+
+
 # Recipe keys that never change a result (where and how a run is shown, how it is resumed).
 _NEUTRAL_KEYS = ("output_dir", "resume", "logging", "stages")
 
@@ -158,8 +175,9 @@ def run_stages(cfg: DictConfig, runtime: Any, only: str | None = None) -> dict[s
         key = f"stages[{i}]"
         params = as_container(entry.params)
         stage = make_stage(entry.name, params, key)
+        inputs = stage.input_files(cfg) if hasattr(stage, "input_files") else []
         fp = fingerprint(entry.name, params, config_fingerprint_part(cfg, getattr(stage, "config_keys", None)),
-                         upstream)
+                         files_identity(*inputs), upstream)
         upstream.append(fp)
         record = read_record(cfg, name)
         if only is not None and name != only:

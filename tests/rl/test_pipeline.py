@@ -82,8 +82,14 @@ def test_sft_warm_up_stage_lowers_its_loss_and_is_reused(ray_cluster, tmp_path):
     first, last = sum(h["sft/loss"] for h in hist[:5]) / 5, sum(h["sft/loss"] for h in hist[-5:]) / 5
     assert last < 0.8 * first  # the warm-up fits the synthetic targets
     # a second run of the same recipe reuses the warmed-up policy instead of training it again
+    log = (tmp_path / "sft" / "sft_metrics.jsonl").read_text()
     again = run(_cfg(tmp_path, "sft", *args))
-    assert "sft_final_loss" not in again
+    assert again["stages"]["sft"]["reused"] and (tmp_path / "sft" / "sft_metrics.jsonl").read_text() == log
+    assert again["sft_final_loss"] == summary["sft_final_loss"]  # its summary comes back from its record
+    # a changed SFT setting trains it again, and everything after it
+    changed = run(_cfg(tmp_path, "sft", *[a.replace("sft.lr=5e-3", "sft.lr=4e-3") for a in args]))
+    assert not changed["stages"]["sft"]["reused"] and not changed["stages"]["rl"]["reused"]
+    assert changed["stages"]["model"]["reused"] and changed["sft_final_loss"] != summary["sft_final_loss"]
 
 
 @pytest.mark.slow

@@ -93,3 +93,39 @@ def test_a_bad_stage_param_names_the_recipe_key(tmp_path):
     from rl.stages import make_stage
     with pytest.raises(StageError, match=r"stages\[3\].params: stage 'rl' does not take \['keep'\]"):
         make_stage("rl", {"keep": 3}, "stages[3]")
+
+
+COUNTING_STAGE = '''
+from pathlib import Path
+
+
+class CountRuns:
+    """A driver stage that reads a user file and counts its runs."""
+    runs_in_driver = True
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def input_files(self, cfg):
+        return [self.source]
+
+    def run(self, ctx):
+        runs = ctx.stage_dir / "runs"
+        runs.write_text(str(int(runs.read_text()) + 1 if runs.exists() else 1))
+        return {"copy": str(runs)}
+'''
+
+
+def test_a_stage_runs_again_when_a_file_it_reads_is_edited_in_place(tmp_path):
+    from rl.stages import run_stages
+    plugin, source = tmp_path / "count_stage.py", tmp_path / "rows.jsonl"
+    plugin.write_text(COUNTING_STAGE)
+    source.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = config.load(ROOT / "recipes/quickstart.yaml", [
+        f"output_dir={tmp_path / 'run'}", f"stages=[{{name: '{plugin}:CountRuns', label: count, "
+                                          f"params: {{source: '{source}'}}}}]"])
+    runs = tmp_path / "run" / "stages" / "count" / "runs"
+    run_stages(cfg, runtime=None)
+    assert run_stages(cfg, runtime=None)["stages"]["count"]["reused"] and runs.read_text() == "1"
+    source.write_text('{"prompt": "12+2=", "answer": "14"}\n')  # (a new size: robust to coarse mtimes)
+    assert not run_stages(cfg, runtime=None)["stages"]["count"]["reused"] and runs.read_text() == "2"

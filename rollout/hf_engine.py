@@ -68,10 +68,7 @@ class HFEngine:
             kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
         if sp.stop:
             kwargs.update(stop_strings=list(sp.stop), tokenizer=tok)
-        if sp.exit_at_step is not None:
-            if not hasattr(self.model, "loop_states"):
-                raise ValueError("SamplingParams.exit_at_step needs a looped model (model_type ouro)")
-            kwargs["exit_at_step"] = sp.exit_at_step  # generate() forwards it to every forward call
+        kwargs.update(self._exit_kwargs(sp))  # generate() forwards it to every forward call
         t0 = time.perf_counter()
         out = self.model.generate(**enc, **kwargs)
         gen_s = time.perf_counter() - t0
@@ -110,7 +107,6 @@ class HFEngine:
         """One continuation per prompt of token ids (`rollout.multiturn`): new ids, their logprobs, whether
         each ended by EOS or a stop string. The call is seeded with `seeds[0]` (the hf loop samples a batch
         from one generator)."""
-        from rollout.decoding import Plain, decode
         from rollout.multiturn import Completion
         tok = self.tokenizer
         width = max(len(p) for p in prompt_ids)
@@ -120,30 +116,31 @@ class HFEngine:
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         torch.manual_seed(seeds[0] if seeds else 0)
-        method = self.decoding_method(sampling.decoding, sampling.decoding_params) if sampling.decoding else Plain()
-        resp, logp, lengths, _, ended = decode(
-            self.model, ids.to(self.device), mask.to(self.device), max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, method=method, tokenizer=tok,
-            stop=sampling.stop)
+        resp, logp, lengths, _, ended = self._decode(ids.to(self.device), mask.to(self.device), sampling)
         return [Completion(resp[i, :int(n)].tolist(), logp[i, :int(n)].tolist(), bool(ended[i]))
                 for i, n in enumerate(lengths)]
 
-    def _decode_chunk(self, enc: dict[str, torch.Tensor], prompts: list[str], sp: SamplingParams) -> Batch:
-        """The project's decode loop (`rollout.decoding`) with the chosen method's hooks."""
+    def _exit_kwargs(self, sp: SamplingParams) -> dict[str, int]:
+        """Forward keywords for `exit_at_step` (looped models read out after that loop)."""
+        if sp.exit_at_step is None:
+            return {}
+        if not hasattr(self.model, "loop_states"):
+            raise ValueError("SamplingParams.exit_at_step needs a looped model (model_type ouro)")
+        return {"exit_at_step": sp.exit_at_step}
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams) -> tuple[torch.Tensor, ...]:
+        """The project's decode loop (`rollout.decoding`) with the chosen method's hooks (`plain` for none)."""
         from rollout.decoding import decode
         tok = self.tokenizer
-        forward_kwargs = {}
-        if sp.exit_at_step is not None:
-            if not hasattr(self.model, "loop_states"):
-                raise ValueError("SamplingParams.exit_at_step needs a looped model (model_type ouro)")
-            forward_kwargs["exit_at_step"] = sp.exit_at_step
+        return decode(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                      top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      method=self.decoding_method(sp.decoding or "plain", sp.decoding_params), tokenizer=tok,
+                      stop=sp.stop, forward_kwargs=self._exit_kwargs(sp))
+
+    def _decode_chunk(self, enc: dict[str, torch.Tensor], prompts: list[str], sp: SamplingParams) -> Batch:
+        tok = self.tokenizer
         t0 = time.perf_counter()
-        resp, logp, lengths, inserted, ended = decode(
-            self.model, enc["input_ids"], enc["attention_mask"], max_new_tokens=sp.max_new_tokens,
-            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, method=self.decoding_method(sp.decoding, sp.decoding_params),
-            tokenizer=tok, stop=sp.stop, forward_kwargs=forward_kwargs)
+        resp, logp, lengths, inserted, ended = self._decode(enc["input_ids"], enc["attention_mask"], sp)
         gen_s = time.perf_counter() - t0
         L = resp.shape[1]
         attn = (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)).long()

@@ -30,7 +30,7 @@ from rl.data import format_prompt, load_rows
 from rl.evaluate import evaluate
 from rl.registry import check_params, get, register
 from rl.sft import run_sft
-from rl.stages import Stage, StageContext, StageError, fingerprint, run_stages
+from rl.stages import Stage, StageContext, StageError, fingerprint, make_stage, run_stages
 from rl.tracking import MetricsLogger
 from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, make_rollout_workers, model_family
 from rollout.base import load_tokenizer
@@ -87,7 +87,8 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
 
 def check_components(cfg: DictConfig, model_path: str) -> None:
     """Resolve every named component of the recipe and check its parameters before any actor starts:
-    advantage, loss (its inputs against the model family's outputs), optimizer, decoding methods, schedulers."""
+    advantage, loss (its inputs against the model family's outputs), optimizer, decoding methods, environment,
+    schedulers, stages."""
     from rl.batch import NAMED_FIELDS
     from rl.losses import LOSS_INPUTS
     from rl.registry import get, required_parameters
@@ -117,6 +118,8 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
         check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
                      supplied=("optimizer", "warmup_steps", "total_steps"))
+    for i, entry in enumerate(cfg.stages):  # a bad stage or stage param fails now, not after training
+        make_stage(entry.name, as_container(entry.params), f"stages[{i}]")
 
 
 def seed_everything(seed: int) -> None:

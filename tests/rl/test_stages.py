@@ -89,10 +89,15 @@ def test_a_user_stage_feeds_rl_is_reused_and_reruns_with_everything_after_it_whe
     assert protocol["accuracy_after_rl"] == changed["accuracy_after_rl"]
 
 
-def test_a_bad_stage_param_names_the_recipe_key(tmp_path):
-    from rl.stages import make_stage
+def test_a_bad_stage_param_names_the_recipe_key_at_start_up(tmp_path):
+    from rl.pipeline import check_components
+    cfg = config.load(ROOT / "recipes/quickstart.yaml", [
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: rl, params: {keep: 3}}]"])
     with pytest.raises(StageError, match=r"stages\[3\].params: stage 'rl' does not take \['keep'\]"):
-        make_stage("rl", {"keep": 3}, "stages[3]")
+        check_components(cfg, None)
+    bad = config.load(ROOT / "recipes/quickstart.yaml", ["stages=[{name: model}, {name: selectt}]"])
+    with pytest.raises(Exception, match="unknown stage 'selectt'"):
+        check_components(bad, None)
 
 
 COUNTING_STAGE = '''

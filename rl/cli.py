@@ -158,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
     from rl.config import ConfigError
     from rl.registry import RegistryError
+    from rl.stages import StageError
     try:
         return args.fn(args)
-    except (ConfigError, RegistryError, FileNotFoundError, ConnectionError) as exc:
+    except (ConfigError, RegistryError, StageError, FileNotFoundError, ConnectionError) as exc:
         print(f"looprl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from cluster.learner import LearnerDied
 from cluster.ray_utils import actor_env, init_ray, make_placement
 from rewards.service import RewardService, RewardSpec
-from rl.config import as_container, to_yaml
+from rl.config import ConfigError, as_container, to_yaml
 from rl.data import format_prompt, load_rows
 from rl.evaluate import evaluate
 from rl.registry import check_params, get, register
@@ -102,12 +102,12 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     missing = [n for n in required_parameters(get("loss", a.loss))[4:]
                if n not in (*LOSS_INPUTS, *family.outputs, *NAMED_FIELDS, *a.loss_params)]
     if missing:
-        raise ValueError(f"algorithm.loss: loss {a.loss!r} needs {missing}, which model family {family_name!r} "
+        raise ConfigError(f"algorithm.loss: loss {a.loss!r} needs {missing}, which model family {family_name!r} "
                          f"(model.family: {cfg.model.family}) does not provide; it provides {list(family.outputs)}")
     check_params("optimizer", lc.optimizer.name, as_container(lc.optimizer.params), "learner.optimizer.params",
                  supplied=("params", "lr", "weight_decay"))
     if getattr(get("optimizer", lc.optimizer.name), "forward_only", False) and lc.zero_stage != 0:
-        raise ValueError(f"learner.optimizer {lc.optimizer.name!r} is forward-only (it perturbs the full weights on "
+        raise ConfigError(f"learner.optimizer {lc.optimizer.name!r} is forward-only (it perturbs the full weights on "
                          f"every rank): it needs learner.zero_stage 0, got {lc.zero_stage}")
     for key, name, params in (("rollout.decoding", cfg.rollout.decoding, cfg.rollout.decoding_params),
                               ("rollout.eval_decoding", cfg.rollout.eval_decoding, cfg.rollout.eval_decoding_params)):

@@ -1,4 +1,4 @@
-"""`ray start --head`, then `ray job submit --working-dir . -- looprl run recipes/quickstart.yaml` and
+"""`ray start --head`, then `ray job submit --working-dir . -- recipes/quickstart.yaml` (an executable recipe) and
 `looprl submit recipes/quickstart.yaml`, on loopback."""
 
 import json
@@ -39,7 +39,8 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
             submit = subprocess.run(
                 [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT),
                  "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "runs", "benchmarks/results"]}),
-                 "--", "looprl", "run", "recipes/quickstart.yaml", f"output_dir={out_dir}", "trainer.steps=2",
+                 # the recipe itself is the entrypoint: its first line runs it with `looprl run`
+                 "--", "recipes/quickstart.yaml", f"output_dir={out_dir}", "trainer.steps=2",
                  *TINY_RUN], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
             if "No available agent" not in submit.stderr:
                 break

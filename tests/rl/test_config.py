@@ -86,6 +86,14 @@ def test_every_field_has_a_doc():
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("**/*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_is_an_executable_looprl_run(recipe):
+    # `./recipes/x.yaml key=value` runs locally and `ray job submit ... -- recipes/x.yaml` on a cluster
+    import os
+    assert recipe.read_text().splitlines()[0] == "#!/usr/bin/env -S looprl run"
+    assert os.access(recipe, os.X_OK), f"{recipe} lacks the run bit"
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_validates(recipe):
     from rl.registry import check_params
     cfg = config.load(recipe)

@@ -29,8 +29,8 @@ def submit_job(recipe: str, overrides: list[str], address: str, working_dir: str
                    "excludes": list(DEFAULT_EXCLUDES if excludes is None else excludes)}
     if env:
         runtime_env["env_vars"] = dict(env)
-    deadline = time.monotonic() + 60
-    while True:  # a freshly started head takes a while to register its job agent
+    deadline = time.monotonic() + 300
+    while True:  # a freshly started head takes a while to register its job agent (minutes on a busy machine)
         try:
             job_id = client.submit_job(entrypoint=run_command(recipe, overrides), runtime_env=runtime_env)
             break

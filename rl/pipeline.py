@@ -30,7 +30,7 @@ from rl.data import format_prompt, load_rows
 from rl.evaluate import evaluate
 from rl.registry import check_params, get, register
 from rl.sft import run_sft
-from rl.stages import Stage, StageContext, StageError, fingerprint, make_stage, run_stages
+from rl.stages import Stage, StageContext, StageError, make_stage, run_stages, say
 from rl.tracking import MetricsLogger
 from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, make_rollout_workers, model_family
 from rollout.base import load_tokenizer
@@ -43,30 +43,15 @@ def prepare_model(cfg: DictConfig, out: Path) -> str:
         if not Path(cfg.model.path).exists():
             raise FileNotFoundError(f"model.path: {cfg.model.path!r} does not exist")
         return str(cfg.model.path)
+    # built again whenever the model stage runs (its record decides reuse); seeded, so the same folder
     from models.tiny import save_tiny
     path = out / "base_model"
-    key = fingerprint(cfg.seed, cfg.model.tiny)
-    if not _artifact_matches(path, key):
-        t = cfg.model.tiny
-        shutil.rmtree(path, ignore_errors=True)
-        save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, hidden_size=t.hidden_size, num_layers=t.num_layers,
-                  num_heads=t.num_heads, intermediate_size=t.intermediate_size,
-                  max_position_embeddings=t.max_position_embeddings)
-        _mark_artifact(path, key)
+    t = cfg.model.tiny
+    shutil.rmtree(path, ignore_errors=True)
+    save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, hidden_size=t.hidden_size, num_layers=t.num_layers,
+              num_heads=t.num_heads, intermediate_size=t.intermediate_size,
+              max_position_embeddings=t.max_position_embeddings)
     return str(path)
-
-
-ARTIFACT_MARKER = "LOOPRL_ARTIFACT"
-
-
-def _artifact_matches(path: Path, key: str) -> bool:
-    """An artifact folder is reused only when it is complete and was built from the same config."""
-    marker = path / ARTIFACT_MARKER
-    return marker.exists() and marker.read_text().strip() == key
-
-
-def _mark_artifact(path: Path, key: str) -> None:
-    (path / ARTIFACT_MARKER).write_text(key)
 
 
 def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
@@ -127,10 +112,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _say(msg: str) -> None:
-    print(f"[looprl] {msg}", file=sys.stderr, flush=True)
-
-
 class Runtime:
     """What the driver stages share: Ray, the reward service, the placement of the learner and rollout
     actors (made on first use, so that stages before SFT have the whole cluster), the live RL trainer."""
@@ -138,7 +119,7 @@ class Runtime:
     def __init__(self, cfg: DictConfig, specs: list[RewardSpec]):
         self.cfg = cfg
         mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
-        _say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
+        say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
         self.reward_service = ray.remote(RewardService).options(
             num_cpus=0, runtime_env={"env_vars": actor_env()}).remote(
             specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
@@ -251,7 +232,7 @@ class RLStage(Stage):
         else:
             trainer.load_checkpoint(ckpt)
             _truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
-            _say(f"resumed from {ckpt} at step {trainer.step_idx}")
+            say(f"resumed from {ckpt} at step {trainer.step_idx}")
         if eval_rows and before_path.exists() and ckpt is not None:
             before = json.loads(before_path.read_text())
         elif eval_rows:
@@ -260,7 +241,7 @@ class RLStage(Stage):
         else:
             before = None
         if before is not None:
-            _say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({int(before['num_prompts'])} prompts)")
+            say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({int(before['num_prompts'])} prompts)")
             ctx.summary["accuracy_before_rl"] = before["accuracy"]
             ctx.summary["heldout_rewards_before_rl"] = before.get("components", {})
 
@@ -376,7 +357,7 @@ class EvaluateStage(Stage):
         record.write_text(json.dumps(after))
         before = ctx.output_dir / "eval_before.json"
         before_acc = f"before RL {json.loads(before.read_text())['accuracy']:.3f} -> " if before.exists() else ""
-        _say(f"held-out accuracy: {before_acc}after RL {after['accuracy']:.3f}")
+        say(f"held-out accuracy: {before_acc}after RL {after['accuracy']:.3f}")
         return {"report": str(record)}
 
     def protocol(self, ctx: StageContext, workers: list[Any], tokenizer: Any, rows: list[dict]) -> dict[str, Any]:
@@ -458,14 +439,14 @@ def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summar
                                 "weights_sha256_start": clients[name].weights_sha256()}
                          for name in clients}
     started = [f"{name} ({len(c.workers)} x {judges[name]['engine']})" for name, c in clients.items()]
-    _say("judges: " + ", ".join(started))
+    say("judges: " + ", ".join(started))
     return clients
 
 
 def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, rows: list[dict],
                placement: Any) -> dict[str, float]:
     s, lc, d = cfg.sft, cfg.learner, cfg.data
-    _say(f"sft: {s.steps} steps, batch {s.batch_size}, lr {s.lr}")
+    say(f"sft: {s.steps} steps, batch {s.batch_size}, lr {s.lr}")
     grad_accum = max(1, -(-s.batch_size // (lc.world_size * lc.micro_batch_size)))
     group = make_learner_group(cfg, model_path, placement, lr=s.lr, weight_decay=s.weight_decay,
                                micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),

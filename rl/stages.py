@@ -128,7 +128,8 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """A progress line of the run on stderr."""
     print(f"[looprl] {msg}", file=sys.stderr, flush=True)
 
 
@@ -188,7 +189,7 @@ def run_stages(cfg: DictConfig, runtime: Any, only: str | None = None) -> dict[s
             continue
         if (only is None and record is not None and record["fingerprint"] == fp
                 and all(Path(p).exists() for p in record["artifacts"].values())):
-            _say(f"stage {name}: reusing its artifacts (same recipe and inputs)")
+            say(f"stage {name}: reusing its artifacts (same recipe and inputs)")
             artifacts[name] = record["artifacts"]
             summary.update(record.get("summary", {}))
             summary["stages"][name] = {"artifacts": record["artifacts"], "wall_s": record["wall_s"], "reused": True}
@@ -204,7 +205,7 @@ def run_stages(cfg: DictConfig, runtime: Any, only: str | None = None) -> dict[s
             task = ray.remote(_run_remote).options(num_cpus=resources.pop("num_cpus", 0),
                                                    num_gpus=resources.pop("num_gpus", 0),
                                                    resources=resources or None, max_retries=0)
-            _say(f"stage {name}: running as a Ray task ({entry.name})")
+            say(f"stage {name}: running as a Ray task ({entry.name})")
             produced, ctx.summary = ray.get(task.remote(entry.name, params, key, ctx))
         produced = {k: str(v) for k, v in (produced or {}).items()}
         wall = time.perf_counter() - t0

@@ -9,7 +9,6 @@ any world size or micro-batch size (tested).
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import time
@@ -57,7 +56,8 @@ class LearnerWorker(ActorProbes):
                  family: str = "causal", zero_stage: int = 0, micro_batch_size: int = 8, grad_accum: int = 1,
                  grad_clip: float = 1.0, dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
-                 trust_remote_code: bool = False, offload_between_phases: bool = False):
+                 trust_remote_code: bool = False, offload_between_phases: bool = False, pack_sequences: bool = False,
+                 logprob_chunk_tokens: int = 512):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
                           LOCAL_WORLD_SIZE=str(world_size))
@@ -69,7 +69,10 @@ class LearnerWorker(ActorProbes):
         from rl.optim import is_forward_only
         from rl.registry import get
         self.lr = lr
-        self.family = get("family", family)()
+        self.family = get("family", family)(chunk_tokens=logprob_chunk_tokens)
+        if pack_sequences and not self.family.supports_packing:
+            raise ValueError(f"learner.pack_sequences: model family {family!r} cannot run packed sequences")
+        self.pack = pack_sequences
         self.loss_parameters: dict[str, torch.nn.Parameter] | None = None  # declared by the loss (rl.losses)
         self.loss_parameter_opt: torch.optim.Optimizer | None = None
         self.backward_passes = 0
@@ -141,23 +144,26 @@ class LearnerWorker(ActorProbes):
 
     # ------------------------------------------------------------------ forward-only
     @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0,
-                         micro_batch_size: int = 64) -> torch.Tensor:
+    def compute_logprobs(self, micro_batches: list[Batch], which: str = "policy", temperature: float = 1.0,
+                         top_k: int = 0, top_p: float = 1.0) -> list[torch.Tensor]:
+        """Sampled-token logprobs `[n, L]` of each micro-batch under the policy or the reference, of the
+        distribution the rollout sampled from (`temperature`, `top_k`, `top_p`)."""
         self.reload_states()  # every entry point that computes with the model first brings offloaded states back
         model = self.ref if which == "ref" else self.engine.module
         if model is None:
             raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
         was_training = model.training
         model.eval()
-        outs = [self.family.forward(model, mb, temperature=temperature)["logp"].cpu()
-                for mb in batch.split(max(1, math.ceil(len(batch) / micro_batch_size)))]
+        outs = [self.family.forward(model, mb, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    pack=self.pack)["logp"].cpu() for mb in micro_batches]
         model.train(was_training)
-        return torch.cat(outs, 0)
+        return outs
 
     # ------------------------------------------------------------------ training
     def train_step(self, micro_batches: list[Batch], loss_fn_spec: str, loss_params: dict[str, Any],
                    temperature: float = 1.0, need_entropy: bool = False,
-                   rollout_correction: dict[str, Any] | None = None) -> dict[str, float]:
+                   rollout_correction: dict[str, Any] | None = None, top_k: int = 0, top_p: float = 1.0
+                   ) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (its share of the global batch).
 
         `loss_params` carries the global `num_tokens`/`num_seqs`, so each micro-batch loss is its
@@ -179,11 +185,10 @@ class LearnerWorker(ActorProbes):
         outputs = (named & set(self.family.outputs)) | {"logp"}
         if need_entropy or entropy_grad:
             outputs.add("entropy")
-        self._check_micro_batches(micro_batches)
 
         def micro_loss(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             out = self.family.forward(self.engine, mb, temperature=temperature, outputs=outputs,
-                                      entropy_grad=entropy_grad)
+                                      entropy_grad=entropy_grad, top_k=top_k, top_p=top_p, pack=self.pack)
             logp, entropy = out["logp"], out.get("entropy")
             extra = {k: v for k, v in out.items() if k in named and k not in ("logp", "entropy")}
             extra.update(self._loss_parameters(loss_fn, out, loss_params))
@@ -211,18 +216,12 @@ class LearnerWorker(ActorProbes):
 
     def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:
         """Supervised step: token-mean negative log-likelihood of the response tokens (global count)."""
-        self._check_micro_batches(micro_batches)
 
         def micro_loss(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            logp = self.family.forward(self.engine, mb)["logp"]
+            logp = self.family.forward(self.engine, mb, pack=self.pack)["logp"]
             return -(logp * mb.response_mask.to(logp.device)).sum() / num_tokens, {}
 
         return self._optimize(micro_batches, micro_loss)
-
-    def _check_micro_batches(self, micro_batches: list[Batch]) -> None:
-        if len(micro_batches) != self.grad_accum:
-            raise ValueError(f"rank {self.rank}: got {len(micro_batches)} micro-batches, "
-                             f"DeepSpeed was configured for {self.grad_accum}")
 
     def _optimize(self, micro_batches: list[Batch],
                   micro_loss: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
@@ -316,8 +315,10 @@ class LearnerWorker(ActorProbes):
     def _backward_and_step(self, loss: torch.Tensor, last: bool) -> float | None:
         """Backward of one micro-batch's share of the global loss, then DeepSpeed's step (which only
         updates at the accumulation boundary). DeepSpeed averages gradients over ranks, hence
-        `* world_size`; the loss is already a share, hence no division by the accumulation steps.
+        `* world_size`; the loss is already a share, hence no division by the accumulation steps. The
+        boundary is set explicitly, so a step may have any number of micro-batches (token budgets).
         Returns the stage-0 pre-clip gradient norm on the last micro-batch, else None."""
+        self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
         self.backward_passes += 1
         norm = self._grad_norm_before_step() if last else None
@@ -487,9 +488,13 @@ class LearnerGroup:
 
     def __init__(self, world_size: int, model_path: str, *, placement_group=None, bundle_indices=None,
                  num_cpus: float = 0.5, num_gpus: float = 0.0, env: dict[str, str] | None = None,
-                 **worker_kwargs: Any):
+                 max_tokens_per_micro_batch: int = 0, **worker_kwargs: Any):
+        """`max_tokens_per_micro_batch > 0` forms micro-batches by token count (`rl.batch.plan_micro_batches`)
+        instead of `grad_accum` equal splits of each rank's share; logprob passes use it too."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         self.world_size = world_size
+        self.max_tokens = max_tokens_per_micro_batch
+        self.logprob_micro_batch_size = 64  # sequences per logprob forward without a token budget
         port = free_port()
         addr = "127.0.0.1" if placement_group is None else ray.util.get_node_ip_address()
         actor_cls = ray.remote(LearnerWorker)
@@ -521,27 +526,41 @@ class LearnerGroup:
                     pass
             raise LearnerDied(f"learner rank(s) {dead or '?'} died during {what}") from exc
 
-    def _shards(self, batch: Batch) -> list[Batch]:
-        return batch.split(self.world_size)
+    def plan(self, batch: Batch, micro_batches: int) -> list[list[list[int]]]:
+        """Row indices per rank and micro-batch: by token budget when one is set, else contiguous shards
+        split into `micro_batches` each."""
+        from rl.batch import contiguous_plan, plan_micro_batches, sequence_tokens
+        if self.max_tokens:
+            return plan_micro_batches(sequence_tokens(batch), self.world_size, self.max_tokens)
+        return contiguous_plan(len(batch), self.world_size, micro_batches)
 
-    def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0) -> torch.Tensor:
-        shards = self._shards(batch)
-        outs = self.get_all([w.compute_logprobs.remote(s, which, temperature) for w, s in zip(self.workers, shards)],
-                             f"{which} logprobs")
-        width = batch.response_ids.shape[1]
-        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs], 0)
+    def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0, top_k: int = 0,
+                         top_p: float = 1.0) -> torch.Tensor:
+        from rl.batch import micro_batches_of
+        per_rank = -(-len(batch) // self.world_size)
+        plan = self.plan(batch, max(1, -(-per_rank // self.logprob_micro_batch_size)))
+        futures = [w.compute_logprobs.remote(mbs, which, temperature, top_k, top_p)
+                   for w, mbs in zip(self.workers, micro_batches_of(batch, plan))]
+        out = torch.zeros(batch.response_ids.shape)
+        for bins, parts in zip(plan, self.get_all(futures, f"{which} logprobs")):
+            for rows, logp in zip(bins, parts):
+                if rows:  # empty bins ran a filler row
+                    out[rows, :logp.shape[1]] = logp
+        return out
 
     def train_step(self, batch: Batch, grad_accum: int, loss_fn_spec: str, loss_params: dict[str, Any],
                    temperature: float = 1.0, need_entropy: bool = False,
-                   rollout_correction: dict[str, Any] | None = None) -> dict[str, float]:
-        """Split `batch` over ranks and `grad_accum` micro-batches each; one optimizer step."""
+                   rollout_correction: dict[str, Any] | None = None, top_k: int = 0, top_p: float = 1.0
+                   ) -> dict[str, float]:
+        """Split `batch` over ranks and micro-batches (`plan`); one optimizer step."""
+        from rl.batch import micro_batches_of
         mask = batch.response_mask
         params = dict(loss_params)
         params["num_tokens"] = float(mask.sum())
         params["num_seqs"] = float((mask.sum(-1) > 0).sum())
-        futures = [w.train_step.remote(shard.split(grad_accum), loss_fn_spec, params, temperature, need_entropy,
-                                       rollout_correction)
-                   for w, shard in zip(self.workers, self._shards(batch))]
+        futures = [w.train_step.remote(mbs, loss_fn_spec, params, temperature, need_entropy, rollout_correction,
+                                       top_k, top_p)
+                   for w, mbs in zip(self.workers, micro_batches_of(batch, self.plan(batch, grad_accum)))]
         results = self.get_all(futures, "a training step")
         out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         out["loss"] = sum(r["loss"] for r in results)
@@ -549,9 +568,11 @@ class LearnerGroup:
         return out
 
     def sft_step(self, batch: Batch, grad_accum: int) -> dict[str, float]:
+        from rl.batch import micro_batches_of
         num_tokens = float(batch.response_mask.sum())
-        results = self.get_all([w.sft_step.remote(shard.split(grad_accum), num_tokens)
-                                for w, shard in zip(self.workers, self._shards(batch))], "an SFT step")
+        results = self.get_all([w.sft_step.remote(mbs, num_tokens)
+                                for w, mbs in zip(self.workers, micro_batches_of(batch, self.plan(batch, grad_accum)))],
+                               "an SFT step")
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
                 "lr": results[0]["lr"]}
 

@@ -14,72 +14,219 @@ this module imports only torch and transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from models.ouro import OuroConfig, exit_pdf
+from models.sampling import truncates, warp_logits
 
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[N, L]` logprobs of `batch.response_ids` under a causal `model` at `temperature` (and entropy if asked).
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # a DeepSpeed engine wraps the model
 
-    The entropy is a metric unless `entropy_grad` (an entropy bonus in the loss): then it keeps its graph.
-    Logits are divided by the rollout temperature before the log-softmax, so that the ratio to the
-    rollout engine's logprobs is 1 on-policy.
-    """
-    device = _device(model)
-    inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
-    logits = model(**inputs, use_cache=False).logits
-    P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    logits = logits[:, P - 1:P + L - 1].float()
+
+def output_head(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`hidden -> logits` as the model's own forward computes them from its last hidden state: the output
+    embedding, then the output scalings some families apply (Cohere's `logit_scale`, Granite's
+    `logits_scaling`, Gemma's `final_logit_softcapping`). Calls the module (not its weight) so that ZeRO-3
+    gathers a partitioned weight, also when activation checkpointing recomputes it."""
+    head = module.get_output_embeddings()
+    cfg = getattr(module, "config", None)
+    scale = getattr(cfg, "logit_scale", None)
+    divide = getattr(cfg, "logits_scaling", None)
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        x = head(h)
+        if scale:
+            x = x * scale
+        if divide:
+            x = x / divide
+        if softcap:
+            x = torch.tanh(x / softcap) * softcap
+        return x
+    return logits
+
+
+def _token_stats(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, labels: torch.Tensor,
+                 temperature: float, top_k: int, top_p: float, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of `labels [C]` and entropy `[C]` (zeros unless asked) of the distribution tokens are sampled
+    from at `temperature`, truncated by `top_k`/`top_p` as the rollout did, from hidden states `h [C, H]`."""
+    logits = head(h).float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    logsm = torch.log_softmax(logits, -1)
-    logp = logsm.gather(-1, batch.response_ids.to(device).unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logsm.exp() * logsm).sum(-1)
+    if truncates(top_k, top_p):
+        kept = warp_logits(logits, 1.0, top_k, top_p)
+        # The sampled token is in the rollout's support by construction; keep it in ours when a rounding
+        # difference at the nucleus boundary would drop it (its logprob would otherwise be -inf).
+        logits = kept.scatter(-1, labels[:, None], logits.gather(-1, labels[:, None]))
+    log_z = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - log_z
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    probs = (logits - log_z[:, None]).exp()
+    entropy = log_z - (probs * logits.masked_fill(~torch.isfinite(logits), 0.0)).sum(-1)
     return logp, entropy
 
 
+def chunked_token_stats(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, labels: torch.Tensor, *,
+                        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, with_entropy: bool = False,
+                        entropy_grad: bool = False, chunk_tokens: int = 512
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_token_stats` over `h [M, H]` in chunks of `chunk_tokens` tokens, recomputing the vocabulary
+    projection in backward (activation checkpointing): at most one chunk's `[chunk, V]` logits exist,
+    never `[N, L, V]`. The entropy keeps its graph only with `entropy_grad` (an entropy bonus)."""
+    grad = torch.is_grad_enabled() and h.requires_grad
+    logps, entropies = [], []
+    for start in range(0, h.shape[0], max(1, chunk_tokens)):
+        args = (head, h[start:start + chunk_tokens], labels[start:start + chunk_tokens], temperature, top_k, top_p,
+                with_entropy)
+        lp, ent = checkpoint(_token_stats, *args, use_reentrant=False) if grad else _token_stats(*args)
+        logps.append(lp)
+        entropies.append(ent if entropy_grad else ent.detach())
+    if not logps:
+        empty = h.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+def response_positions(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every generated response token (`response_attn`), row-major."""
+    attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
+    rows, cols = attn.bool().nonzero(as_tuple=True)
+    return rows, cols
+
+
+def packed_inputs(batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The real tokens of every row (prompt then response, no padding) in one row `[1, T]`, positions
+    restarting at 0 for each sequence, and for every generated response token (row-major, as
+    `response_positions`) the index in `[0, T)` of the token that predicts it. transformers' attention
+    starts a new causal block wherever the positions restart, so sequences do not see each other."""
+    attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
+    ids, pos, src = [], [], []
+    offset = 0
+    for i in range(len(batch)):
+        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()]
+        n_resp = int(attn[i].sum())
+        seq = torch.cat([prompt, batch.response_ids[i, :n_resp]])
+        ids.append(seq)
+        pos.append(torch.arange(len(seq)))
+        src.append(offset + len(prompt) - 1 + torch.arange(n_resp))
+        offset += len(seq)
+    inputs = {"input_ids": torch.cat(ids)[None], "position_ids": torch.cat(pos)[None]}
+    return inputs, torch.cat(src)
+
+
+def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The hidden state the model's output head reads: the decoder's last (normed) hidden state, or for a
+    looped model the readout loop's (`early_exit_step`, else the final loop).
+
+    The model is called as a whole (a DeepSpeed engine's forward keeps ZeRO-3's micro-step bookkeeping,
+    which gradient accumulation relies on), with its logits kept at no position; the decoder's output is
+    read by a forward hook."""
+    module = _unwrap(model)
+    if hasattr(module, "loop_states"):
+        states, _ = model(**inputs, use_cache=False, return_loop_states=True)
+        step = getattr(module.config, "early_exit_step", None)
+        return states[step - 1] if step else states[-1]
+    captured: dict[str, torch.Tensor] = {}
+
+    def grab(_module: torch.nn.Module, _args: Any, out: Any) -> None:
+        captured["h"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    handle = module.get_decoder().register_forward_hook(grab)
+    try:
+        none = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
+        model(**inputs, use_cache=False, logits_to_keep=none)
+    finally:
+        handle.remove()
+    return captured["h"]
+
+
+def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1.0,
+                      with_entropy: bool = False, entropy_grad: bool = False, *, top_k: int = 0, top_p: float = 1.0,
+                      pack: bool = False, chunk_tokens: int = 512
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[N, L]` logprobs of `batch.response_ids` under a causal `model` (and entropy `[N, L]` if asked),
+    of the distribution the rollout sampled from: logits at `temperature`, truncated by `top_k`/`top_p`.
+
+    The decoder runs once on the padded batch, or with `pack` on its real tokens in one row; the vocabulary
+    projection then runs only at generated response positions, chunk by chunk (`chunked_token_stats`).
+    The entropy is a metric unless `entropy_grad` (an entropy bonus in the loss): then it keeps its graph.
+    Positions past a response's end get 0.
+    """
+    module = _unwrap(model)
+    device = _device(module)
+    rows, cols = response_positions(batch)
+    if pack:
+        inputs, src = packed_inputs(batch)
+        h = _last_hidden(model, {k: v.to(device) for k, v in inputs.items()})[0, src.to(device)]
+    else:
+        inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
+        P = batch.prompt_ids.shape[1]
+        h = _last_hidden(model, inputs)[rows.to(device), (P - 1 + cols).to(device)]
+    labels = batch.response_ids[rows, cols].to(device)
+    logp, entropy = chunked_token_stats(output_head(module), h, labels, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                        chunk_tokens=chunk_tokens)
+    return _scatter(logp, rows, cols, batch), (_scatter(entropy, rows, cols, batch) if entropy is not None else None)
+
+
+def _scatter(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, batch: Any) -> torch.Tensor:
+    out = values.new_zeros(batch.response_ids.shape)
+    return out.index_put((rows.to(values.device), cols.to(values.device)), values)
+
+
 def response_loop_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1.0,
-                           with_entropy: bool = False
+                           with_entropy: bool = False, chunk_tokens: int = 512
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For a looped model: `[N, L, T]` logprobs of the response tokens under each loop's readout at
     `temperature`, the `[N, L, T]` exit pdf at those positions, and the final loop's entropy `[N, L]` as a
     metric (no graph) if asked. The per-loop projections go chunk by chunk (`loop_token_logprobs`), so T
-    full-vocabulary logit tensors never exist at once."""
-    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    full-vocabulary logit tensors never exist at once; nor does the entropy's."""
+    module = _unwrap(model)
     if not hasattr(module, "loop_states"):
         raise TypeError(f"per-loop logprobs need a looped model (model_type ouro); {type(module).__name__} has none")
     device = _device(module)
     inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
-    states, gate_logits = module.loop_states(**inputs)
+    states, gate_logits = model(**inputs, use_cache=False, return_loop_states=True)  # through a DeepSpeed engine
     P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     states = [h[:, P - 1:P + L - 1] for h in states]
     temp = temperature if temperature > 0 else 1.0
     loop_logp = module.loop_token_logprobs(states, batch.response_ids.to(device), temp)
     entropy = None
     if with_entropy:
+        rows, cols = response_positions(batch)
         with torch.no_grad():
-            logsm = torch.log_softmax(module.lm_head(states[-1]).float() / temp, -1)
-            entropy = -(logsm.exp() * logsm).sum(-1)
+            _, ent = chunked_token_stats(output_head(module), states[-1][rows.to(device), cols.to(device)],
+                                         batch.response_ids[rows, cols].to(device), temperature=temp,
+                                         with_entropy=True, chunk_tokens=chunk_tokens)
+        entropy = _scatter(ent, rows, cols, batch)
     return loop_logp, exit_pdf(gate_logits[:, P - 1:P + L - 1]), entropy
 
 
 class CausalFamily:
-    """Decoder-only LMs (Llama, Qwen, the tiny model of `models/tiny.py`, ...)."""
+    """Decoder-only LMs (Llama, Qwen, the tiny model of `models/tiny.py`, ...).
+
+    `chunk_tokens`: response tokens per vocabulary-projection chunk. `supports_packing`: transformers'
+    attention (sdpa, eager, flash-attention) starts a new causal block where position ids restart, so a
+    micro-batch may run as one packed row (tested against the padded forward).
+    """
 
     name = "causal"
     outputs: tuple[str, ...] = ("logp", "entropy")
+    supports_packing = True
+
+    def __init__(self, chunk_tokens: int = 512):
+        self.chunk_tokens = chunk_tokens
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
              ) -> torch.nn.Module:
@@ -87,30 +234,50 @@ class CausalFamily:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
     def forward(self, model: torch.nn.Module, batch: Any, *, temperature: float = 1.0,
-                outputs: frozenset[str] | set[str] = frozenset({"logp"}), entropy_grad: bool = False
-                ) -> dict[str, torch.Tensor]:
-        """The `outputs` asked for (a subset of `self.outputs`; `logp` is always returned)."""
+                outputs: frozenset[str] | set[str] = frozenset({"logp"}), entropy_grad: bool = False,
+                top_k: int = 0, top_p: float = 1.0, pack: bool = False) -> dict[str, torch.Tensor]:
+        """The `outputs` asked for (a subset of `self.outputs`; `logp` is always returned), under the
+        distribution the rollout sampled from (`temperature`, `top_k`, `top_p`)."""
+        if pack and not self.supports_packing:
+            raise ValueError(f"model family {self.name!r} cannot run packed sequences (learner.pack_sequences)")
         logp, entropy = response_logprobs(model, batch, temperature, with_entropy="entropy" in outputs,
-                                          entropy_grad=entropy_grad)
+                                          entropy_grad=entropy_grad, top_k=top_k, top_p=top_p, pack=pack,
+                                          chunk_tokens=self.chunk_tokens)
         return {"logp": logp, "entropy": entropy} if entropy is not None else {"logp": logp}
 
 
 class LoopedFamily(CausalFamily):
-    """Looped LMs (Ouro): the shared layer stack runs T times, each loop has a readout and an exit gate."""
+    """Looped LMs (Ouro): the shared layer stack runs T times, each loop has a readout and an exit gate.
+
+    The plain forward reads out the final loop (`early_exit_threshold: 1.0`, the shipped setting), or the
+    loop `early_exit_step` names; a per-token early exit (threshold < 1) is not trained on. Its attention
+    builds its own masks, so it runs padded batches only.
+    """
 
     name = "looped"
     outputs = ("logp", "entropy", "loop_logp", "exit_pdf")
     model_types = (OuroConfig.model_type,)
+    supports_packing = False
 
     def forward(self, model: torch.nn.Module, batch: Any, *, temperature: float = 1.0,
-                outputs: frozenset[str] | set[str] = frozenset({"logp"}), entropy_grad: bool = False
-                ) -> dict[str, torch.Tensor]:
-        if not {"loop_logp", "exit_pdf"} & set(outputs):  # one readout: the plain forward is the final loop's
-            return super().forward(model, batch, temperature=temperature, outputs=outputs, entropy_grad=entropy_grad)
+                outputs: frozenset[str] | set[str] = frozenset({"logp"}), entropy_grad: bool = False,
+                top_k: int = 0, top_p: float = 1.0, pack: bool = False) -> dict[str, torch.Tensor]:
+        cfg = _unwrap(model).config
+        if getattr(cfg, "early_exit_threshold", 1.0) < 1.0 and not getattr(cfg, "early_exit_step", None):
+            raise ValueError("looped family: a per-token early exit (early_exit_threshold < 1) samples each token "
+                             "from a different loop; train with early_exit_threshold 1.0 (the shipped value) or "
+                             "a fixed early_exit_step")
+        if not {"loop_logp", "exit_pdf"} & set(outputs):  # one readout: the decoder's last hidden state
+            return super().forward(model, batch, temperature=temperature, outputs=outputs,
+                                   entropy_grad=entropy_grad, top_k=top_k, top_p=top_p, pack=pack)
         if entropy_grad:
             raise ValueError("an entropy bonus in the loss is not supported with per-loop outputs "
                              "(the final loop's entropy is a metric)")
-        loop_logp, pdf, entropy = response_loop_logprobs(model, batch, temperature, "entropy" in outputs)
+        if truncates(top_k, top_p):
+            raise ValueError("per-loop outputs are logprobs of each loop's full distribution; rollout.top_k/top_p "
+                             "truncation is not supported with them")
+        loop_logp, pdf, entropy = response_loop_logprobs(model, batch, temperature, "entropy" in outputs,
+                                                         chunk_tokens=self.chunk_tokens)
         out = {"logp": loop_logp[..., -1], "loop_logp": loop_logp, "exit_pdf": pdf}  # the final loop samples
         if entropy is not None:
             out["entropy"] = entropy

@@ -316,9 +316,13 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
                 position_ids: torch.Tensor | None = None, past_key_values: Cache | None = None,
                 use_cache: bool | None = None, labels: torch.Tensor | None = None,
                 logits_to_keep: int | torch.Tensor = 0, exit_at_step: int | None = None,
-                **kwargs) -> CausalLMOutputWithPast:
+                return_loop_states: bool = False, **kwargs) -> CausalLMOutputWithPast | tuple:
         """Logits of one loop (see the module docstring). With `labels`, the loss is next-token cross
-        entropy on the exit-pdf-weighted logits Σ_t p_t logits_t, as in the reference Ouro code."""
+        entropy on the exit-pdf-weighted logits Σ_t p_t logits_t, as in the reference Ouro code.
+        `return_loop_states`: the training forward's `(states, gate_logits)` of `loop_states` instead, so that
+        a learner reaches them through the model's own forward (a DeepSpeed engine's)."""
+        if return_loop_states:
+            return self.loop_states(input_ids, attention_mask, position_ids)
         cfg = self.config
         use_cache = cfg.use_cache if use_cache is None else use_cache
         cache = self._loop_cache(past_key_values, use_cache and labels is None)

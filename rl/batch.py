@@ -207,3 +207,81 @@ def _pad_dim1(t: torch.Tensor, width: int, left: bool, value: int = 0) -> torch.
     pad_shape[1] = width - t.shape[1]
     pad = torch.full(pad_shape, value, dtype=t.dtype)
     return torch.cat([pad, t] if left else [t, pad], 1)
+
+
+def sequence_tokens(batch: Batch) -> list[int]:
+    """Real tokens of each row (prompt plus generated response): its cost in a packed forward."""
+    resp = batch.response_attn if batch.response_attn is not None else batch.response_mask
+    return (batch.prompt_mask.long().sum(-1) + resp.long().sum(-1)).tolist()
+
+
+def plan_micro_batches(costs: list[int], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Rows per rank and per micro-batch, formed by token count: `plan[rank][k]` lists row indices.
+
+    Rows go to ranks longest first, each to the rank with the fewest tokens so far (balanced work); each
+    rank's rows are packed first-fit into micro-batches of at most `max_tokens` tokens (a longer row is a
+    micro-batch of its own). Every rank gets the same number of micro-batches — ZeRO-2/3 run a collective
+    per forward/backward — so a rank with fewer splits its fullest micro-batch, or gets empty ones (the
+    caller fills those with a row that carries no loss).
+    """
+    if world_size < 1 or max_tokens < 1:
+        raise ValueError(f"plan_micro_batches: world_size and max_tokens must be >= 1, got {world_size}, {max_tokens}")
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in order:
+        r = min(range(world_size), key=lambda r: (load[r], len(ranks[r]), r))
+        ranks[r].append(i)
+        load[r] += costs[i]
+    plans = []
+    for rows in ranks:  # already longest first: first-fit decreasing
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in rows:
+            k = next((k for k, free in enumerate(room) if costs[i] <= free), None)
+            if k is None:
+                bins.append([i])
+                room.append(max_tokens - costs[i])
+            else:
+                bins[k].append(i)
+                room[k] -= costs[i]
+        plans.append(bins)
+    count = max(1, max(len(b) for b in plans))
+    for bins in plans:
+        while len(bins) < count:
+            splittable = [k for k, b in enumerate(bins) if len(b) > 1]
+            if not splittable:
+                bins.append([])
+                continue
+            k = max(splittable, key=lambda k: sum(costs[i] for i in bins[k]))
+            half = len(bins[k]) // 2
+            bins.append(bins[k][half:])
+            bins[k] = bins[k][:half]
+    return [[sorted(b) for b in bins] for bins in plans]
+
+
+def contiguous_plan(num_rows: int, world_size: int, micro_batches: int) -> list[list[list[int]]]:
+    """Rows per rank and micro-batch by count: contiguous near-equal shards, each split into `micro_batches`."""
+    def split(rows: list[int], n: int) -> list[list[int]]:
+        if n < 1 or n > len(rows):
+            raise ValueError(f"cannot split a batch of {len(rows)} samples into {n} chunks")
+        bounds = [round(i * len(rows) / n) for i in range(n + 1)]
+        return [rows[bounds[i]:bounds[i + 1]] for i in range(n)]
+    return [split(shard, micro_batches) for shard in split(list(range(num_rows)), world_size)]
+
+
+def micro_batches_of(batch: Batch, plan: list[list[list[int]]]) -> list[list[Batch]]:
+    """The `Batch` of every micro-batch of `plan`; an empty one becomes a filler: a row of the batch with
+    its loss mask zeroed, so that its rank still runs the forward and backward the others run."""
+    out = []
+    for bins in plan:
+        mbs = []
+        for rows in bins:
+            if rows:
+                mbs.append(batch.select(rows))
+            else:
+                filler = batch.select([0])
+                filler.response_mask = torch.zeros_like(filler.response_mask)
+                mbs.append(filler)
+        out.append(mbs)
+    return out

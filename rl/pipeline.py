@@ -89,6 +89,15 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if missing:
         raise ConfigError(f"algorithm.loss: loss {a.loss!r} needs {missing}, which model family {family_name!r} "
                          f"(model.family: {cfg.model.family}) does not provide; it provides {list(family.outputs)}")
+    if lc.pack_sequences and not getattr(family, "supports_packing", False):
+        raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
+                          f"(its attention builds its own masks); set learner.pack_sequences false")
+    import inspect
+    loop_inputs = {"loop_logp", "exit_pdf"} & set(inspect.signature(get("loss", a.loss)).parameters)
+    if loop_inputs and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
+        raise ConfigError(f"rollout.top_p / rollout.top_k: loss {a.loss!r} reads per-loop logprobs "
+                          f"({sorted(loop_inputs)}) of each loop's full distribution, which a truncated rollout "
+                          f"does not sample from; use top_p 1.0 and top_k 0 with it")
     check_params("optimizer", lc.optimizer.name, as_container(lc.optimizer.params), "learner.optimizer.params",
                  supplied=("params", "lr", "weight_decay"))
     if getattr(get("optimizer", lc.optimizer.name), "forward_only", False) and lc.zero_stage != 0:

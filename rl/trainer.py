@@ -96,6 +96,11 @@ class RLTrainer:
         self.need_ref = a.kl_coef > 0
         self.samples_per_update = cfg.trainer.prompts_per_step * cfg.rollout.n // a.mini_batches
         self.grad_accum = max(1, math.ceil(self.samples_per_update / lc.world_size / lc.micro_batch_size))
+        # The learner's logprobs are of the distribution the rollout sampled from: temperature, and the
+        # top-k / top-p truncation when there is one, so that the PPO ratio, the rollout-correction weights
+        # and the mismatch metrics compare one distribution (the rollout engines report processed logprobs).
+        r = cfg.rollout
+        self.sampling_distribution = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
         self.adv_fn = get("advantage", a.advantage)
         get("loss", a.loss)  # fail now, not after the first rollout
         self.learners = make_learner_group(
@@ -119,7 +124,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
         """One RL step: rollout → rewards → logprobs → advantages → policy update → weight sync."""
-        cfg, a = self.cfg, self.cfg.algorithm
+        a = self.cfg.algorithm
         t_start, timing = time.perf_counter(), {}
         if self.swap_phases:  # colocated roles take turns: the learner's states wait in host memory
             self.learners.offload_states()
@@ -130,9 +135,9 @@ class RLTrainer:
                 self.learners.reload_states()
         with _timer(timing, "logprobs"):
             if a.ppo_epochs * a.mini_batches > 1:  # the PPO ratio's denominator after the first update
-                batch.old_logp = self.learners.compute_logprobs(batch, "policy", cfg.rollout.temperature)
+                batch.old_logp = self.learners.compute_logprobs(batch, "policy", **self.sampling_distribution)
             if self.need_ref:
-                batch.ref_logp = self.learners.compute_logprobs(batch, "ref", cfg.rollout.temperature)
+                batch.ref_logp = self.learners.compute_logprobs(batch, "ref", **self.sampling_distribution)
         rewards = self.kl_shaped_rewards(batch, metrics)
         batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
                                        **batch.named_fields(self.adv_fn), **as_container(a.advantage_params))
@@ -180,8 +185,8 @@ class RLTrainer:
             order = torch.randperm(len(batch), generator=gen) if a.mini_batches > 1 else torch.arange(len(batch))
             for mb in batch.select(order).split(a.mini_batches):
                 train_metrics.append(self.learners.train_step(
-                    mb, self.grad_accum, a.loss, loss_params, cfg.rollout.temperature, need_entropy=True,
-                    rollout_correction=correction))
+                    mb, self.grad_accum, a.loss, loss_params, need_entropy=True, rollout_correction=correction,
+                    **self.sampling_distribution))
         return train_metrics
 
     def step_metrics(self, batch: Batch, metrics: dict[str, float], train_metrics: list[dict[str, float]],
@@ -442,7 +447,8 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref,
         warmup_steps=warmup_steps, total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
         seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
-        offload_between_phases=lc.offload_between_phases)
+        offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
+        logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
 
 
 def model_family(cfg: DictConfig, model_path: str | None) -> str:

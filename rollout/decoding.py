@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
 from rl.registry import register
 
 
@@ -64,22 +65,6 @@ def keep_cache_positions(cache: Any, state: DecodeState, keep: torch.Tensor) -> 
             layer.keys = layer.keys.index_select(-2, keep.to(layer.keys.device))
             layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
     state.attention_mask = state.attention_mask.index_select(1, keep.to(state.attention_mask.device))
-
-
-def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) filtering, as transformers' sampling warpers do."""
-    logits = logits / temperature
-    if top_k and top_k > 0:
-        k = min(top_k, logits.shape[-1])
-        logits = logits.masked_fill(logits < torch.topk(logits, k)[0][..., -1, None], float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cumulative <= (1 - top_p)
-        remove_sorted[..., -1:] = False  # keep at least one token
-        remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
 
 
 def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, state: DecodeState,

@@ -1,9 +1,11 @@
-"""`hf` generation engine: transformers `generate` with a KV cache, returning a `Batch`.
+"""`hf` generation engine: the project's decode loop (`rollout.decoding`) over a transformers model with a
+KV cache, returning a `Batch`.
 
-Works on CPU and GPU and for any causal LM transformers can load; it is the engine that later
-decoding hooks (logits processors, residual-stream hooks, KV policies) attach to.
-Sampled-token logprobs are those of the *processed* distribution (after temperature, top-k,
-top-p), which for temperature 1 and no truncation equals the raw model distribution.
+Works on CPU and GPU and for any causal LM transformers can load; decoding hooks (logits processors,
+residual-stream hooks, KV policies) attach to its loop. With no hooks (`plain`) it samples exactly what
+transformers' `generate` does (tested). Each sampled token's logprob is taken at its decode step, of the
+*processed* distribution (after temperature, top-k, top-p) — no `[B, L, V]` score stack is kept — which for
+temperature 1 and no truncation equals the raw model distribution.
 """
 
 from __future__ import annotations
@@ -58,49 +60,7 @@ class HFEngine:
     def _generate_chunk(self, prompts: list[str], sp: SamplingParams) -> Batch:
         tok = self.tokenizer
         enc = encode_prompts(tok, prompts).to(self.device)
-        if sp.decoding is not None:
-            return self._decode_chunk(enc, prompts, sp)
-        greedy = sp.temperature <= 0
-        kwargs: dict[str, Any] = dict(max_new_tokens=sp.max_new_tokens, do_sample=not greedy,
-                                      output_scores=True, return_dict_in_generate=True,
-                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        if not greedy:
-            kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
-        if sp.stop:
-            kwargs.update(stop_strings=list(sp.stop), tokenizer=tok)
-        kwargs.update(self._exit_kwargs(sp))  # generate() forwards it to every forward call
-        t0 = time.perf_counter()
-        out = self.model.generate(**enc, **kwargs)
-        gen_s = time.perf_counter() - t0
-        P = enc["input_ids"].shape[1]
-        resp = out.sequences[:, P:].cpu()
-        scores = torch.stack(out.scores, 1).float().cpu()  # [B, L, V] processed logits
-        logp = torch.log_softmax(scores, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
-        L = resp.shape[1]
-        is_eos = resp == tok.eos_token_id
-        has_eos = is_eos.any(1)
-        lengths = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, L, dtype=torch.long))
-        stopped = has_eos.clone()
-        if sp.stop:
-            # generate() fills a row with pad tokens once it has produced a stop string: the row ends
-            # where its trailing run of pads starts exactly when the text up to there ends with a stop
-            # string (pads the model sampled itself do not end it). Also right for pad == eos tokenizers.
-            content = (resp != tok.pad_token_id).long()
-            fill_start = torch.where(content.any(1), L - content.flip(1).argmax(1), 0)
-            for i in range(len(resp)):
-                p = int(fill_start[i])
-                if tok.decode(resp[i, :p], skip_special_tokens=True).endswith(tuple(sp.stop)):
-                    lengths[i] = min(int(lengths[i]), p)
-                    stopped[i] = True
-        attn = (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        resp = torch.where(attn.bool(), resp, torch.full_like(resp, tok.pad_token_id))
-        texts = tok.batch_decode([r[: int(n)] for r, n in zip(resp, lengths)], skip_special_tokens=True)
-        return Batch(prompt_ids=enc["input_ids"].cpu(), prompt_mask=enc["attention_mask"].cpu(),
-                     response_ids=resp, response_mask=attn.float(), response_attn=attn,
-                     group_id=torch.zeros(len(prompts), dtype=torch.long),
-                     rollout_logp=torch.where(attn.bool(), logp, torch.zeros_like(logp)),
-                     truncated=~stopped, responses=texts,
-                     metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
+        return self._decode_chunk(enc, prompts, sp)
 
     @torch.no_grad()
     def generate_ids(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int]) -> list[Any]:
@@ -147,7 +107,8 @@ class HFEngine:
         texts = tok.batch_decode([r[: int(n)] for r, n in zip(resp, lengths)], skip_special_tokens=True)
         batch = Batch(prompt_ids=enc["input_ids"].cpu(), prompt_mask=enc["attention_mask"].cpu(), response_ids=resp,
                       response_mask=attn.float(), response_attn=attn, group_id=torch.zeros(len(prompts), dtype=torch.long),
-                      rollout_logp=logp, truncated=~ended, responses=texts, observation_mask=inserted,
+                      rollout_logp=logp, truncated=~ended, responses=texts,
+                      observation_mask=inserted if bool(inserted.any()) else None,
                       metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
         return batch  # inserted tokens are context (observation_mask), never trained on
 

@@ -124,3 +124,38 @@ def test_extras_are_checked_and_passed_by_name():
     b.token_step = None
     with pytest.raises(ValueError, match=r"extras \['w'\] are set in some"):
         Batch.concat([b, _batch(2, seed=1)])
+
+
+def test_token_budget_plan_by_hand():
+    from rl.batch import plan_micro_batches
+    # longest first to the lighter rank: r0 gets 10, 5, 3 (18 tokens), r1 gets 8, 7, 2 (17); first-fit in 12
+    assert plan_micro_batches([10, 3, 7, 2, 8, 5], 2, 12) == [[[0], [1, 5]], [[3, 4], [2]]]
+    # a rank with a single over-long row cannot split it: it gets an empty micro-batch (a filler)
+    assert plan_micro_batches([40, 10, 10, 10, 10], 2, 20) == [[[0], []], [[1, 2], [3, 4]]]
+
+
+def test_token_budget_plan_properties_on_random_lengths():
+    from rl.batch import plan_micro_batches
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n, ws = int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+        budget = int(torch.randint(8, 200, (1,), generator=gen))
+        costs = torch.randint(1, 120, (n,), generator=gen).tolist()
+        plan = plan_micro_batches(costs, ws, budget)
+        assert len(plan) == ws and len({len(bins) for bins in plan}) == 1  # same micro-batch count on every rank
+        rows = sorted(i for bins in plan for b in bins for i in b)
+        assert rows == list(range(n))  # every row exactly once
+        for bins in plan:
+            for b in bins:
+                assert len(b) <= 1 or sum(costs[i] for i in b) <= budget
+        loads = [sum(costs[i] for b in bins for i in b) for bins in plan]
+        assert max(loads) - min(loads) <= max(costs)  # balanced to within one row
+
+
+def test_micro_batches_of_fills_an_empty_bin_with_a_row_that_carries_no_loss():
+    from rl.batch import micro_batches_of
+    b = _batch(n=2)
+    b.response_attn = b.response_mask.long()
+    mbs = micro_batches_of(b, [[[0, 1]], [[]]])
+    assert len(mbs[0][0]) == 2 and len(mbs[1][0]) == 1
+    assert mbs[1][0].response_mask.sum() == 0 and mbs[1][0].response_attn.sum() > 0  # forward runs, no loss

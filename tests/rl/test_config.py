@@ -116,6 +116,18 @@ def test_a_loss_that_needs_outputs_the_family_lacks_fails_at_start_up():
     check_components(config.load(ROOT / "recipes/rltt_tiny.yaml"), None)  # auto: the tiny ouro arch is looped
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (["learner.pack_sequences=true"], r"learner.pack_sequences: model family 'looped' cannot run packed"),
+    (["rollout.top_p=0.9"], r"rollout.top_p / rollout.top_k: loss 'rltt' reads per-loop logprobs"),
+])
+def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(overrides, match):
+    from rl.pipeline import check_components
+    with pytest.raises(ValueError, match=match):
+        check_components(config.load(ROOT / "recipes/rltt_tiny.yaml", overrides), None)
+    check_components(config.load(ROOT / "recipes/quickstart.yaml", [*overrides, "learner.max_tokens_per_micro_batch=512"]),
+                     None)  # the causal family packs, and the ppo loss works on the truncated distribution
+
+
 @pytest.mark.parametrize("override,match", [
     ("learner.optimizer.params.betaz=[0.9,0.99]", "learner.optimizer.params.betaz: optimizer 'adamw' has no parameter"),
     ("learner.optimizer.name=lion", "unknown optimizer 'lion'"),

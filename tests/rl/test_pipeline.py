@@ -192,10 +192,12 @@ def test_missing_column_is_named(tmp_path):
     ["learner.world_size=2", "learner.zero_stage=3", "cluster.placement=split", "learner.micro_batch_size=4",
      "algorithm.kl_coef=0.05", "trainer.save_hf=true"],
     # KL in the reward, two PPO epochs x two mini-batches (old logprobs recomputed, ratios != 1),
-    # sequence-level truncated IS correction between rollout and learner logprobs
+    # sequence-level truncated IS correction between rollout and learner logprobs, under top-p sampling
+    # (the learner evaluates the same nucleus), with token-budget micro-batches run packed
     ["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.ppo_epochs=2",
      "algorithm.mini_batches=2", "algorithm.loss_agg=seq-mean-token-sum-norm",
-     "algorithm.is_correction=sequence"],
+     "algorithm.is_correction=sequence", "rollout.top_p=0.9", "learner.max_tokens_per_micro_batch=48",
+     "learner.pack_sequences=true"],
     # DAPO options: dynamic sampling, truncated completions masked, soft overlong penalty; GSPO loss
     ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", "algorithm.mask_truncated=true",
      "algorithm.overlong_buffer=4", "algorithm.kl_coef=0.05", "algorithm.loss=gspo",
@@ -203,7 +205,8 @@ def test_missing_column_is_named(tmp_path):
     # weights broadcast from learner rank 0 (ZeRO-3 over two ranks) to two rollout workers over gloo
     ["learner.world_size=2", "learner.zero_stage=3", "learner.micro_batch_size=4", "rollout.num_workers=2",
      "rollout.weight_sync=collective", "rollout.sync_bucket_mb=1", "algorithm.kl_coef=0.05"],
-], ids=["zero3-2ranks-split-kl-loss", "kl-reward-ppo-epochs", "dapo-options-gspo-rloo", "collective-sync"])
+], ids=["zero3-2ranks-split-kl-loss", "kl-reward-ppo-epochs-top-p-packed", "dapo-options-gspo-rloo",
+                                "collective-sync"])
 def test_variants_run(ray_cluster, tmp_path, variant):
     cfg = _cfg(tmp_path, "v", "trainer.steps=2", "learner.lr=5e-3", _digit_reward(tmp_path), *variant)
     summary = run(cfg)

@@ -34,6 +34,44 @@ def _gen(engine, decoding=None, params=None, **kw):
     return engine.generate(PROMPTS, SamplingParams(**sp, decoding=decoding, decoding_params=params))
 
 
+@torch.no_grad()
+def _transformers_generate(engine, n=1, temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=16, seed=0, stop=None):
+    """The reference: transformers' `generate` with its processed scores stacked, rows ended as the engine
+    ends them (EOS, or a stop string followed by generate's pad fill)."""
+    from rl.batch import Batch
+    from rollout.base import encode_prompts
+    tok = engine.tokenizer
+    rows = [p for p in PROMPTS for _ in range(n)]
+    enc = encode_prompts(tok, rows)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, output_scores=True,
+                  return_dict_in_generate=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
+    if stop:
+        kwargs.update(stop_strings=list(stop), tokenizer=tok)
+    torch.manual_seed(seed * 1_000_003)
+    out = engine.model.generate(**enc, **kwargs)
+    resp = out.sequences[:, enc["input_ids"].shape[1]:]
+    logp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, resp[..., None]).squeeze(-1)
+    L = resp.shape[1]
+    is_eos = resp == tok.eos_token_id
+    lengths = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, L)
+    ended = is_eos.any(1)
+    if stop:
+        content = (resp != tok.pad_token_id).long()
+        fill_start = torch.where(content.any(1), L - content.flip(1).argmax(1), 0)
+        for i in range(len(resp)):
+            p = int(fill_start[i])
+            if tok.decode(resp[i, :p], skip_special_tokens=True).endswith(tuple(stop)):
+                lengths[i], ended[i] = min(int(lengths[i]), p), True
+    attn = (torch.arange(L)[None] < lengths[:, None]).long()
+    resp = torch.where(attn.bool(), resp, tok.pad_token_id)
+    return Batch(prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], response_ids=resp,
+                 response_mask=attn.float(), response_attn=attn, group_id=torch.zeros(len(rows), dtype=torch.long),
+                 rollout_logp=torch.where(attn.bool(), logp, 0.0), truncated=~ended,
+                 responses=tok.batch_decode([r[:int(k)] for r, k in zip(resp, lengths)], skip_special_tokens=True))
+
+
 def assert_same_generation(a, b, logp_atol=1e-5):
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.response_attn, b.response_attn) and torch.equal(a.truncated, b.truncated)
@@ -44,17 +82,18 @@ def assert_same_generation(a, b, logp_atol=1e-5):
 @pytest.mark.parametrize("which", ["engine", "looped_engine"])
 def test_plain_loop_equals_generate_greedy(which, request):
     eng = request.getfixturevalue(which)
-    assert_same_generation(_gen(eng), _gen(eng, "plain"))
+    assert_same_generation(_transformers_generate(eng), _gen(eng))
+    assert_same_generation(_gen(eng), _gen(eng, "plain"))  # no method and `plain` are one loop
 
 
 def test_plain_loop_equals_generate_when_sampling_with_top_k_and_top_p(engine):
     kw = dict(n=4, temperature=0.8, top_k=6, top_p=0.9, seed=11)
-    assert_same_generation(_gen(engine, **kw), _gen(engine, "plain", **kw))
+    assert_same_generation(_transformers_generate(engine, **kw), _gen(engine, "plain", **kw))
 
 
 def test_plain_loop_honours_stop_strings_like_generate(engine):
     kw = dict(n=3, temperature=1.0, seed=3, max_new_tokens=30, stop=list("0123456789"))
-    assert_same_generation(_gen(engine, **kw), _gen(engine, "plain", **kw))
+    assert_same_generation(_transformers_generate(engine, **kw), _gen(engine, "plain", **kw))
 
 
 class BanToken:

@@ -39,6 +39,19 @@ def test_sampled_token_logprobs_match_the_learner(engine, hf, temperature):
     assert ((logp - b.rollout_logp).abs() * b.response_mask).max() < 1e-4
 
 
+def test_under_top_p_the_learner_and_both_engines_agree_on_the_truncated_distribution(engine, hf):
+    """With top-p 0.9 the engines report the renormalised nucleus's logprobs; the learner, given the same
+    top_p, computes the same (mismatch ~ 0), while the full distribution's differ."""
+    sp = SamplingParams(n=3, temperature=0.9, top_p=0.9, max_new_tokens=24, seed=4)
+    for b in (engine.generate(PROMPTS, sp), hf.generate(PROMPTS, sp)):
+        with torch.no_grad():
+            logp, _ = response_logprobs(hf.model, b, temperature=0.9, top_p=0.9)
+            full, _ = response_logprobs(hf.model, b, temperature=0.9)
+        mask = b.response_mask.bool()
+        assert (logp - b.rollout_logp)[mask].abs().max() < 1e-4
+        assert (full - b.rollout_logp)[mask].abs().max() > 1e-2
+
+
 def test_eos_ends_a_response_and_only_length_is_truncation(engine):
     # an untrained model over 101 tokens emits EOS somewhere in 1,600 sampled positions
     b = engine.generate(PROMPTS, SamplingParams(n=8, max_new_tokens=100, seed=2), group_ids=[7, 9],

@@ -479,8 +479,17 @@ class LearnerWorker(ActorProbes):
             dist.destroy_process_group()
 
 
-class LearnerDied(RuntimeError):
+class LearnerFailed(RuntimeError):
+    """A learner rank died or stopped answering: the run stops (a DeepSpeed rank cannot rejoin its process
+    group) and resumes from a checkpoint."""
+
+
+class LearnerDied(LearnerFailed):
     """A learner rank's process died (killed, out of memory, a crashed collective)."""
+
+
+class LearnerStuck(LearnerFailed):
+    """A learner call did not finish within its deadline (`trainer.deadlines.learner_s`)."""
 
 
 class LearnerGroup:
@@ -488,12 +497,14 @@ class LearnerGroup:
 
     def __init__(self, world_size: int, model_path: str, *, placement_group=None, bundle_indices=None,
                  num_cpus: float = 0.5, num_gpus: float = 0.0, env: dict[str, str] | None = None,
-                 max_tokens_per_micro_batch: int = 0, **worker_kwargs: Any):
+                 max_tokens_per_micro_batch: int = 0, deadline_s: float = 0.0, **worker_kwargs: Any):
         """`max_tokens_per_micro_batch > 0` forms micro-batches by token count (`rl.batch.plan_micro_batches`)
-        instead of `grad_accum` equal splits of each rank's share; logprob passes use it too."""
+        instead of `grad_accum` equal splits of each rank's share; logprob passes use it too. `deadline_s > 0`
+        bounds every call on the ranks (`LearnerStuck` past it)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         self.world_size = world_size
         self.max_tokens = max_tokens_per_micro_batch
+        self.deadline_s = deadline_s
         self.logprob_micro_batch_size = 64  # sequences per logprob forward without a token budget
         port = free_port()
         addr = "127.0.0.1" if placement_group is None else ray.util.get_node_ip_address()
@@ -511,8 +522,16 @@ class LearnerGroup:
         ray.get([w.__ray_ready__.remote() for w in self.workers])
 
     def get_all(self, futures: list[Any], what: str) -> list[Any]:
-        """`ray.get` of one call per rank; a dead rank becomes a `LearnerDied` naming it (a DeepSpeed
-        rank cannot rejoin its process group, so the run stops and resumes from a checkpoint)."""
+        """`ray.get` of one call per rank; a dead rank becomes a `LearnerDied` naming it, a call still running
+        after `deadline_s` a `LearnerStuck` naming the ranks (a DeepSpeed rank cannot rejoin its process
+        group, so the run stops and resumes from a checkpoint)."""
+        if self.deadline_s > 0:
+            _, waiting = ray.wait(futures, num_returns=len(futures), timeout=self.deadline_s)
+            if waiting:
+                stuck = [rank for rank, f in enumerate(futures) if f in waiting]
+                self.broken = True  # no graceful shutdown: the stuck ranks will not reach the barrier
+                raise LearnerStuck(f"learner rank(s) {stuck} did not finish {what} within {self.deadline_s:g} s "
+                                   f"(trainer.deadlines.learner_s)")
         try:
             return ray.get(futures)
         except ray.exceptions.RayActorError as exc:
@@ -604,6 +623,8 @@ class LearnerGroup:
 
     def shutdown(self) -> None:
         try:
+            if getattr(self, "broken", False):
+                raise RuntimeError("a rank is stuck")
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         except Exception:  # a rank that is already gone cannot take part in the barrier
             pass

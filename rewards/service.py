@@ -3,7 +3,8 @@
 Why processes: math-verify (and many graders) use `signal.alarm`, which fails off the main thread,
 and a stuck user plugin must be killable. Each sample gets `timeout_s`, enforced inside the worker
 with an interval timer and, as a backstop, by the parent, which kills and restarts the pool when
-a worker stops answering. An exception, a timeout, a NaN or a wrong return type becomes a recorded
+a worker stops answering (dead, or silent past every timer plus `grace_s`) and scores its unfinished
+chunks again, up to `max_worker_deaths` times per call. An exception, a timeout, a NaN or a wrong return type becomes a recorded
 failure for that sample (flagged in the batch and counted in the metrics), never a crashed run.
 """
 
@@ -25,7 +26,7 @@ class RewardService(ActorProbes):
     """Scores samples with weighted reward functions in `num_workers` spawned processes."""
 
     def __init__(self, functions: list[RewardSpec], num_workers: int = 2, timeout_s: float = 10.0,
-                 failure_reward: float = 0.0, judges: dict[str, Any] | None = None):
+                 failure_reward: float = 0.0, judges: dict[str, Any] | None = None, grace_s: float = 30.0):
         if not functions:
             raise ValueError("the reward service needs at least one reward function")
         from rl.registry import get
@@ -43,8 +44,9 @@ class RewardService(ActorProbes):
         self.failure_reward = failure_reward
         self._pool = None
         self.restarts = 0
-        self.worker_deaths = 0  # worker processes that died; their chunks were scored again
+        self.worker_deaths = 0  # worker processes that died or stopped answering; their chunks were scored again
         self.max_worker_deaths = 3  # per score() call; beyond that, unfinished samples are marked failed
+        self.grace_s = grace_s  # beyond every per-sample timer, before a silent worker counts as stuck
 
     def set_judges(self, judges: dict[str, Any]) -> None:
         """Hand the judge clients (`rewards.judges.JudgeClient`) to the rewards that call them."""
@@ -113,11 +115,11 @@ class RewardService(ActorProbes):
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         tasks = [(f, bounds[c], items[bounds[c]:bounds[c + 1]]) for f in pooled for c in range(n_chunks)]
         waves = math.ceil(len(tasks) / self.num_workers)
-        deadline = time.monotonic() + self.timeout_s * (max(bounds[i + 1] - bounds[i] for i in range(n_chunks))
-                                                        * waves + 1) + 30.0
+        budget = self.timeout_s * (max(bounds[i + 1] - bounds[i] for i in range(n_chunks)) * waves + 1) + self.grace_s
         todo = list(range(len(tasks)))
         deaths = 0
         while todo:
+            deadline = time.monotonic() + budget
             pool = self._ensure_pool()
             workers = list(pool._pool)  # multiprocessing.Pool has no public handle on its processes
             running = {t: pool.apply_async(score_chunk, (tasks[t][0].name, dict(tasks[t][0].params), tasks[t][2],
@@ -143,7 +145,15 @@ class RewardService(ActorProbes):
                     todo = sorted(running)
                     self._restart_pool()
                     break
-                if time.monotonic() > deadline:  # stuck past every per-sample timer: kill the pool
+                if time.monotonic() > deadline and deaths < self.max_worker_deaths:
+                    # Stuck past every per-sample timer (a plugin blocking its timer signal, a hung C call):
+                    # kill the pool and score the unfinished chunks again, as for a dead worker.
+                    deaths += 1
+                    self.worker_deaths += 1
+                    todo = sorted(running)
+                    self._restart_pool()
+                    break
+                if time.monotonic() > deadline:  # stuck again and again: give up on these samples
                     for t in running:
                         f, start, chunk = tasks[t]
                         raw[f.key][start:start + len(chunk)] = [

@@ -193,6 +193,15 @@ class RewardConfig:
 
 
 @dataclass
+class DeadlinesConfig:
+    """How long the trainer waits on remote actors before it treats one as stuck (0 disables a deadline)."""
+    generate_s: float = 1800.0  # a rollout (every worker's share of one step's generation): a stuck rollout worker is killed, restarted by Ray (rollout.max_restarts) and its rollout generated again
+    reward_s: float = 0.0  # the reward service's answer for one batch; 0: derived from reward.timeout_s x samples per reward worker + 300 s (the service kills and restarts a stuck reward process itself)
+    learner_s: float = 3600.0  # one learner call (a logprob pass, a training step, a checkpoint): a stuck learner stops the run with a message naming the phase and the checkpoint to resume from
+    sync_s: float = 600.0  # one weight sync to the rollout engines: a stuck rollout worker is killed and restarted with the current weights
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 30  # RL steps (rollout + update)
     prompts_per_step: int = 16  # prompts sampled per step (x rollout.n samples)
@@ -203,6 +212,7 @@ class TrainerConfig:
     save_hf: bool = True  # export the final policy with save_pretrained
     log_every: int = 1  # print/log every N steps
     max_staleness: int = 0  # asynchronous rollout: the rollout of step t+k is generated while step t trains (0: synchronous, 1: one-step-off)
+    deadlines: DeadlinesConfig = field(default_factory=DeadlinesConfig)  # waits on remote actors that mean one is stuck
 
 
 @dataclass

@@ -22,7 +22,7 @@ import ray
 import torch
 from omegaconf import DictConfig
 
-from cluster.learner import LearnerDied
+from cluster.learner import LearnerFailed
 from cluster.ray_utils import actor_env, init_ray, make_placement
 from rewards.service import RewardService, RewardSpec
 from rl.config import ConfigError, as_container, to_yaml
@@ -263,11 +263,11 @@ class RLStage(Stage):
             while trainer.step_idx < tc.steps:
                 try:
                     metrics = trainer.step()
-                except LearnerDied as exc:
+                except LearnerFailed as exc:
                     ckpt = latest_checkpoint(out)
                     where = (f"resume with resume=auto from {ckpt}" if ckpt is not None else
                              "no checkpoint had been written yet (set trainer.checkpoint_every)")
-                    raise LearnerDied(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
+                    raise type(exc)(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
                 step = trainer.step_idx
                 if eval_rows and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     ev = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)

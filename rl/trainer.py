@@ -28,7 +28,7 @@ from rl.config import as_container
 from rl.data import format_prompt
 from rl.losses import kl_in_reward, soft_overlong_penalty
 from rl.registry import get
-from rollout.worker import RolloutWorker, RolloutWorkerRestarted
+from rollout.worker import RolloutWorker, RolloutWorkerRestarted, RolloutWorkerStuck
 
 
 @dataclass
@@ -242,7 +242,7 @@ class RLTrainer:
             staleness.append(self.step_idx - batch.policy_version)
             timing["generate"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            attach_rewards(batch, ray.get(self.rewards.score.remote(reward_items(batch))))
+            attach_rewards(batch, self.score(batch))
             apply_length_shaping(batch, a, cfg.rollout.max_new_tokens)
             timing["reward"] += time.perf_counter() - t0
             rounds += 1
@@ -272,6 +272,17 @@ class RLTrainer:
             metrics["sampling/informative_frac"] = informative_seen / max(1, seen)
         return batch, metrics
 
+    def score(self, batch: Batch) -> list[dict]:
+        """The reward service's scores for `batch`, within `trainer.deadlines.reward_s` (the service itself
+        kills and restarts a reward process that stops answering and scores its samples again)."""
+        d, r = self.cfg.trainer.deadlines, self.cfg.reward
+        limit = d.reward_s or r.timeout_s * -(-len(batch) // max(1, r.num_workers)) * len(r.functions) + 300.0
+        try:
+            return ray.get(self.rewards.score.remote(reward_items(batch)), timeout=limit)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise RuntimeError(f"the reward service did not answer within {limit:g} s (trainer.deadlines.reward_s) "
+                               f"at step {self.step_idx + 1}; the run stopped") from exc
+
     # ------------------------------------------------------------------ rollout pipeline
     def _submit(self, step: int, round_: int) -> PendingRollout:
         """Draw the prompts of (`step`, `round_`) and submit their generation; seeds and group ids
@@ -293,17 +304,33 @@ class RLTrainer:
         again from the same prompts and seeds, so no sample is lost or counted twice."""
         for attempt in range(self.cfg.rollout.max_restarts + 1):
             try:
+                self._kill_stuck_rollout_workers(pending)
                 return _gather(pending.refs)
-            except (ray.exceptions.RayActorError, RolloutWorkerRestarted) as exc:
+            except (ray.exceptions.RayActorError, RolloutWorkerRestarted, RolloutWorkerStuck) as exc:
                 if attempt == self.cfg.rollout.max_restarts:
                     raise RuntimeError(f"rollout for step {pending.step + 1} failed {attempt + 1} times; last "
                                        f"error: {exc}") from exc
-                print(f"[looprl] a rollout worker died during step {pending.step + 1} ({type(exc).__name__}); "
-                      "regenerating its rollout", flush=True)
+                print(f"[looprl] a rollout worker died or was stuck during step {pending.step + 1} "
+                      f"({type(exc).__name__}: {exc}); regenerating its rollout", flush=True)
                 self.rollout_restarts += 1
                 self._resync_rollout_workers()
                 pending.refs = pending.resubmit()
         raise AssertionError("unreachable")
+
+    def _kill_stuck_rollout_workers(self, pending: PendingRollout) -> None:
+        """Wait for a rollout up to `trainer.deadlines.generate_s`; a worker whose share is not done by then is
+        stuck (alive, not answering): kill it so that Ray restarts it, then recover as for a dead one."""
+        limit = self.cfg.trainer.deadlines.generate_s
+        if limit <= 0:
+            return
+        _, waiting = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=limit)
+        if not waiting:
+            return
+        stuck = [i for i, ref in enumerate(pending.refs) if ref in waiting]  # refs are in worker order
+        for i in stuck:
+            ray.kill(self.rollout[i], no_restart=False)
+        raise RolloutWorkerStuck(f"rollout worker(s) {stuck} did not finish step {pending.step + 1}'s generation "
+                                 f"within {limit:g} s (trainer.deadlines.generate_s); killed for a restart")
 
     def _init_collective_sync(self) -> None:
         """Form the weight-sync process group: learner rank 0 and every rollout worker (NCCL when the
@@ -358,7 +385,7 @@ class RLTrainer:
             sends = [w.broadcast_weights.remote(bucket) for w in self.learners.workers]
             loads = [r.receive_weights.remote(self.step_idx, self.sync_meta, bucket) for r in self.rollout]
             self.learners.get_all(sends, "the weight broadcast")
-            return max(ray.get(loads))
+            return max(ray.get(self._within_sync_deadline(loads)))
         if self.cfg.rollout.weight_sync == "cuda_ipc":  # rollout worker i reads learner rank i's GPU buckets
             bucket, keep = self.cfg.rollout.sync_bucket_mb << 20, self.cfg.trainer.max_staleness + 1
             refs = [w.share_weights_ipc.remote(bucket, keep) for w in self.learners.workers]
@@ -370,8 +397,8 @@ class RLTrainer:
         if self.cfg.trainer.max_staleness == 0:
             ray.get(refs[1:])
             try:
-                return max(ray.get(loads))
-            except ray.exceptions.RayActorError:  # died after generating: restart it with these weights
+                return max(ray.get(self._within_sync_deadline(loads)))
+            except (ray.exceptions.RayActorError, RolloutWorkerStuck):  # restart it with these weights
                 self._resync_rollout_workers()
                 return 0.0
         done, self.pending_loads = self.pending_loads, loads + refs[1:]
@@ -384,6 +411,20 @@ class RLTrainer:
             if isinstance(t, float):
                 times.append(t)
         return max(times) if times else 0.0
+
+    def _within_sync_deadline(self, loads: list[Any]) -> list[Any]:
+        """`loads` (one per rollout worker) once done; a worker still loading after
+        `trainer.deadlines.sync_s` is killed for a restart (`RolloutWorkerStuck`)."""
+        limit = self.cfg.trainer.deadlines.sync_s
+        if limit > 0:
+            _, waiting = ray.wait(loads, num_returns=len(loads), timeout=limit)
+            if waiting:
+                stuck = [i for i, ref in enumerate(loads) if ref in waiting]
+                for i in stuck:
+                    ray.kill(self.rollout[i], no_restart=False)
+                raise RolloutWorkerStuck(f"rollout worker(s) {stuck} did not load the weights within {limit:g} s "
+                                         f"(trainer.deadlines.sync_s); killed for a restart")
+        return loads
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -448,6 +489,7 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         warmup_steps=warmup_steps, total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
         seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
         offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
+        deadline_s=cfg.trainer.deadlines.learner_s,
         logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
 
 
@@ -524,10 +566,15 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
 def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *, temperature: float,
              n: int, seed: int, group_base: int = 0, evaluation: bool = False,
              sampling_overrides: dict[str, Any] | None = None) -> Batch:
-    """Spread prompts over the rollout workers; returns one Batch (prompt-major rows)."""
-    return _gather(submit_generation(workers, tokenizer, cfg, rows, temperature=temperature, n=n, seed=seed,
-                                     group_base=group_base, evaluation=evaluation,
-                                     sampling_overrides=sampling_overrides))
+    """Spread prompts over the rollout workers; returns one Batch (prompt-major rows), within
+    `trainer.deadlines.generate_s`."""
+    refs = submit_generation(workers, tokenizer, cfg, rows, temperature=temperature, n=n, seed=seed,
+                             group_base=group_base, evaluation=evaluation, sampling_overrides=sampling_overrides)
+    limit = cfg.trainer.deadlines.generate_s
+    if limit > 0 and ray.wait(refs, num_returns=len(refs), timeout=limit)[1]:
+        raise TimeoutError(f"generation on the rollout workers did not finish within {limit:g} s "
+                           f"(trainer.deadlines.generate_s)")
+    return _gather(refs)
 
 
 def _gather(refs: list[Any]) -> Batch:

@@ -19,6 +19,10 @@ class RolloutWorkerRestarted(RuntimeError):
     """Raised by a rollout worker that Ray restarted and that has not received the current weights yet."""
 
 
+class RolloutWorkerStuck(RuntimeError):
+    """A rollout worker did not answer within its deadline (`trainer.deadlines`); it was killed for a restart."""
+
+
 class RolloutWorker(ActorProbes):
     """Generates samples with the engine named in the recipe and receives weight updates."""
 

@@ -52,6 +52,14 @@ PLUGINS = textwrap.dedent('''
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)  # the worker process is killed mid-task
         return float(len(response))
+
+    def stuck_once(prompt, response, marker="", **kw):
+        import os, signal, time
+        if response == "stuck" and not os.path.exists(marker):
+            open(marker, "w").close()
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # deaf to the per-sample timer
+            time.sleep(3600)  # alive, not answering
+        return float(len(response))
 ''')
 
 
@@ -191,3 +199,17 @@ def test_killed_worker_is_replaced_and_its_samples_scored_again(plugin_file, tmp
     # every sample scored exactly once, none lost to the dead worker
     assert [o["score"] for o in out] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert not any(o["failed"] for o in out)
+
+
+def test_stuck_worker_is_killed_and_its_samples_scored_again(plugin_file, tmp_path):
+    """A worker that blocks the per-sample timer and never answers is stuck, not dead: past every timer and
+    the grace period the pool is killed and restarted, and the unfinished samples are scored again."""
+    specs = [RewardSpec(f"{plugin_file}:stuck_once", 1.0, {"marker": str(tmp_path / "stuck")})]
+    s = RewardService(specs, num_workers=2, timeout_s=0.5, failure_reward=-1.0, grace_s=3.0)
+    try:
+        s.score(_items("warm"))  # the pool is up before the timed call
+        out = s.score(_items("a", "bb", "stuck", "dddd"))
+    finally:
+        s.close()
+    assert (tmp_path / "stuck").exists() and s.worker_deaths == 1 and s.restarts == 1
+    assert [o["score"] for o in out] == [1.0, 2.0, 5.0, 4.0] and not any(o["failed"] for o in out)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cluster.learner import LearnerDied
+from cluster.learner import LearnerDied, LearnerStuck
 from rl.pipeline import run
 from rl.tracking import read_metrics
 from tests.rl.test_pipeline import COMPARE, ROOT, TINY, _cfg, _digit_reward
@@ -35,6 +35,31 @@ def dies_on_step_two(logp, old_logp, advantages, response_mask, **kw):
     if calls == 2 and not os.path.exists({marker!r}):  # two micro-batches per step: call 3 is step 2
         open({marker!r}, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
+    return ppo_clip_loss(logp, old_logp, advantages, response_mask, **kw)
+'''
+
+STUCK_ENGINE = '''
+import os, time
+from rollout.hf_engine import HFEngine
+
+class StuckOnStepTwo(HFEngine):
+    def generate(self, prompts, sampling, *, group_ids=None, **kw):
+        if group_ids and group_ids[0] == 16 and not os.path.exists({marker!r}):
+            open({marker!r}, "w").close()
+            time.sleep(3600)  # alive, never answers
+        return super().generate(prompts, sampling, group_ids=group_ids, **kw)
+'''
+
+STUCK_LOSS = '''
+import os, time
+from rl.losses import ppo_clip_loss
+
+def stuck_on_step_two(logp, old_logp, advantages, response_mask, **kw):
+    calls = int(open({count!r}).read()) if os.path.exists({count!r}) else 0
+    open({count!r}, "w").write(str(calls + 1))
+    if calls == 2 and not os.path.exists({marker!r}):
+        open({marker!r}, "w").close()
+        time.sleep(3600)
     return ppo_clip_loss(logp, old_logp, advantages, response_mask, **kw)
 '''
 
@@ -94,3 +119,27 @@ def test_killed_driver_resumes_to_the_metrics_of_an_uninterrupted_run(ray_cluste
     for a, b in zip(full, again):
         for key in COMPARE:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_a_stuck_rollout_worker_is_killed_restarted_and_its_rollout_regenerated(ray_cluster, tmp_path):
+    engine = tmp_path / "stuck_engine.py"
+    engine.write_text(STUCK_ENGINE.format(marker=str(tmp_path / "worker_was_stuck")))
+    summary = run(_cfg(tmp_path, "stuck", "trainer.steps=3", "learner.lr=5e-3", _digit_reward(tmp_path),
+                       f"rollout.engine={engine}:StuckOnStepTwo", "trainer.deadlines.generate_s=20"))
+    assert (tmp_path / "worker_was_stuck").exists()  # step 2's generation really blocked
+    metrics = read_metrics(tmp_path / "stuck")
+    assert summary["steps"] == 3 and [m["rollout/restarts"] for m in metrics] == [0, 1, 1]
+    assert all(m["batch/samples"] == 16 for m in metrics)
+
+
+@pytest.mark.slow
+def test_a_stuck_learner_stops_the_run_naming_the_phase_and_the_checkpoint_to_resume_from(ray_cluster, tmp_path):
+    loss = tmp_path / "stuck_loss.py"
+    loss.write_text(STUCK_LOSS.format(count=str(tmp_path / "calls"), marker=str(tmp_path / "rank_was_stuck")))
+    args = ["trainer.steps=3", "trainer.checkpoint_every=1", "learner.lr=5e-3", _digit_reward(tmp_path),
+            f"algorithm.loss={loss}:stuck_on_step_two", "trainer.deadlines.learner_s=20"]
+    with pytest.raises(LearnerStuck, match=r"learner rank\(s\) \[0\] did not finish a training step within 20 s "
+                                           r"\(trainer.deadlines.learner_s\) at step 2.*resume=auto from .*step_1"):
+        run(_cfg(tmp_path, "run", *args))
+    resumed = run(_cfg(tmp_path, "run", *args, "resume=auto"))
+    assert resumed["steps"] == 3 and [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]

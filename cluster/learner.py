@@ -90,16 +90,22 @@ class LearnerWorker(ActorProbes):
                                           0.0 if self.manual_clip else grad_clip, bf16)
         self.grad_accum = grad_accum
         load_dtype = torch.bfloat16 if bf16 else torch.float32
-        self.ref = None
-        if with_ref:
-            # The frozen reference is a full (unsharded) copy on every rank: it only runs forward. It is
-            # loaded before the ZeRO-3 config below exists, which would otherwise partition it too.
-            self.ref = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code).eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
         # ZeRO-3: transformers must see the DeepSpeed config *before* from_pretrained so that the
         # weights are partitioned at load time; the object must stay alive.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config) if zero_stage == 3 else None
+        self.ref = None
+        if with_ref:
+            # The frozen reference only runs forward. Under ZeRO-3 it is partitioned like the policy (each
+            # rank holds 1/world_size of it, gathered layer by layer in the forward) inside a DeepSpeed
+            # engine without an optimizer; otherwise it is a plain copy on every rank.
+            ref = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            if zero_stage == 3:
+                ref_config = {k: v for k, v in self.ds_config.items() if k != "gradient_clipping"}
+                ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
+                ref.eval()
+            self.ref = ref
         model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
@@ -149,7 +155,7 @@ class LearnerWorker(ActorProbes):
         """Sampled-token logprobs `[n, L]` of each micro-batch under the policy or the reference, of the
         distribution the rollout sampled from (`temperature`, `top_k`, `top_p`)."""
         self.reload_states()  # every entry point that computes with the model first brings offloaded states back
-        model = self.ref if which == "ref" else self.engine.module
+        model = self.ref if which == "ref" else self.engine
         if model is None:
             raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
         was_training = model.training
@@ -326,8 +332,14 @@ class LearnerWorker(ActorProbes):
         return norm
 
     def counters(self) -> dict[str, int]:
-        """How many backward passes this rank has run (forward-only optimizers run none)."""
-        return {"backward_passes": self.backward_passes}
+        """How many backward passes this rank has run (forward-only optimizers run none), and how many
+        parameter elements of the policy and of the reference this rank holds (partitions under ZeRO-3)."""
+        def held(module: torch.nn.Module | None) -> int:
+            if module is None:
+                return 0
+            return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
+        return {"backward_passes": self.backward_passes, "policy_numel": held(self.engine.module),
+                "ref_numel": held(getattr(self.ref, "module", self.ref))}
 
     def _grad_norm_before_step(self) -> float | None:
         """Stage 0 fp32: gradients are reduced and still in `.grad` before step(); clip them here and

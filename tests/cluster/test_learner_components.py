@@ -105,3 +105,24 @@ def test_a_batch_extra_reaches_the_loss_and_splits_across_ranks_and_micro_batche
     flat.set_extra("token_weight", torch.ones_like(weight), pad="right")
     flat_m, _ = train(1, 1, flat)
     assert flat_m["loss"] != pytest.approx(ref_m["loss"], abs=1e-4)  # the extra changed the loss
+
+
+@pytest.mark.slow
+def test_the_reference_is_partitioned_under_zero3_and_gives_the_unsharded_logprobs(ray_cluster, tiny):
+    """Under ZeRO-3 each rank holds half of the frozen reference, not a full copy; its logprobs (under a
+    top-p nucleus, token-budget micro-batches) equal the model's computed in one piece."""
+    from models.families import response_logprobs
+    eng = HFEngine(tiny)
+    batch = eng.generate(["12+3*4=", "5+6*7=", "9-2="], SamplingParams(n=4, max_new_tokens=10, seed=1, top_p=0.9))
+    with torch.no_grad():
+        expected, _ = response_logprobs(eng.model, batch, top_p=0.9)
+    total = sum(p.numel() for p in eng.model.parameters())
+    group = _group(tiny, 2, 1, batch, lr=1e-3, zero_stage=3, with_ref=True, max_tokens_per_micro_batch=40)
+    try:
+        ref = group.compute_logprobs(batch, "ref", top_p=0.9)
+        held = group.counters()
+    finally:
+        group.shutdown()
+    assert torch.allclose(ref, expected, atol=1e-5)
+    for rank in held:  # ZeRO-3 pads partitions: at most a few elements over half per parameter
+        assert total / 2 <= rank["ref_numel"] < total / 2 + 1000 and rank["policy_numel"] == rank["ref_numel"]

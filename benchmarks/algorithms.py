@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--runs-dir", default=str(ROOT / "runs/algos_bench"))
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/algorithms.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the algorithms already recorded in --out (same seeds) and add or replace these")
     args = p.parse_args()
     runs = Path(args.runs_dir)
     results: dict[str, list[dict]] = {a: [] for a in args.algos}
@@ -60,6 +62,12 @@ def main() -> None:
                    "run_wall_s": time.perf_counter() - t0, "reward_curve": [r["reward/mean"] for r in rows]}
             results[algo].append(row)
             print(json.dumps({"algo": algo, **{k: v for k, v in row.items() if k != "reward_curve"}}), flush=True)
+    if args.merge and Path(args.out).exists():
+        previous = json.loads(Path(args.out).read_text())
+        if previous["seeds"] != args.seeds:
+            raise SystemExit(f"--merge: {args.out} was recorded with seeds {previous['seeds']}, not {args.seeds}")
+        results = {**{a: r for a, r in previous["runs"].items() if a not in results}, **results}
+        results = dict(sorted(results.items()))
     table = {}
     for algo, rows in results.items():
         def mean(key, rows=rows):

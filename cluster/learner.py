@@ -151,17 +151,18 @@ class LearnerWorker(ActorProbes):
     # ------------------------------------------------------------------ forward-only
     @torch.no_grad()
     def compute_logprobs(self, micro_batches: list[Batch], which: str = "policy", temperature: float = 1.0,
-                         top_k: int = 0, top_p: float = 1.0) -> list[torch.Tensor]:
+                         top_k: int = 0, top_p: float = 1.0, output: str = "logp") -> list[torch.Tensor]:
         """Sampled-token logprobs `[n, L]` of each micro-batch under the policy or the reference, of the
-        distribution the rollout sampled from (`temperature`, `top_k`, `top_p`)."""
+        distribution the rollout sampled from (`temperature`, `top_k`, `top_p`) — or another per-token output
+        of the family (`values` of a critic)."""
         self.reload_states()  # every entry point that computes with the model first brings offloaded states back
         model = self.ref if which == "ref" else self.engine
         if model is None:
             raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
         was_training = model.training
         model.eval()
-        outs = [self.family.forward(model, mb, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    pack=self.pack)["logp"].cpu() for mb in micro_batches]
+        outs = [self.family.forward(model, mb, temperature=temperature, top_k=top_k, top_p=top_p, pack=self.pack,
+                                    outputs={output})[output].cpu() for mb in micro_batches]
         model.train(was_training)
         return outs
 
@@ -187,6 +188,8 @@ class LearnerWorker(ActorProbes):
         from rl.registry import get
         loss_fn = get("loss", loss_fn_spec)
         named = set(inspect.signature(loss_fn).parameters)
+        if next(iter(inspect.signature(loss_fn).parameters)) != "logp":
+            return self._named_loss_step(micro_batches, loss_fn, loss_params)
         entropy_grad = bool(loss_params.get("entropy_coef"))
         outputs = (named & set(self.family.outputs)) | {"logp"}
         if need_entropy or entropy_grad:
@@ -217,6 +220,25 @@ class LearnerWorker(ActorProbes):
                 m = mask.to(entropy.device)
                 metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
             return loss, metrics
+
+        return self._optimize(micro_batches, micro_loss)
+
+    def _named_loss_step(self, micro_batches: list[Batch], loss_fn: Any, loss_params: dict[str, Any]
+                         ) -> dict[str, float]:
+        """A loss that is not a policy loss (its first parameter is not `logp`, e.g. a critic's value loss):
+        it gets the family outputs, `response_mask`, the Batch fields and extras it names, and `loss_params`."""
+        import inspect
+        named = set(inspect.signature(loss_fn).parameters)
+        outputs = named & set(self.family.outputs)
+
+        def micro_loss(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            out = self.family.forward(self.engine, mb, outputs=outputs, pack=self.pack)
+            kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                      for k, v in mb.named_fields(loss_fn).items()}
+            kwargs.update({k: v for k, v in out.items() if k in named})  # the model's outputs win over batch data
+            kwargs["response_mask"] = mb.response_mask.to(self.device)
+            params = {k: v for k, v in loss_params.items() if k in named}
+            return loss_fn(**kwargs, **params)
 
         return self._optimize(micro_batches, micro_loss)
 
@@ -566,11 +588,12 @@ class LearnerGroup:
         return contiguous_plan(len(batch), self.world_size, micro_batches)
 
     def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0, top_k: int = 0,
-                         top_p: float = 1.0) -> torch.Tensor:
+                         top_p: float = 1.0, output: str = "logp") -> torch.Tensor:
+        """`[N, L]` sampled-token logprobs of `batch` (or the family's `output`, e.g. a critic's `values`)."""
         from rl.batch import micro_batches_of
         per_rank = -(-len(batch) // self.world_size)
         plan = self.plan(batch, max(1, -(-per_rank // self.logprob_micro_batch_size)))
-        futures = [w.compute_logprobs.remote(mbs, which, temperature, top_k, top_p)
+        futures = [w.compute_logprobs.remote(mbs, which, temperature, top_k, top_p, output)
                    for w, mbs in zip(self.workers, micro_batches_of(batch, plan))]
         out = torch.zeros(batch.response_ids.shape)
         for bins, parts in zip(plan, self.get_all(futures, f"{which} logprobs")):

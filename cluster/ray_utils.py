@@ -71,13 +71,15 @@ class Placement:
 def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollout_cpus: float,
                    mode: str = "colocated", strategy: str = "PACK", use_gpu: bool = False,
                    timeout_s: float = 120.0, learner_resources: dict[str, float] | None = None,
-                   rollout_resources: dict[str, float] | None = None) -> Placement:
+                   rollout_resources: dict[str, float] | None = None, learner_roles: int = 1) -> Placement:
     """One placement group for learners and rollout workers.
 
     colocated: bundle i holds learner rank i and rollout worker i (they take turns on the same
     resources, as in verl's hybrid engine); split: learners and rollout workers get their own bundles.
     `learner_resources` / `rollout_resources` are extra Ray resources each role's bundles ask for
     (custom node resources such as `{"trainer_node": 1}` pin roles to the nodes that offer them).
+    `learner_roles`: actors per learner bundle (2 with PPO's critic beside each policy rank); a GPU bundle's
+    device is shared evenly by the actors of its most crowded bundle.
     """
     gpu = {"GPU": 1} if use_gpu else {}
     extra_l, extra_r = dict(learner_resources or {}), dict(rollout_resources or {})
@@ -98,5 +100,5 @@ def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollo
         remove_placement_group(pg)
         raise RuntimeError(f"placement group {bundles} ({strategy}) could not be scheduled within "
                            f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
-    share = 0.5 if mode == "colocated" else 1.0
+    share = 1.0 / (learner_roles + 1) if mode == "colocated" else 1.0 / learner_roles
     return Placement(pg, learner, rollout, gpus_per_actor=share if use_gpu else 0.0)

@@ -284,6 +284,41 @@ class LoopedFamily(CausalFamily):
         return out
 
 
+class ValueFamily:
+    """Value models for PPO's critic: the policy's architecture with a scalar head per token (transformers'
+    `AutoModelForTokenClassification` with one label; a causal-LM checkpoint gets a new head). Outputs
+    `values [N, L]`: V of the state before each response token, read where that token is predicted."""
+
+    name = "value"
+    outputs: tuple[str, ...] = ("values",)
+    supports_packing = True
+
+    def __init__(self, chunk_tokens: int = 512):
+        self.chunk_tokens = chunk_tokens  # unused: the head is one column wide
+
+    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+             ) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModelForTokenClassification
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config.num_labels, config.classifier_dropout = 1, 0.0  # a deterministic regression head
+        return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                               trust_remote_code=trust_remote_code)
+
+    def forward(self, model: torch.nn.Module, batch: Any, *, outputs: frozenset[str] | set[str] = frozenset(),
+                pack: bool = False, **_sampling: Any) -> dict[str, torch.Tensor]:
+        """`{"values": [N, L]}` (0 past each response's end); sampling settings do not apply."""
+        device = _device(_unwrap(model))
+        rows, cols = response_positions(batch)
+        if pack:
+            inputs, src = packed_inputs(batch)
+            scores = model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False).logits
+            v = scores[0, src.to(device), 0]
+        else:
+            scores = model(**{k: v.to(device) for k, v in batch.model_inputs().items()}, use_cache=False).logits
+            v = scores[rows.to(device), (batch.prompt_ids.shape[1] - 1 + cols).to(device), 0]
+        return {"values": _scatter(v.float(), rows, cols, batch)}
+
+
 def family_for_model_type(model_type: str) -> str:
     """The family that `model.family: auto` picks for a transformers `model_type`."""
     return LoopedFamily.name if model_type in LoopedFamily.model_types else CausalFamily.name

@@ -179,3 +179,52 @@ def compute_mgpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, respo
     if observation_mask is not None:
         adv = adv * (1 - observation_mask.to(adv.dtype))
     return adv
+
+
+def gae_advantages_and_returns(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                               gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens (Schulman et al. 2016).
+
+    `delta_t = r_t + gamma V_{t+1} - V_t`, `A_t = delta_t + gamma lam A_{t+1}`, `returns = A + V`. Positions
+    outside `response_mask` (padding, tool-output tokens) are skipped: the recursion carries the next
+    counted token's value and advantage across them, and past the last token the value is 0 (terminal).
+    With gamma = lam = 1, `A_t = sum_{k>=t} r_k - V_t` (returns minus values).
+    """
+    mask = response_mask.to(torch.float64)
+    r, v = token_rewards.to(torch.float64) * mask, values.to(torch.float64) * mask
+    N, L = r.shape
+    adv = torch.zeros(N, L, dtype=torch.float64)
+    next_value = torch.zeros(N, dtype=torch.float64)
+    next_adv = torch.zeros(N, dtype=torch.float64)
+    for t in reversed(range(L)):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a = delta + gamma * lam * next_adv
+        m = mask[:, t]
+        adv[:, t] = a * m
+        next_value = v[:, t] * m + next_value * (1 - m)
+        next_adv = a * m + next_adv * (1 - m)
+    returns = (adv + v) * mask
+    return adv.to(torch.float32), returns.to(torch.float32)
+
+
+def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """`[N, L]` token rewards with each sample's outcome reward on its last counted token."""
+    mask = response_mask.to(torch.float32)
+    idx = torch.arange(mask.shape[1], dtype=torch.float32)
+    last = (mask * (idx + 1)).argmax(-1)  # the last counted position (0 for an empty mask)
+    out = torch.zeros_like(mask)
+    out[torch.arange(len(rewards)), last] = rewards.to(torch.float32)
+    return out * mask
+
+
+@register("advantage", "gae")
+def compute_gae_advantages(rewards: torch.Tensor, group_id: torch.Tensor, response_mask: torch.Tensor, *,
+                           values: torch.Tensor, token_rewards: torch.Tensor | None = None, gamma: float = 1.0,
+                           lam: float = 0.95, whiten: bool = True) -> torch.Tensor:
+    """PPO's advantage from a value model (`values [N, L]`, a batch extra the critic fills): GAE over token
+    rewards — `token_rewards` when given (outcome on the last token minus a per-token KL penalty), else the
+    outcome reward on each sample's last token — whitened over the batch's tokens (`whiten`, as verl/OpenRLHF)."""
+    if token_rewards is None:
+        token_rewards = outcome_token_rewards(rewards, response_mask)
+    adv, _ = gae_advantages_and_returns(token_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(adv, response_mask) if whiten else adv

@@ -136,7 +136,7 @@ class LearnerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"  # advantage estimator (registry kind "advantage")
+    advantage: str = "grpo"  # advantage estimator (registry kind "advantage"): grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | grpo_passk | mgpo | gae (PPO with a critic, see `critic`)
     advantage_params: dict[str, Any] = field(default_factory=dict)  # keyword parameters, e.g. {eps: 1e-6, norm_by_std: true}
     loss: str = "ppo_clip"  # policy loss (registry kind "loss")
     loss_params: dict[str, Any] = field(default_factory=dict)  # keyword parameters, e.g. {eps_low: 0.2, eps_high: 0.28, dual_clip: 3.0}
@@ -155,6 +155,18 @@ class AlgorithmConfig:
     is_correction: str = "none"  # rollout/learner mismatch correction: none | token | sequence importance weights
     is_mode: str = "truncate"  # truncate: cap importance weights at is_cap; mask: zero those above it
     is_cap: float = 2.0  # importance-weight cap (truncated IS, as verl's TIS; TRL uses 3.0)
+
+
+@dataclass
+class CriticConfig:
+    """PPO's value model, used when the advantage estimator reads `values` (algorithm.advantage: gae). It trains
+    in its own DeepSpeed learner group (learner.world_size ranks, same ZeRO stage, dtype and token budget),
+    colocated with the policy's ranks."""
+    model_path: str | None = None  # HF folder of the value model; null: the policy's starting weights with a new one-output head (a separate model: any folder AutoModelForTokenClassification loads)
+    lr: float = 1e-5  # critic learning rate
+    value_clip: float = 0.2  # clip of the value update around the old values (0 disables)
+    warmup_steps: int = 0  # first RL steps that train only the critic (the policy waits for usable values)
+    grad_clip: float = 1.0  # global gradient-norm clip of the critic (0 disables)
 
 
 @dataclass
@@ -253,6 +265,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
     learner: LearnerConfig = field(default_factory=LearnerConfig)  # DeepSpeed training
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantage, loss, KL
+    critic: CriticConfig = field(default_factory=CriticConfig)  # value model (PPO with algorithm.advantage gae)
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward functions and service
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # loop length, eval, checkpoints
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # Ray and placement

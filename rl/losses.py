@@ -349,3 +349,23 @@ def tgpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         metrics["gate_mean"] = float(_masked_mean(gamma, mask))
         metrics["trust_mean"] = float(w.mean())
     return loss, metrics
+
+
+@register("loss", "value_clip")
+def value_clip_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                    response_mask: torch.Tensor, *, clip: float = 0.2, agg: str = "token-mean",
+                    num_tokens: float | None = None, num_seqs: float | None = None,
+                    norm_len: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's clipped value loss (PPO): `0.5 max((V - R)^2, (clip(V, V_old ± clip) - R)^2)`,
+    aggregated like the policy loss (global counts). `clip <= 0` disables clipping."""
+    mask = response_mask.to(values.dtype)
+    unclipped = (values - returns) ** 2
+    if clip > 0:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        clipped = (clipped_values - returns) ** 2
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        clip_frac = float(_masked_mean((clipped > unclipped).to(mask.dtype), mask))
+    else:
+        per_token, clip_frac = 0.5 * unclipped, 0.0
+    loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    return loss, {"value_clip_frac": clip_frac, "values_mean": float(_masked_mean(values.detach(), mask))}

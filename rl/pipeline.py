@@ -32,7 +32,14 @@ from rl.registry import check_params, get, register
 from rl.sft import run_sft
 from rl.stages import Stage, StageContext, StageError, make_stage, run_stages, say
 from rl.tracking import MetricsLogger
-from rl.trainer import RLTrainer, latest_checkpoint, make_learner_group, make_rollout_workers, model_family
+from rl.trainer import (
+    RLTrainer,
+    latest_checkpoint,
+    make_learner_group,
+    make_rollout_workers,
+    model_family,
+    needs_critic,
+)
 from rollout.base import load_tokenizer
 from rollout.weight_sync import pack_state
 
@@ -89,6 +96,10 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if missing:
         raise ConfigError(f"algorithm.loss: loss {a.loss!r} needs {missing}, which model family {family_name!r} "
                          f"(model.family: {cfg.model.family}) does not provide; it provides {list(family.outputs)}")
+    if needs_critic(cfg) and cfg.critic.model_path is None and family_name != "causal":
+        raise ConfigError(f"critic: algorithm.advantage {a.advantage!r} trains a value model on the policy's "
+                          f"architecture, which model family {family_name!r} has no value head for; set "
+                          f"critic.model_path to a causal LM folder")
     if lc.pack_sequences and not getattr(family, "supports_packing", False):
         raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
                           f"(its attention builds its own masks); set learner.pack_sequences false")
@@ -146,7 +157,8 @@ class Runtime:
                 lc.world_size, cfg.rollout.num_workers, lc.num_cpus, cfg.rollout.num_cpus, cfg.cluster.placement,
                 cfg.cluster.placement_strategy, use_gpu=use_gpu,
                 learner_resources=as_container(cfg.cluster.learner_resources),
-                rollout_resources=as_container(cfg.cluster.rollout_resources))
+                rollout_resources=as_container(cfg.cluster.rollout_resources),
+                learner_roles=2 if needs_critic(cfg) else 1)
         return self._placement
 
     def close(self) -> None:

@@ -39,7 +39,8 @@ _BUILTIN_MODULES = {
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only
 # torch and transformers); resolved on first use.
 _BUILTIN_ATTRS = {
-    "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily"},
+    "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily",
+               "value": "models.families:ValueFamily"},
 }
 
 

@@ -6,6 +6,7 @@ service, learner group) are Ray actors placed by `cluster.ray_utils.make_placeme
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
@@ -23,10 +24,11 @@ from omegaconf import DictConfig
 
 from cluster.learner import LearnerGroup
 from cluster.ray_utils import Placement, actor_env
+from rl.advantages import gae_advantages_and_returns, outcome_token_rewards
 from rl.batch import Batch
 from rl.config import as_container
 from rl.data import format_prompt
-from rl.losses import kl_in_reward, soft_overlong_penalty
+from rl.losses import kl_in_reward, kl_penalty, soft_overlong_penalty
 from rl.registry import get
 from rollout.worker import RolloutWorker, RolloutWorkerRestarted, RolloutWorkerStuck
 
@@ -102,12 +104,14 @@ class RLTrainer:
         r = cfg.rollout
         self.sampling_distribution = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
         self.adv_fn = get("advantage", a.advantage)
+        self.adv_params = inspect.signature(self.adv_fn).parameters
         get("loss", a.loss)  # fail now, not after the first rollout
         self.learners = make_learner_group(
             cfg, model_path, placement, lr=lc.lr, weight_decay=lc.weight_decay,
             micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
             scheduler=lc.scheduler, warmup_steps=lc.warmup_steps,
             total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches)
+        self.critic = make_critic_group(cfg, model_path, placement, self.grad_accum) if needs_critic(cfg) else None
         # colocated roles take turns on one device: the learner's states wait in host memory while the
         # engines generate, the engines sleep while the learner computes
         self.swap_phases = cfg.rollout.sleep_between_phases or lc.offload_between_phases
@@ -138,11 +142,19 @@ class RLTrainer:
                 batch.old_logp = self.learners.compute_logprobs(batch, "policy", **self.sampling_distribution)
             if self.need_ref:
                 batch.ref_logp = self.learners.compute_logprobs(batch, "ref", **self.sampling_distribution)
+            if self.critic is not None:
+                batch.set_extra("values", self.critic.compute_logprobs(batch, output="values"), pad="right")
         rewards = self.kl_shaped_rewards(batch, metrics)
-        batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask,
-                                       **batch.named_fields(self.adv_fn), **as_container(a.advantage_params))
+        adv_inputs = batch.named_fields(self.adv_fn)
+        if "token_rewards" in self.adv_params:
+            adv_inputs["token_rewards"] = self.token_rewards(batch)
+        batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask, **adv_inputs,
+                                       **as_container(a.advantage_params))
         with _timer(timing, "train"):
-            train_metrics = self.update(batch)
+            if self.critic is not None:
+                metrics.update(self.update_critic(batch, adv_inputs.get("token_rewards", self.token_rewards(batch))))
+            warming_up = self.critic is not None and self.step_idx < self.cfg.critic.warmup_steps
+            train_metrics = [] if warming_up else self.update(batch)
         self.step_idx += 1
         with _timer(timing, "sync"):
             if self.swap_phases:  # weights first: the new ones go straight in
@@ -170,6 +182,40 @@ class RLTrainer:
                 rewards = penalised
         return rewards
 
+    def token_rewards(self, batch: Batch) -> torch.Tensor:
+        """`[N, L]` rewards per token for a token-level estimator (GAE): the outcome on the last token, minus
+        `kl_coef` times each token's KL to the reference when the KL is in the reward."""
+        a = self.cfg.algorithm
+        out = outcome_token_rewards(batch.rewards, batch.response_mask)
+        if self.need_ref and a.kl_in_reward:
+            behaviour = batch.old_logp if batch.old_logp is not None else batch.rollout_logp
+            out = out - a.kl_coef * kl_penalty(behaviour, batch.ref_logp, a.kl_estimator) * batch.response_mask
+        return out
+
+    def update_critic(self, batch: Batch, token_rewards: torch.Tensor) -> dict[str, float]:
+        """The critic's clipped value regression onto the GAE returns of the values it gave before the update
+        (`ppo_epochs` passes over `mini_batches`, as the policy)."""
+        a, c = self.cfg.algorithm, self.cfg.critic
+        values = batch.extras["values"].value
+        gamma, lam = (as_container(a.advantage_params).get(k, self.adv_params[k].default) for k in ("gamma", "lam"))
+        _, returns = gae_advantages_and_returns(token_rewards, values, batch.response_mask, gamma, lam)
+        batch.set_extra("old_values", values, pad="right")
+        batch.set_extra("returns", returns, pad="right")
+        gen = torch.Generator().manual_seed(self.cfg.seed * 37 + self.step_idx)
+        results = []
+        for _ in range(a.ppo_epochs):
+            order = torch.randperm(len(batch), generator=gen) if a.mini_batches > 1 else torch.arange(len(batch))
+            for mb in batch.select(order).split(a.mini_batches):
+                results.append(self.critic.train_step(mb, self.grad_accum, "value_clip",
+                                                      {"clip": c.value_clip, "agg": "token-mean"}))
+        mask = batch.response_mask.bool()
+        residual_var = float((returns - values)[mask].var())
+        out = {f"critic/{k}": sum(r[k] for r in results) / len(results)
+               for k in ("loss", "grad_norm", "value_clip_frac", "values_mean")}
+        out["critic/explained_variance"] = 1.0 - residual_var / max(float(returns[mask].var()), 1e-8)
+        out["critic/returns_mean"] = float(returns[mask].mean())
+        return out
+
     def update(self, batch: Batch) -> list[dict[str, float]]:
         """`ppo_epochs` passes over `mini_batches` shuffled mini-batches, one optimizer step each."""
         cfg, a = self.cfg, self.cfg.algorithm
@@ -196,7 +242,7 @@ class RLTrainer:
         n_tokens = float(lengths.sum())
         # With KL in the loss, the loss's own KL (policy being trained vs reference) replaces the
         # behaviour-policy KL measured above.
-        for k in train_metrics[0]:
+        for k in train_metrics[0] if train_metrics else ():  # none while only the critic warms up
             metrics[f"actor/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
         metrics.update({
             "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
@@ -436,6 +482,8 @@ class RLTrainer:
         state = {"step": self.step_idx, "sampler": sampler,
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         self.learners.save_checkpoint(str(ckpt), state)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(ckpt / "critic"), {})
         (ckpt / "trainer_state.json").write_text(json.dumps({"step": self.step_idx, "sampler": sampler}))
         (ckpt / "COMPLETE").write_text("")
         prune_checkpoints(self.out / "checkpoints", self.cfg.trainer.keep_checkpoints)
@@ -443,6 +491,8 @@ class RLTrainer:
 
     def load_checkpoint(self, ckpt: Path) -> None:
         state = self.learners.load_checkpoint(str(ckpt))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(ckpt / "critic"))
         self.step_idx = int(state["step"])
         self.sampler.load(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
@@ -469,6 +519,8 @@ class RLTrainer:
 
     def close(self) -> None:
         self.learners.shutdown()
+        if self.critic is not None:
+            self.critic.shutdown()
         for w in self.rollout:
             ray.kill(w)
 
@@ -491,6 +543,25 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
         deadline_s=cfg.trainer.deadlines.learner_s,
         logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
+
+
+def needs_critic(cfg: DictConfig) -> bool:
+    """Whether the recipe's advantage estimator reads a value model's `values` (PPO's `gae`)."""
+    return "values" in inspect.signature(get("advantage", cfg.algorithm.advantage)).parameters
+
+
+def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int) -> LearnerGroup:
+    """The value model's DeepSpeed group, on the learner bundles beside the policy's ranks (they take turns)."""
+    lc, c = cfg.learner, cfg.critic
+    return LearnerGroup(
+        lc.world_size, c.model_path or model_path, placement_group=placement.group,
+        bundle_indices=placement.learner_bundles, num_cpus=0, num_gpus=placement.gpus_per_actor, env=actor_env(),
+        lr=c.lr, weight_decay=lc.weight_decay, optimizer=as_container(lc.optimizer), family="value",
+        zero_stage=lc.zero_stage, micro_batch_size=lc.micro_batch_size, grad_accum=grad_accum, grad_clip=c.grad_clip,
+        dtype=cfg.model.dtype, backend=lc.backend, total_steps=cfg.trainer.steps * cfg.algorithm.ppo_epochs
+        * cfg.algorithm.mini_batches, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
+        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
+        deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
 
 
 def model_family(cfg: DictConfig, model_path: str | None) -> str:

@@ -176,3 +176,44 @@ def test_mgpo_validity_gate_masking_and_reduction():
     plain = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
                                     step_types=types, lambda_step=0.0)
     assert torch.equal(plain, compute_grpo_advantages(rewards, gid, mask))
+
+
+def test_gae_by_hand():
+    from rl.advantages import gae_advantages_and_returns
+    # gamma 0.9, lam 0.8, rewards [0, 0, 1], values [0.5, 0.4, 0.6]:
+    # d2 = 1 - 0.6 = 0.4; d1 = 0.9*0.6 - 0.4 = 0.14; d0 = 0.9*0.4 - 0.5 = -0.14
+    # A2 = 0.4; A1 = 0.14 + 0.72*0.4 = 0.428; A0 = -0.14 + 0.72*0.428 = 0.16816; returns = A + V
+    adv, ret = gae_advantages_and_returns(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.4, 0.6]]),
+                                          torch.ones(1, 3), gamma=0.9, lam=0.8)
+    assert torch.allclose(adv, torch.tensor([[0.16816, 0.428, 0.4]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[0.66816, 0.828, 1.0]]), atol=1e-6)
+
+
+def test_gae_with_gamma_and_lambda_one_is_returns_minus_values_and_skips_masked_tokens():
+    from rl.advantages import gae_advantages_and_returns
+    g = torch.Generator().manual_seed(0)
+    r, v = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    adv, ret = gae_advantages_and_returns(r, v, mask, gamma=1.0, lam=1.0)
+    to_go = (r * mask).flip(-1).cumsum(-1).flip(-1)  # sum of the counted rewards from t on
+    assert torch.allclose(adv, (to_go - v) * mask, atol=1e-5)
+    assert torch.allclose(ret, to_go * mask, atol=1e-5)
+    # a masked hole (row 1, tokens 2-3) is skipped: token 1 bootstraps from token 4, discounted once
+    adv_d, _ = gae_advantages_and_returns(r, v, mask, gamma=0.5, lam=0.0)
+    assert adv_d[1, 1] == pytest.approx(float(r[1, 1] + 0.5 * v[1, 4] - v[1, 1]), abs=1e-6)
+    assert adv_d[1, 4] == pytest.approx(float(r[1, 4] - v[1, 4]), abs=1e-6)  # last counted token: terminal
+
+
+def test_gae_estimator_puts_the_outcome_on_the_last_token_and_whitens():
+    from rl.advantages import compute_gae_advantages, outcome_token_rewards
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    tr = outcome_token_rewards(torch.tensor([2.0, -1.0]), mask)
+    assert tr.tolist() == [[0, 0, 2.0, 0], [0, 0, 0, -1.0]]
+    values = torch.zeros(2, 4)
+    raw = compute_gae_advantages(torch.tensor([2.0, -1.0]), torch.arange(2), mask, values=values, gamma=1.0,
+                                 lam=1.0, whiten=False)
+    assert raw.tolist() == [[2, 2, 2, 0], [-1, -1, -1, -1]]
+    white = compute_gae_advantages(torch.tensor([2.0, -1.0]), torch.arange(2), mask, values=values)
+    m = mask.bool()
+    assert abs(float(white[m].mean())) < 1e-6 and float(white[m].std()) == pytest.approx(1.0, abs=1e-4)
+    assert (white[~m] == 0).all()

@@ -380,3 +380,18 @@ def test_weighting_advantages_equals_weighting_the_ppo_term():
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     pg = torch.where(adv < 0, torch.minimum(pg, -adv * 3.0), pg)
     assert torch.allclose(weighted, (pg * w * mask).sum() / mask.sum(), atol=1e-6)
+
+
+def test_value_clip_loss_by_hand():
+    from rl.losses import value_clip_loss
+    values = torch.tensor([[1.0, 0.0, 2.0]])
+    old = torch.tensor([[0.5, 0.0, 0.5]])
+    returns = torch.tensor([[0.0, 1.0, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    # token 0: unclipped (1-0)^2 = 1; clipped V = 0.5+0.2 = 0.7 -> 0.49; max 1
+    # token 1: (0-1)^2 = 1 both; token 2: unclipped (2-3)^2 = 1, clipped V = 0.7 -> (0.7-3)^2 = 5.29 (clipped wins)
+    loss, m = value_clip_loss(values, old, returns, mask, clip=0.2, num_tokens=3.0)
+    assert float(loss) == pytest.approx(0.5 * (1 + 1 + 5.29) / 3, abs=1e-6)
+    assert m["value_clip_frac"] == pytest.approx(1 / 3)
+    unclipped, _ = value_clip_loss(values, old, returns, mask, clip=0.0, num_tokens=3.0)
+    assert float(unclipped) == pytest.approx(0.5 * 3 / 3)

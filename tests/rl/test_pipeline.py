@@ -73,6 +73,32 @@ def test_run_and_resume_matches_uninterrupted(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_ppo_with_a_critic_trains_both_and_resumes_exactly(ray_cluster, tmp_path):
+    """recipes/algos/ppo.yaml at test size: GAE from a value model trained in its own DeepSpeed group, the
+    critic alone for its warm-up step, KL per token in the reward; a run resumed from its step-2
+    checkpoint (policy and critic) reproduces the uninterrupted one."""
+    common = ["trainer.checkpoint_every=2", "learner.lr=5e-3", "critic.lr=5e-3", "critic.warmup_steps=1",
+              "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", _digit_reward(tmp_path)]
+
+    def cfg(name, *extra):
+        return config.load(ROOT / "recipes/algos/ppo.yaml",
+                           [f"output_dir={tmp_path / name}", "sft.enabled=false", *TINY, *common, *extra])
+    assert run(cfg("full", "trainer.steps=4"))["steps"] == 4
+    full = read_metrics(tmp_path / "full")
+    assert "actor/loss" not in full[0] and all("actor/loss" in m for m in full[1:])  # critic warm-up
+    assert all(m["critic/grad_norm"] > 0 for m in full)
+    assert full[0]["critic/values_mean"] != pytest.approx(full[-1]["critic/values_mean"], abs=1e-4)
+    assert full[-1]["critic/loss"] < full[0]["critic/loss"]  # the values move towards the returns
+    run(cfg("stopped", "trainer.steps=2"))
+    assert (tmp_path / "stopped" / "checkpoints" / "step_2" / "critic").is_dir()
+    run(cfg("stopped", "trainer.steps=4", "resume=auto"))
+    again = read_metrics(tmp_path / "stopped")
+    for a, b in zip(full, again):
+        for key in [k for k in (*COMPARE, "critic/loss", "critic/values_mean") if k in a]:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+@pytest.mark.slow
 def test_sft_warm_up_stage_lowers_its_loss_and_is_reused(ray_cluster, tmp_path):
     args = ["sft.enabled=true", "sft.steps=30", "sft.batch_size=16", "sft.warmup_steps=2", "sft.lr=5e-3",
             "trainer.steps=1"]

@@ -319,6 +319,35 @@ class ValueFamily:
         return {"values": _scatter(v.float(), rows, cols, batch)}
 
 
+class SequenceScoreFamily:
+    """Reward models: the policy's architecture with a scalar head read at each sequence's last real token
+    (transformers' `AutoModelForSequenceClassification` with one label, which pools at the rightmost
+    non-pad token: the EOS after the response). Outputs `scores [N]`."""
+
+    name = "sequence_score"
+    outputs: tuple[str, ...] = ("scores",)
+    supports_packing = False  # the classification head pools one position per row of the padded batch
+
+    def __init__(self, chunk_tokens: int = 512):
+        self.chunk_tokens = chunk_tokens  # unused: the head is one column wide
+
+    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+             ) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        return AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                  trust_remote_code=trust_remote_code)
+
+    def forward(self, model: torch.nn.Module, batch: Any, *, outputs: frozenset[str] | set[str] = frozenset(),
+                pack: bool = False, **_sampling: Any) -> dict[str, torch.Tensor]:
+        if pack:
+            raise ValueError("model family 'sequence_score' cannot run packed sequences")
+        device = _device(_unwrap(model))
+        logits = model(**{k: v.to(device) for k, v in batch.model_inputs().items()}, use_cache=False).logits
+        return {"scores": logits[:, 0].float()}
+
+
 def family_for_model_type(model_type: str) -> str:
     """The family that `model.family: auto` picks for a transformers `model_type`."""
     return LoopedFamily.name if model_type in LoopedFamily.model_types else CausalFamily.name

@@ -36,6 +36,12 @@ class JudgeWorker:
         prompts = [format_prompt(p, self.engine.tokenizer, chat_template=self.chat_template) for p in prompts]
         return list(self.engine.generate(prompts, SamplingParams(n=1, **sampling)).responses)
 
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """A scoring engine's (`hf_classifier`) scalar per (prompt, response); prompts formatted as asked."""
+        from rl.data import format_prompt
+        prompts = [format_prompt(p, self.engine.tokenizer, chat_template=self.chat_template) for p in prompts]
+        return list(self.engine.score(prompts, responses))
+
     def weights_sha256(self) -> str:
         """Digest of the engine's weights, to show that the judge never changed. The hf engine hashes the
         transformers state dict; the vllm engine hashes every worker's model in vLLM's own (fused,
@@ -79,6 +85,16 @@ class JudgeClient:
         n = len(self.workers)
         bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
         refs = [w.generate.remote(prompts[bounds[i]:bounds[i + 1]], params)
+                for i, w in enumerate(self.workers) if bounds[i + 1] > bounds[i]]
+        return list(itertools.chain.from_iterable(ray.get(refs, timeout=self.timeout_s)))
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """A reward model's scores for (prompt, response) pairs (in order), spread over the group's workers."""
+        if not prompts:
+            return []
+        n = len(self.workers)
+        bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
+        refs = [w.score.remote(prompts[bounds[i]:bounds[i + 1]], responses[bounds[i]:bounds[i + 1]])
                 for i, w in enumerate(self.workers) if bounds[i + 1] > bounds[i]]
         return list(itertools.chain.from_iterable(ray.get(refs, timeout=self.timeout_s)))
 

@@ -285,3 +285,17 @@ def micro_batches_of(batch: Batch, plan: list[list[list[int]]]) -> list[list[Bat
                 mbs.append(filler)
         out.append(mbs)
     return out
+
+
+def make_sft_batch(tokenizer: Any, prompts: list[str], targets: list[str]) -> Batch:
+    """Prompt (left-padded) + target + EOS (right-padded); the loss covers target and EOS."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    tgt = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in targets]
+    width = max(len(t) for t in tgt)
+    resp = torch.full((len(tgt), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(tgt), width))
+    for i, t in enumerate(tgt):
+        resp[i, :len(t)] = torch.tensor(t)
+        mask[i, :len(t)] = 1.0
+    return Batch(prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], response_ids=resp,
+                 response_mask=mask, response_attn=mask.long(), group_id=torch.arange(len(tgt)))

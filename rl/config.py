@@ -181,8 +181,8 @@ class RewardFnConfig:
 
 @dataclass
 class JudgeConfig:
-    model_path: str | None = None  # HF model folder; null: a frozen copy of the run's initial policy (after SFT)
-    engine: str = "hf"  # generation engine: hf | vllm
+    model_path: str | None = None  # HF model folder; null: a frozen copy of the run's initial policy (after SFT); "artifact:NAME": the folder an earlier stage published (e.g. artifact:reward_model)
+    engine: str = "hf"  # engine: hf | vllm (generation) | hf_classifier (a reward model that scores, for the reward_model reward)
     engine_params: dict[str, Any] = field(default_factory=dict)  # engine options (as rollout.engine_params)
     num_workers: int = 1  # engine actors; a batch of prompts is split across them
     num_cpus: float = 0.5  # CPUs per worker

@@ -369,3 +369,16 @@ def value_clip_loss(values: torch.Tensor, old_values: torch.Tensor, returns: tor
         per_token, clip_frac = 0.5 * unclipped, 0.0
     loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     return loss, {"value_clip_frac": clip_frac, "values_mean": float(_masked_mean(values.detach(), mask))}
+
+
+@register("loss", "bradley_terry")
+def bradley_terry_loss(scores: torch.Tensor, response_mask: torch.Tensor, *, num_seqs: float | None = None,
+                       margin: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Pairwise reward-model loss `-log sigmoid(r_chosen - r_rejected - margin)`, averaged over the global
+    number of pairs. Rows come in pairs: chosen at even, rejected at odd positions (`num_seqs` rows in all)."""
+    if scores.shape[0] % 2:
+        raise ValueError(f"bradley_terry: rows must come in (chosen, rejected) pairs, got {scores.shape[0]} rows")
+    diff = scores[0::2] - scores[1::2]
+    pairs = (num_seqs if num_seqs is not None else scores.shape[0]) / 2
+    loss = -torch.nn.functional.logsigmoid(diff - margin).sum() / max(pairs, 1.0)
+    return loss, {"pair_accuracy": float((diff > 0).float().mean()), "margin_mean": float(diff.mean())}

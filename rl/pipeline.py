@@ -245,7 +245,7 @@ class RLStage(Stage):
         policy_path = ctx.require("policy")
         ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
         tokenizer = load_tokenizer(ctx.require("base_model"))
-        rt.judges = _start_judges(cfg, policy_path, rt.reward_service, ctx.summary)
+        rt.judges = _start_judges(cfg, policy_path, rt.reward_service, ctx.summary, ctx.require)
         trainer = rt.trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, rt.placement, rt.reward_service)
         before_path = out / "eval_before.json"
         if ckpt is None:  # a fresh run: no metrics from an earlier run in this folder
@@ -444,14 +444,18 @@ def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
     return summary
 
 
-def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summary: dict) -> dict[str, Any]:
-    """Start `reward.judges` (null model paths: the initial policy) and hand them to the reward service;
-    judges record the digest of their weights now and at the end of the run."""
+def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summary: dict,
+                  artifact: Any = None) -> dict[str, Any]:
+    """Start `reward.judges` (null model paths: the initial policy; `artifact:NAME`: an earlier stage's
+    artifact, e.g. the `reward_model` stage's) and hand them to the reward service; judges record the
+    digest of their weights now and at the end of the run."""
     if not cfg.reward.judges:
         return {}
     from rewards.judges import start_judges
     judges = as_container(cfg.reward.judges)
     for judge in judges.values():  # the grader of a chat policy is asked the way the policy is
+        if str(judge["model_path"] or "").startswith("artifact:"):
+            judge["model_path"] = artifact(judge["model_path"].split(":", 1)[1])
         if judge["chat_template"] is None:
             judge["chat_template"] = cfg.data.chat_template
     clients = start_judges(judges, policy_path, env=actor_env())

@@ -27,11 +27,12 @@ _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses", "rl.rltt"],
-    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote"],
+    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
+               "rewards.reward_model"],
     "env": ["rollout.envs"],
-    "engine": ["rollout.hf_engine", "rollout.vllm_engine"],
+    "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],
-    "stage": ["rl.pipeline"],
+    "stage": ["rl.pipeline", "rl.reward_model"],
     "decoding": ["rollout.decoding"],
     "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans"],
     "scheduler": ["rl.optim"],
@@ -40,7 +41,7 @@ _BUILTIN_MODULES = {
 # torch and transformers); resolved on first use.
 _BUILTIN_ATTRS = {
     "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily",
-               "value": "models.families:ValueFamily"},
+               "value": "models.families:ValueFamily", "sequence_score": "models.families:SequenceScoreFamily"},
 }
 
 

@@ -528,15 +528,16 @@ class RLTrainer:
 # ---------------------------------------------------------------------- helpers shared with other stages
 def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
                        micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
-                       with_ref: bool = False) -> LearnerGroup:
+                       with_ref: bool = False, family: str | None = None) -> LearnerGroup:
     """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
-    settings are arguments, everything else comes from the recipe's `learner`/`model` sections."""
+    settings are arguments, everything else comes from the recipe's `learner`/`model` sections (`family`:
+    another model family than the policy's, e.g. a reward model's `sequence_score`)."""
     lc = cfg.learner
     return LearnerGroup(
         lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
         num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=actor_env(),
         lr=lr, weight_decay=weight_decay, optimizer=as_container(lc.optimizer), scheduler=as_container(scheduler),
-        family=model_family(cfg, model_path), zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size,
+        family=family or model_family(cfg, model_path), zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size,
         grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref,
         warmup_steps=warmup_steps, total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
         seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,

@@ -8,7 +8,7 @@ from cluster.learner import LearnerGroup
 from cluster.ray_utils import actor_env
 from models.tiny import save_tiny
 from rl.advantages import compute_grpo_advantages
-from rl.sft import make_sft_batch
+from rl.batch import make_sft_batch
 from rollout.base import SamplingParams, load_tokenizer
 from rollout.hf_engine import HFEngine
 

@@ -353,6 +353,18 @@ class LearnerWorker(ActorProbes):
         self.engine.step()
         return norm
 
+    def model_numbers(self) -> dict[str, float]:
+        """For FLOP and bandwidth accounting: `matmul_params` (parameters a token's forward multiplies by:
+        all but an untied input embedding, which is a lookup), `param_bytes` (the weights' bytes)."""
+        module = self.engine.module
+        numel = {id(p): getattr(p, "ds_numel", p.numel()) for p in module.parameters()}
+        emb = module.get_input_embeddings().weight
+        out = module.get_output_embeddings()
+        tied = out is not None and out.weight is emb
+        total = sum(numel.values())
+        size = 2 if self.ds_config["bf16"]["enabled"] else 4
+        return {"matmul_params": float(total - (0 if tied else numel[id(emb)])), "param_bytes": float(total * size)}
+
     def counters(self) -> dict[str, int]:
         """How many backward passes this rank has run (forward-only optimizers run none), and how many
         parameter elements of the policy and of the reference this rank holds (partitions under ZeRO-3)."""

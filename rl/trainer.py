@@ -118,6 +118,10 @@ class RLTrainer:
         if lc.offload_between_phases:
             self.learners.offload_states()  # before the engines start, so that they see the free memory
         self.rollout = make_rollout_workers(cfg, model_path, placement)
+        # what perf/mfu and perf/mbu divide by: the model's size and each role's measured ceilings
+        self.hardware = {"model": ray.get(self.learners.workers[0].model_numbers.remote()),
+                         "learner": ray.get(self.learners.workers[0].hardware_rates.remote(cfg.model.dtype)),
+                         "rollout": ray.get(self.rollout[0].hardware_rates.remote(cfg.model.dtype))}
         self.pending: list[PendingRollout] = []  # submitted rollouts, oldest first
         self.next_submit = 0  # first step whose rollout is not submitted yet
         self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
@@ -257,6 +261,8 @@ class RLTrainer:
         })
         metrics.update({f"reward/{k}": v for k, v in component_means(batch.reward_components).items()})
         metrics.update(episode_metrics(batch))
+        metrics.update(utilisation(batch, timing, step_s, self.hardware, self.cfg, train_passes=len(train_metrics),
+                                   logprob_passes=int(batch.old_logp is not None) + int(batch.ref_logp is not None)))
         for k, v in timing.items():
             metrics[f"time/{k}"] = v
         return metrics
@@ -717,6 +723,48 @@ def attach_rewards(batch: Batch, scored: list[dict]) -> None:
     for m, s in zip(batch.metadata, scored):
         if s["failed"]:
             m["reward_error"] = s["error"]
+
+
+def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware: dict[str, dict[str, float]],
+                cfg: DictConfig, train_passes: int, logprob_passes: int) -> dict[str, float]:
+    """How close each phase ran to the machine's limits, against ceilings measured in the actors.
+
+    * `perf/mfu`: learner model-FLOPs utilisation, `(6 N T x updates + 2 N T x logprob passes) / (time of the
+      train and logprob phases x ranks x matmul FLOP/s)`, N the matmul parameters, T the batch's real tokens
+      (an update is one pass over its share: `ppo_epochs` passes of the batch in all).
+    * `perf/decode_mfu`: generation's FLOPs (`2 N` per prompt and generated token) over the rollout workers'
+      matmul rate; `perf/mbu`: generation's weight reads (the weights once per decode step; a worker decodes
+      its rows in chunks of `rollout.generation_batch_size`, each as many steps as its longest response)
+      over the measured copy bandwidth. Decoding is bound by whichever of the two floors is higher.
+    * `perf/floor_s`: the step's floor (learner FLOPs at the full matmul rate plus the binding decode floor)
+      and `perf/step_over_floor` the step's time over it. The critic's work is not counted.
+    """
+    from rl.batch import sequence_tokens
+    n, weight_bytes = hardware["model"]["matmul_params"], hardware["model"]["param_bytes"]
+    peak_l, peak_r = hardware["learner"]["matmul_flops"], hardware["rollout"]["matmul_flops"]
+    bandwidth = hardware["rollout"]["copy_bytes_per_s"]
+    ranks, workers = cfg.learner.world_size, cfg.rollout.num_workers
+    tokens = float(sum(sequence_tokens(batch)))
+    updates = train_passes / max(1, cfg.algorithm.mini_batches)  # passes over the whole batch
+    learner_flops = 6 * n * tokens * updates + 2 * n * tokens * logprob_passes
+    generated = float(batch.response_attn.sum())
+    decode_flops = 2 * n * (generated + float(batch.prompt_mask.sum()))
+    lengths = batch.response_attn.sum(-1).tolist()
+    per_worker = -(-len(lengths) // workers)
+    chunk = cfg.rollout.generation_batch_size
+    steps = sum(max(lengths[i:i + chunk]) for w in range(workers)
+                for i in range(w * per_worker, min(len(lengths), (w + 1) * per_worker), chunk))
+    decode_bytes = weight_bytes * steps  # all workers' steps; they run in parallel
+    learner_s = timing.get("train", 0.0) + timing.get("logprobs", 0.0)
+    gen_s = timing.get("generate", 0.0)
+    out = {"perf/mfu": learner_flops / max(learner_s * ranks * peak_l, 1e-9) if learner_flops else 0.0,
+           "perf/decode_mfu": decode_flops / max(gen_s * workers * peak_r, 1e-9),
+           "perf/mbu": decode_bytes / max(gen_s * workers * bandwidth, 1e-9)}
+    floor = learner_flops / (ranks * peak_l) + max(decode_flops / (workers * peak_r), decode_bytes / (workers * bandwidth))
+    out.update({"perf/floor_s": floor, "perf/step_over_floor": step_s / max(floor, 1e-9),
+                "perf/learner_floor_s": learner_flops / (ranks * peak_l),
+                "perf/decode_floor_s": max(decode_flops / (workers * peak_r), decode_bytes / (workers * bandwidth))})
+    return out
 
 
 def _group_frac(batch: Batch, pred) -> float:

@@ -159,3 +159,22 @@ def test_micro_batches_of_fills_an_empty_bin_with_a_row_that_carries_no_loss():
     mbs = micro_batches_of(b, [[[0, 1]], [[]]])
     assert len(mbs[0][0]) == 2 and len(mbs[1][0]) == 1
     assert mbs[1][0].response_mask.sum() == 0 and mbs[1][0].response_attn.sum() > 0  # forward runs, no loss
+
+
+def test_utilisation_metrics_by_hand():
+    from omegaconf import OmegaConf
+
+    from rl.trainer import utilisation
+    b = _batch(n=2, p=3, width=3)
+    b.response_attn = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    cfg = OmegaConf.create({"learner": {"world_size": 1}, "rollout": {"num_workers": 1, "generation_batch_size": 256},
+                            "algorithm": {"mini_batches": 1}})
+    hardware = {"model": {"matmul_params": 1000.0, "param_bytes": 4000.0},
+                "learner": {"matmul_flops": 1e6}, "rollout": {"matmul_flops": 2e6, "copy_bytes_per_s": 1e5}}
+    m = utilisation(b, {"train": 0.1, "logprobs": 0.01, "generate": 0.5}, 1.04, hardware, cfg, train_passes=1,
+                    logprob_passes=1)
+    # tokens 11 (prompts 6, generated 5): learner 6*1000*11 + 2*1000*11 = 88,000 FLOPs in 0.11 s at 1e6
+    assert m["perf/mfu"] == pytest.approx(0.8)
+    assert m["perf/decode_mfu"] == pytest.approx(2 * 1000 * 11 / (0.5 * 2e6))
+    assert m["perf/mbu"] == pytest.approx(4000 * 3 / (0.5 * 1e5))  # 3 decode steps (the longest response)
+    assert m["perf/floor_s"] == pytest.approx(0.088 + 0.12) and m["perf/step_over_floor"] == pytest.approx(5.0)

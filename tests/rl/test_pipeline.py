@@ -52,7 +52,8 @@ def test_run_and_resume_matches_uninterrupted(ray_cluster, tmp_path):
     out = tmp_path / "full"
     lines = read_metrics(out)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
-    for key in ("time/generate", "time/reward", "time/train", "time/sync", "time/other", "perf/tokens_per_s"):
+    for key in ("time/generate", "time/reward", "time/train", "time/sync", "time/other", "perf/tokens_per_s",
+                "perf/mfu", "perf/mbu", "perf/step_over_floor"):
         assert key in lines[0]
     summary = json.loads((out / "summary.json").read_text())
     assert {"accuracy_before_rl", "accuracy_after_rl", "reward/mean"} <= set(summary)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
 from rl.registry import register
@@ -67,6 +69,46 @@ def keep_cache_positions(cache: Any, state: DecodeState, keep: torch.Tensor) -> 
     state.attention_mask = state.attention_mask.index_select(1, keep.to(state.attention_mask.device))
 
 
+class ReservedLayer(DynamicLayer):
+    """A KV-cache layer that writes into buffers with room for `capacity` positions and exposes the filled part
+    as views (`keys`, `values`), so a decode step appends in place instead of copying the whole cache
+    (transformers' `DynamicLayer` concatenates every step: a quadratic copy over a response). A policy that
+    replaces `keys`/`values` (`keep_cache_positions`) is picked up on the next write."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.keys.shape[-2] if self.keys.numel() else 0
+        need = n + key_states.shape[-2]
+        own = (self._k is not None and n > 0 and self.keys.data_ptr() == self._k.data_ptr()
+               and self.keys.shape[:2] == self._k.shape[:2])
+        if not own or need > self._k.shape[-2]:  # first write, a replaced cache, or out of room
+            self.capacity = max(self.capacity, 2 * need if own else need)
+            shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
+            k_buf, v_buf = key_states.new_empty(shape), value_states.new_empty(shape)
+            if n:
+                k_buf[:, :, :n], v_buf[:, :, :n] = self.keys, self.values
+            self._k, self._v = k_buf, v_buf
+        self._k[:, :, n:need] = key_states
+        self._v[:, :, n:need] = value_states
+        self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
+        return self.keys, self.values
+
+
+def reserved_cache(capacity: int) -> Any:
+    """A `DynamicCache` whose layers are `ReservedLayer`s with room for `capacity` positions."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = lambda: ReservedLayer(capacity)
+    return cache
+
+
 def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, state: DecodeState,
           cache: Any, forward_kwargs: dict) -> torch.Tensor:
     """Feed a block `ids [B, k]` (left-padded by `mask [B, k]`) after the cache; returns the last column's
@@ -91,7 +133,6 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     Returns `(response_ids [B, L], logp [B, L], lengths [B], inserted [B, L], ended [B])`, right-padded
     with `pad_token_id`; `lengths` count up to and including EOS (or the end of a stop string); `ended`
     is true for rows that ended by EOS or a stop string (not by the length cap)."""
-    from transformers import DynamicCache
     method = method if method is not None else Plain()
     forward_kwargs = forward_kwargs or {}
     device = prompt_ids.device
@@ -112,7 +153,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     process = getattr(method, "process_logits", None)
     kv_policy = getattr(method, "kv_policy", None)
     insert = getattr(method, "insert", None)
-    cache = DynamicCache()
+    # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
+    cache = reserved_cache(prompt_ids.shape[1] + max_new_tokens + 1)
     next_pos = torch.zeros(B, dtype=torch.long, device=device)
     capped = torch.zeros(B, dtype=torch.bool, device=device)  # rows whose response reached max_new_tokens
     try:

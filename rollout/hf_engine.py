@@ -24,12 +24,15 @@ from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_pr
 @register("engine", "hf")
 class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
-                 trust_remote_code: bool = False, batch_size: int = 256):
+                 trust_remote_code: bool = False, batch_size: int = 256, attn_implementation: str | None = None):
+        """`attn_implementation`: transformers' attention kernel for generation (None: the model's own); on
+        CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's."""
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
         import models.ouro  # noqa: F401  (registers model_type ouro)
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(self.device).eval()
+            model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs).to(self.device).eval()
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
 

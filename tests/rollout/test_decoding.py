@@ -216,3 +216,22 @@ def test_decode_without_a_method_needs_no_registry(engine):
                                                   max_new_tokens=5, temperature=0.0, top_k=0, top_p=1.0,
                                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     assert resp.shape[0] == 3 and int(inserted.sum()) == 0 and lengths.max() <= 5 and ended.dtype == torch.bool
+
+
+def test_reserved_cache_layer_appends_in_place_grows_and_follows_a_replaced_cache():
+    from rollout.decoding import ReservedLayer
+    layer, parts = ReservedLayer(capacity=3), []
+    for step in range(5):  # past its capacity: it grows
+        k = torch.randn(2, 2, 1, 4)
+        parts.append(k)
+        keys, values = layer.update(k, k + 1)
+        assert torch.equal(keys, torch.cat(parts, -2)) and torch.equal(values, torch.cat(parts, -2) + 1)
+        if step == 1:
+            first = layer.keys.data_ptr()
+        if step == 2:
+            assert layer.keys.data_ptr() == first  # appended in place, no copy
+    keep = torch.tensor([0, 2, 4])  # an eviction policy replaces the tensors
+    layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
+    k = torch.randn(2, 2, 1, 4)
+    keys, _ = layer.update(k, k)
+    assert torch.equal(keys, torch.cat([torch.cat(parts, -2).index_select(-2, keep), k], -2))

@@ -2,6 +2,12 @@
 
     python benchmarks/grpo_step.py [--models tiny 85m] [--steps 16] [--dtypes float32 bfloat16]
                                    [--trl-python /path/to/trl-env/bin/python]
+    python benchmarks/grpo_step.py --workload realistic --steps 5 --trl-python /path/to/trl-env/bin/python
+
+The realistic workload (`race`): 16 prompts x 8 samples x 64 new tokens per step on the ~85M model, both
+sides on the same 2 cores, each in its best configuration (TRL: fp32 and bf16, 2 threads; looprl: the
+settings in RACE_LOOPRL), with looprl's phase breakdown and its perf/* utilisation metrics (MFU of the
+learner, decode MFU and bandwidth utilisation, the step's floor). Results: benchmarks/results/grpo_race.json.
 
 Workload (matches ../shared/peers/trl_grpo_baseline.py): 2 prompts x 4 samples per step, 32 new
 tokens, no reference model (beta 0), lr 1e-4; 1 and 2 torch threads per process; fp32, and bf16
@@ -35,16 +41,25 @@ MODELS = {
     "85m": {"hidden_size": 768, "num_layers": 14, "num_heads": 12, "intermediate_size": 1536},
 }
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "other")
+PERF = ("perf/mfu", "perf/decode_mfu", "perf/mbu", "perf/floor_s", "perf/step_over_floor", "perf/learner_floor_s",
+        "perf/decode_floor_s", "perf/tokens")
+# tiny: the peer's default; realistic: 16 prompts x 8 samples x 64 new tokens on the ~85M model
+WORKLOADS = {"tiny": {"prompts_per_step": 2, "n": 4, "max_new_tokens": 32},
+             "realistic": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 64}}
 
 
 def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, staleness: int = 0,
-               engine: str = "hf") -> dict:
+               engine: str = "hf", workload: dict | None = None, extra: list[str] | None = None) -> dict:
     m = MODELS[model]
-    overrides = [f"output_dir={out}", "sft.enabled=false", f"trainer.steps={steps}", "trainer.prompts_per_step=2",
-                 "rollout.n=4", "rollout.max_new_tokens=32", "learner.lr=1e-4", "learner.micro_batch_size=8",
-                 "algorithm.kl_coef=0.0", "data.synthetic.num_train=64", "data.synthetic.num_eval=2",
+    w = workload or WORKLOADS["tiny"]
+    overrides = [f"output_dir={out}", "sft.enabled=false", f"trainer.steps={steps}",
+                 f"trainer.prompts_per_step={w['prompts_per_step']}", f"rollout.n={w['n']}",
+                 f"rollout.max_new_tokens={w['max_new_tokens']}", "learner.lr=1e-4",
+                 f"learner.micro_batch_size={w['prompts_per_step'] * w['n']}",
+                 "algorithm.kl_coef=0.0", "data.synthetic.num_train=256", "data.synthetic.num_eval=2",
                  "trainer.eval_max_prompts=2", "trainer.save_hf=false", "logging.progress_bar=false",
-                 "logging.tensorboard=false", "reward.num_workers=1", "model.tiny.max_position_embeddings=64",
+                 "logging.tensorboard=false", "reward.num_workers=1",
+                 f"model.tiny.max_position_embeddings={w['max_new_tokens'] + 64}", *(extra or []),
                  f"learner.threads={threads}", f"rollout.threads={threads}", f"model.dtype={dtype}",
                  f"trainer.max_staleness={staleness}", f"rollout.engine={engine}", f"algorithm.is_correction={'token' if staleness else 'none'}",
                  *[f"model.tiny.{k}={v}" for k, v in m.items()]]
@@ -62,8 +77,10 @@ def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, stal
     steady = rows[1:] if len(rows) > 1 else rows  # the first step pays one-off warm-up
     step_s = statistics.median(r["perf/step_s"] for r in steady)
     phases = {p: statistics.median(r[f"time/{p}"] for r in steady) for p in PHASES}
+    perf = {k: statistics.median(r[k] for r in steady) for k in PERF if k in steady[0]}
     return {
         "params": params, "threads_per_actor": threads, "steps": len(rows), "step_s_median_excl_first": step_s,
+        "perf_median": perf, "overrides": overrides,
         "step_s_mean_excl_first": statistics.mean(r["perf/step_s"] for r in steady), "phase_s_median": phases,
         "phase_share": {p: v / step_s for p, v in phases.items()},
         "tokens_per_s_median": statistics.median(r["perf/tokens_per_s"] for r in steady),
@@ -108,14 +125,18 @@ if __name__ == "__main__":
     return json.loads(line[4:])
 
 
-def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dtype: str) -> dict:
+def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dtype: str,
+            workload: dict | None = None) -> dict:
     m = MODELS[model]
+    w = workload or WORKLOADS["tiny"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     # the peer builds its model only when the folder is missing: name the folder by its shapes
     model_dir = workdir / f"trl-{model}-h{m['hidden_size']}-l{m['num_layers']}"
     cmd = [python, str(PEER), "--steps", str(steps), "--model-dir", str(model_dir),
            "--out", str(workdir / f"trl-out-{model}"), "--hidden", str(m["hidden_size"]),
-           "--layers", str(m["num_layers"]), *(["--bf16"] if dtype == "bfloat16" else [])]
+           "--layers", str(m["num_layers"]), *(["--bf16"] if dtype == "bfloat16" else []),
+           "--prompts-per-step", str(w["prompts_per_step"]), "--num-generations", str(w["n"]),
+           "--max-completion-length", str(w["max_new_tokens"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BASELINE_RESULT ")), None)
     if line is None:
@@ -124,8 +145,49 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dt
     return json.loads(line[len("BASELINE_RESULT "):])
 
 
+# looprl's settings for the realistic race, all on 2 cores: colocated roles take turns with 2 threads each
+# (synchronous), or one thread each overlapping (one-step-off); eager attention decodes faster on CPU.
+# Packing is off: without flash-attention's varlen kernels a packed row attends through a dense mask.
+RACE_LOOPRL = {
+    "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0,
+                          extra=["rollout.engine_params.attn_implementation=eager"]),
+    "bfloat16_one_step_off": dict(dtype="bfloat16", threads=1, staleness=1,
+                                  extra=["rollout.engine_params.attn_implementation=eager"]),
+    "float32_sync": dict(dtype="float32", threads=2, staleness=0,
+                         extra=["rollout.engine_params.attn_implementation=eager"]),
+}
+
+
+def race(args: argparse.Namespace, work: Path) -> None:
+    """The realistic workload at equal cores (2): TRL's fp32 and bf16 with 2 threads, looprl's settings above;
+    each side's step time, tokens/s, looprl's phases and its utilisation of the measured machine limits."""
+    w = WORKLOADS["realistic"]
+    report: dict = {"workload": {**w, "model": "85m", "beta": 0.0, "steps": args.steps, "cores": 2},
+                    "trl": {}, "looprl": {}}
+    if args.trl_python:
+        for dtype in ("float32", "bfloat16"):
+            report["trl"][dtype] = run_trl(args.trl_python, "85m", args.steps, work, 2, dtype, w)
+            print(json.dumps({"trl": dtype, **report["trl"][dtype]}), flush=True)
+    for name, c in RACE_LOOPRL.items():
+        r = run_looprl("85m", args.steps, work / f"race-{name}", c["threads"], c["dtype"], c["staleness"], "hf", w,
+                       c["extra"])
+        report["looprl"][name] = r
+        print(json.dumps({"looprl": name, "step_s": r["step_s_mean_excl_first"], "phases": r["phase_s_median"],
+                          "perf": r["perf_median"]}), flush=True)
+    best_trl = {d: t["step_s_mean_excl_first"] for d, t in report["trl"].items()}
+    for name, r in report["looprl"].items():
+        dtype = RACE_LOOPRL[name]["dtype"]
+        if dtype in best_trl:
+            r["speedup_vs_trl_same_dtype"] = best_trl[dtype] / r["step_s_mean_excl_first"]
+            r["speedup_vs_trl_best"] = min(best_trl.values()) / r["step_s_mean_excl_first"]
+    Path(args.race_out).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--workload", choices=["tiny", "realistic"], default="tiny",
+                   help="realistic: the equal-core race on 16 prompts x 8 samples x 64 tokens (85M)")
+    p.add_argument("--race-out", default=str(ROOT / "benchmarks/results/grpo_race.json"))
     p.add_argument("--models", nargs="+", default=["tiny", "85m"], choices=list(MODELS))
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
@@ -143,6 +205,9 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    if args.workload == "realistic":
+        race(args, work)
+        return
     report: dict = {"workload": {"prompts_per_step": 2, "n": 4, "max_new_tokens": 32, "beta": 0.0,
                                  "steps": args.steps}, "models": {}}
     for model in args.models:

@@ -120,7 +120,7 @@ class LearnerConfig:
     zero_stage: int = 0  # ZeRO stage 0-3
     micro_batch_size: int = 64  # sequences per forward/backward per rank (when max_tokens_per_micro_batch is 0)
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches are formed by token count (prompt + response real tokens, at most this many each; a longer sequence goes alone), balanced across ranks, instead of micro_batch_size sequences; every rank runs the same number
-    pack_sequences: bool = False  # run each micro-batch as one row of its real tokens (no padding; positions restart per sequence and attention stays within it); causal family only
+    pack_sequences: bool = False  # run each micro-batch as one row of its real tokens (no padding; positions restart per sequence and attention stays within it); causal family only. Pays with flash-attention's variable-length kernels (GPU); sdpa/eager attend through a dense block mask, quadratic in the packed row's length, so keep it off on CPU
     logprob_chunk_tokens: int = 512  # response tokens per vocabulary-projection chunk: logits exist for one chunk at a time (recomputed in backward), never [N, L, V]
     lr: float = 1e-4  # RL learning rate
     weight_decay: float = 0.0  # weight decay passed to the optimizer

@@ -164,7 +164,7 @@ class RewardService(ActorProbes):
         return [self._combine({f.key: raw[f.key][i] for f in functions}, functions) for i in range(len(items))]
 
     def _combine(self, per_fn: dict[str, tuple[Any, str | None]], functions: list[RewardSpec]) -> dict:
-        total, applicable, errors, components = 0.0, 0, [], {}
+        total, applicable, errors, components, steps = 0.0, 0, [], {}, None
         for f in functions:
             value, err = per_fn[f.key]
             res = RewardResult(None, error=err) if err else normalize_result(value, f.key)
@@ -176,6 +176,8 @@ class RewardService(ActorProbes):
                 continue
             for k, v in res.components.items():
                 components[f"{f.key}/{k}"] = v
+            if res.steps is not None and not f.eval_only:  # a process reward's steps (the first one's)
+                steps = steps or {"rewards": [f.weight * r for r in res.steps["rewards"]], "ends": res.steps["ends"]}
             if res.score is not None:
                 components[f.key] = res.score
                 if not f.eval_only:
@@ -187,4 +189,7 @@ class RewardService(ActorProbes):
         if applicable == 0:
             return {"score": self.failure_reward, "failed": False, "error": None,
                     "components": components, "not_applicable": True}
-        return {"score": total, "failed": False, "error": None, "components": components}
+        out = {"score": total, "failed": False, "error": None, "components": components}
+        if steps is not None:
+            out["steps"] = steps
+        return out

@@ -294,7 +294,7 @@ class RLTrainer:
             staleness.append(self.step_idx - batch.policy_version)
             timing["generate"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            attach_rewards(batch, self.score(batch))
+            attach_rewards(batch, self.score(batch), self.tokenizer)
             apply_length_shaping(batch, a, cfg.rollout.max_new_tokens)
             timing["reward"] += time.perf_counter() - t0
             rounds += 1
@@ -713,8 +713,13 @@ def component_means(components: list[dict[str, float]]) -> dict[str, float]:
     return means
 
 
-def attach_rewards(batch: Batch, scored: list[dict]) -> None:
+def attach_rewards(batch: Batch, scored: list[dict], tokenizer: Any = None) -> None:
+    """The reward service's scores into `batch`; a process reward's steps (`steps`: rewards and the character
+    offset where each step ends) become `step_rewards` and the `token_step` map (`step_spans`)."""
     batch.rewards = torch.tensor([s["score"] for s in scored], dtype=torch.float32)
+    if tokenizer is not None and any("steps" in s for s in scored) and batch.token_step is None:
+        batch.step_rewards = [s.get("steps", {}).get("rewards", []) for s in scored]
+        batch.token_step = step_spans(batch, [s.get("steps", {}).get("ends", []) for s in scored], tokenizer)
     batch.reward_failed = torch.tensor([bool(s["failed"]) for s in scored])
     batch.reward_components = [dict(s["components"]) for s in scored]
     # A sample whose reward could not be computed carries no learning signal: it leaves the loss.
@@ -723,6 +728,26 @@ def attach_rewards(batch: Batch, scored: list[dict]) -> None:
     for m, s in zip(batch.metadata, scored):
         if s["failed"]:
             m["reward_error"] = s["error"]
+
+
+def step_spans(batch: Batch, ends: list[list[int]], tokenizer: Any) -> torch.Tensor:
+    """`token_step [N, L]`: the step each generated token belongs to, from the character offsets where the
+    steps of each response end (a token belongs to the first step whose end it has not passed; tokens
+    after the last end, EOS included, belong to the last step; -1 past the response)."""
+    attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
+    out = torch.full(batch.response_ids.shape, -1, dtype=torch.long)
+    for i, row_ends in enumerate(ends):
+        if not row_ends:
+            continue
+        n = int(attn[i].sum())
+        ids = batch.response_ids[i, :n].tolist()
+        step, text_len = 0, 0
+        for t in range(n):
+            out[i, t] = step
+            text_len = len(tokenizer.decode(ids[:t + 1], skip_special_tokens=True))
+            while step < len(row_ends) - 1 and text_len >= row_ends[step]:
+                step += 1
+    return out
 
 
 def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware: dict[str, dict[str, float]],

@@ -94,3 +94,54 @@ def test_the_reward_model_reward_serves_it_batched_with_the_models_own_scores(tr
     assert not any(o["failed"] for o in out)
     assert torch.allclose(torch.tensor([o["score"] for o in out]), direct, atol=1e-5)
     assert (direct[:10] > direct[10:]).float().mean() > 0.6  # chosen above rejected, as trained
+
+
+def test_step_spans_map_character_ends_to_tokens():
+    from models.tiny import build_tiny_tokenizer
+    from rl.batch import make_sft_batch
+    from rl.trainer import step_spans
+    tok = build_tiny_tokenizer()  # one token per character, then EOS
+    b = make_sft_batch(tok, ["q", "q"], ["ab\ncd", "xyz"])
+    spans = step_spans(b, [[3, 5], []], tok)
+    assert spans[0, :6].tolist() == [0, 0, 0, 1, 1, 1]  # "ab\n" | "cd" and the EOS
+    assert (spans[1] == -1).all()  # no steps reported: no map
+
+
+@pytest.mark.slow
+def test_the_process_reward_model_scores_every_step_prefix_and_fills_the_step_fields(trained):
+    import ray
+
+    from cluster.ray_utils import actor_env
+    from models.tiny import build_tiny_tokenizer
+    from rewards.judges import start_judges
+    from rewards.scoring import RewardSpec
+    from rewards.service import RewardService
+    from rl.batch import make_sft_batch
+    from rl.trainer import attach_rewards
+    from rollout.classifier_engine import ClassifierEngine
+    _, tmp = trained
+    path = str(tmp / "run" / "reward_model")
+    prompts, responses = ["3+4=", "5+5="], ["7\n7", "1\n0\n10"]
+    judge = {"model_path": path, "engine": "hf_classifier", "engine_params": {}, "dtype": "float32", "num_cpus": 0,
+             "num_gpus": 0, "threads": 1, "chat_template": False, "num_workers": 1, "temperature": 0.0, "top_p": 1.0,
+             "max_new_tokens": 1}
+    clients = start_judges({"rm": judge}, path, env=actor_env())
+    service = ray.remote(RewardService).remote([RewardSpec("process_reward_model", 1.0, {"judge": "rm"})],
+                                               num_workers=1)
+    try:
+        ray.get(service.set_judges.remote(clients))
+        scored = ray.get(service.score.remote([{"prompt": p, "response": r, "ground_truth": None, "metadata": {}}
+                                               for p, r in zip(prompts, responses)]))
+    finally:
+        ray.kill(service)
+        ray.kill(clients["rm"].workers[0])
+    engine = ClassifierEngine(path)
+    assert scored[0]["steps"]["ends"] == [2, 3] and scored[1]["steps"]["ends"] == [2, 4, 6]
+    direct = engine.score(["3+4=", "3+4=", "5+5=", "5+5=", "5+5="], ["7\n", "7\n7", "1\n", "1\n0\n", "1\n0\n10"])
+    got = scored[0]["steps"]["rewards"] + scored[1]["steps"]["rewards"]
+    assert torch.allclose(torch.tensor(got), torch.tensor(direct), atol=1e-5)
+    assert scored[1]["score"] == pytest.approx(direct[-1], abs=1e-5)
+    batch = make_sft_batch(build_tiny_tokenizer(), prompts, responses)
+    attach_rewards(batch, scored, build_tiny_tokenizer())
+    assert batch.step_rewards == [scored[0]["steps"]["rewards"], scored[1]["steps"]["rewards"]]
+    assert batch.token_step[1, :7].tolist() == [0, 0, 1, 1, 2, 2, 2]  # "1\n" | "0\n" | "10" + EOS

@@ -758,7 +758,7 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
       train and logprob phases x ranks x matmul FLOP/s)`, N the matmul parameters, T the batch's real tokens
       (an update is one pass over its share: `ppo_epochs` passes of the batch in all).
     * `perf/decode_mfu`: generation's FLOPs (`2 N` per prompt and generated token) over the rollout workers'
-      matmul rate; `perf/mbu`: generation's weight reads (the weights once per decode step; a worker decodes
+      matmul rate during their generation time (as the engines report it); `perf/mbu`: generation's weight reads (the weights once per decode step; a worker decodes
       its rows in chunks of `rollout.generation_batch_size`, each as many steps as its longest response)
       over the measured copy bandwidth. Decoding is bound by whichever of the two floors is higher.
     * `perf/floor_s`: the step's floor (learner FLOPs at the full matmul rate plus the binding decode floor)
@@ -781,10 +781,13 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
                 for i in range(w * per_worker, min(len(lengths), (w + 1) * per_worker), chunk))
     decode_bytes = weight_bytes * steps  # all workers' steps; they run in parallel
     learner_s = timing.get("train", 0.0) + timing.get("logprobs", 0.0)
-    gen_s = timing.get("generate", 0.0)
+    # the workers' own generation time (each row carries its share), which an overlapped rollout hides from
+    # the step's `generate` phase; else the phase times the workers
+    reported = [m["gen_s"] for m in batch.metadata if isinstance(m, dict) and "gen_s" in m]
+    worker_s = sum(reported) if len(reported) == len(batch) else timing.get("generate", 0.0) * workers
     out = {"perf/mfu": learner_flops / max(learner_s * ranks * peak_l, 1e-9) if learner_flops else 0.0,
-           "perf/decode_mfu": decode_flops / max(gen_s * workers * peak_r, 1e-9),
-           "perf/mbu": decode_bytes / max(gen_s * workers * bandwidth, 1e-9)}
+           "perf/decode_mfu": decode_flops / max(worker_s * peak_r, 1e-9),
+           "perf/mbu": decode_bytes / max(worker_s * bandwidth, 1e-9)}
     floor = learner_flops / (ranks * peak_l) + max(decode_flops / (workers * peak_r), decode_bytes / (workers * bandwidth))
     out.update({"perf/floor_s": floor, "perf/step_over_floor": step_s / max(floor, 1e-9),
                 "perf/learner_floor_s": learner_flops / (ranks * peak_l),

@@ -178,3 +178,8 @@ def test_utilisation_metrics_by_hand():
     assert m["perf/decode_mfu"] == pytest.approx(2 * 1000 * 11 / (0.5 * 2e6))
     assert m["perf/mbu"] == pytest.approx(4000 * 3 / (0.5 * 1e5))  # 3 decode steps (the longest response)
     assert m["perf/floor_s"] == pytest.approx(0.088 + 0.12) and m["perf/step_over_floor"] == pytest.approx(5.0)
+    # an overlapped rollout: the step barely waited for generation, the engines report their own time
+    b.metadata = [{"gen_s": 0.3}, {"gen_s": 0.2}]
+    hidden = utilisation(b, {"train": 0.1, "logprobs": 0.01, "generate": 0.001}, 1.04, hardware, cfg, train_passes=1,
+                         logprob_passes=1)
+    assert hidden["perf/mbu"] == pytest.approx(m["perf/mbu"])

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=64", "data.synthetic.num_train=80", "data.synthetic.num_eval=8",
         "rollout.n=4", "rollout.max_new_tokens=12", "trainer.prompts_per_step=4", "learner.micro_batch_size=8",
-        "reward.num_workers=1", "logging.progress_bar=false", "logging.tensorboard=false", "trainer.save_hf=false"]
+        "reward.num_workers=1", "logging.progress_bar=false", "logging.tensorboard=false", "trainer.save_hf=false",
+        "learner.threads=1", "rollout.threads=1"]  # test runs share the cores with other actors
 
 
 def _cfg(tmp_path, name, *extra):

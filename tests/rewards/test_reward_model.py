@@ -35,6 +35,13 @@ def _pairs(n, seed):
     return rows
 
 
+def _classifier_judge(path, workers):
+    """A judge group's settings (as `reward.judges.<name>` resolves them) serving the reward model at `path`."""
+    return {"model_path": path, "engine": "hf_classifier", "engine_params": {}, "dtype": "float32", "num_cpus": 0,
+            "num_gpus": 0, "threads": 1, "chat_template": False, "num_workers": workers, "temperature": 0.0,
+            "top_p": 1.0, "max_new_tokens": 1}
+
+
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rm")
@@ -74,10 +81,7 @@ def test_the_reward_model_reward_serves_it_batched_with_the_models_own_scores(tr
     path = str(tmp / "run" / "reward_model")
     rows = _pairs(10, 2)
     prompts, responses = [r["prompt"] for r in rows] * 2, [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
-    judge = {"model_path": path, "engine": "hf_classifier", "engine_params": {}, "dtype": "float32", "num_cpus": 0,
-             "num_gpus": 0, "threads": 1, "chat_template": False, "num_workers": 2, "temperature": 0.0, "top_p": 1.0,
-             "max_new_tokens": 1}
-    clients = start_judges({"rm": judge}, path, env=actor_env())
+    clients = start_judges({"rm": _classifier_judge(path, workers=2)}, path, env=actor_env())
     service = ray.remote(RewardService).remote([RewardSpec("reward_model", 1.0, {"judge": "rm"})], num_workers=1)
     try:
         ray.get(service.set_judges.remote(clients))
@@ -122,10 +126,7 @@ def test_the_process_reward_model_scores_every_step_prefix_and_fills_the_step_fi
     _, tmp = trained
     path = str(tmp / "run" / "reward_model")
     prompts, responses = ["3+4=", "5+5="], ["7\n7", "1\n0\n10"]
-    judge = {"model_path": path, "engine": "hf_classifier", "engine_params": {}, "dtype": "float32", "num_cpus": 0,
-             "num_gpus": 0, "threads": 1, "chat_template": False, "num_workers": 1, "temperature": 0.0, "top_p": 1.0,
-             "max_new_tokens": 1}
-    clients = start_judges({"rm": judge}, path, env=actor_env())
+    clients = start_judges({"rm": _classifier_judge(path, workers=1)}, path, env=actor_env())
     service = ray.remote(RewardService).remote([RewardSpec("process_reward_model", 1.0, {"judge": "rm"})],
                                                num_workers=1)
     try:

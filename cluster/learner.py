@@ -187,8 +187,9 @@ class LearnerWorker(ActorProbes):
         from rl.losses import rollout_importance_weights
         from rl.registry import get
         loss_fn = get("loss", loss_fn_spec)
-        named = set(inspect.signature(loss_fn).parameters)
-        if next(iter(inspect.signature(loss_fn).parameters)) != "logp":
+        parameters = inspect.signature(loss_fn).parameters
+        named = set(parameters)
+        if next(iter(parameters)) != "logp":
             return self._named_loss_step(micro_batches, loss_fn, loss_params)
         entropy_grad = bool(loss_params.get("entropy_coef"))
         outputs = (named & set(self.family.outputs)) | {"logp"}
@@ -551,6 +552,7 @@ class LearnerGroup:
         self.world_size = world_size
         self.max_tokens = max_tokens_per_micro_batch
         self.deadline_s = deadline_s
+        self.broken = False  # a rank missed its deadline: shutdown skips the barrier it would never reach
         self.logprob_micro_batch_size = 64  # sequences per logprob forward without a token budget
         port = free_port()
         addr = "127.0.0.1" if placement_group is None else ray.util.get_node_ip_address()
@@ -571,13 +573,12 @@ class LearnerGroup:
         """`ray.get` of one call per rank; a dead rank becomes a `LearnerDied` naming it, a call still running
         after `deadline_s` a `LearnerStuck` naming the ranks (a DeepSpeed rank cannot rejoin its process
         group, so the run stops and resumes from a checkpoint)."""
-        if self.deadline_s > 0:
-            _, waiting = ray.wait(futures, num_returns=len(futures), timeout=self.deadline_s)
-            if waiting:
-                stuck = [rank for rank, f in enumerate(futures) if f in waiting]
-                self.broken = True  # no graceful shutdown: the stuck ranks will not reach the barrier
-                raise LearnerStuck(f"learner rank(s) {stuck} did not finish {what} within {self.deadline_s:g} s "
-                                   f"(trainer.deadlines.learner_s)")
+        from cluster.ray_utils import unfinished
+        stuck = unfinished(futures, self.deadline_s)
+        if stuck:
+            self.broken = True  # no graceful shutdown: the stuck ranks will not reach the barrier
+            raise LearnerStuck(f"learner rank(s) {stuck} did not finish {what} within {self.deadline_s:g} s "
+                               f"(trainer.deadlines.learner_s)")
         try:
             return ray.get(futures)
         except ray.exceptions.RayActorError as exc:
@@ -670,7 +671,7 @@ class LearnerGroup:
 
     def shutdown(self) -> None:
         try:
-            if getattr(self, "broken", False):
+            if self.broken:
                 raise RuntimeError("a rank is stuck")
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         except Exception:  # a rank that is already gone cannot take part in the barrier

@@ -26,6 +26,15 @@ ACTOR_ENV = {
 }
 
 
+def unfinished(refs: list, timeout_s: float) -> list[int]:
+    """Indices of `refs` still running after waiting up to `timeout_s` for all of them (none when
+    `timeout_s <= 0`: no deadline). How every deadline on a remote actor finds the stuck ones."""
+    if timeout_s <= 0 or not refs:
+        return []
+    _, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return [i for i, ref in enumerate(refs) if ref in waiting]
+
+
 def actor_env() -> dict[str, str]:
     env = {k: v for k, v in ACTOR_ENV.items() if v}
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")

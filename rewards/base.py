@@ -63,12 +63,12 @@ def normalize_result(value: Any, plugin: str) -> RewardResult:
     if isinstance(value, RewardFailure):
         return RewardResult(None, error=f"reward {plugin!r}: {value.reason}")
     components: dict[str, float] = {}
+    steps = None
     if isinstance(value, dict):
         if "score" not in value:
             return RewardResult(None, error=f"reward {plugin!r} returned a dict without 'score': {sorted(value)}")
         components = {k: float(v) for k, v in value.items()
                       if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        steps = None
         if "step_rewards" in value:  # a process reward: one reward per step, each step ending at a character
             rewards, ends = list(value["step_rewards"]), list(value.get("step_ends", []))
             if len(rewards) != len(ends) or not all(isinstance(x, (int, float)) for x in rewards + ends):
@@ -76,11 +76,6 @@ def normalize_result(value: Any, plugin: str) -> RewardResult:
                                                 f"numbers of one length, got {len(rewards)} and {len(ends)}")
             steps = {"rewards": [float(x) for x in rewards], "ends": [int(x) for x in ends]}
         value = value["score"]
-        if steps is not None and value is not None and not isinstance(value, bool) and isinstance(value, (int, float)):
-            score = float(value)
-            if math.isnan(score) or math.isinf(score):
-                return RewardResult(None, components, error=f"reward {plugin!r} returned {score}")
-            return RewardResult(score, components, steps=steps)
         if value is None:
             return RewardResult(None, components)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -96,4 +91,4 @@ def normalize_result(value: Any, plugin: str) -> RewardResult:
     score = float(value)
     if math.isnan(score) or math.isinf(score):
         return RewardResult(None, components, error=f"reward {plugin!r} returned {score}")
-    return RewardResult(score, components)
+    return RewardResult(score, components, steps=steps)

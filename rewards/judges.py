@@ -79,22 +79,20 @@ class JudgeClient:
 
     def generate(self, prompts: list[str], **sampling: Any) -> list[str]:
         """Completions for `prompts` (in order), at the judge's sampling settings unless overridden."""
-        if not prompts:
-            return []
-        params = {**self.sampling, **sampling}
-        n = len(self.workers)
-        bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
-        refs = [w.generate.remote(prompts[bounds[i]:bounds[i + 1]], params)
-                for i, w in enumerate(self.workers) if bounds[i + 1] > bounds[i]]
-        return list(itertools.chain.from_iterable(ray.get(refs, timeout=self.timeout_s)))
+        return self._spread("generate", prompts, params={**self.sampling, **sampling})
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         """A reward model's scores for (prompt, response) pairs (in order), spread over the group's workers."""
-        if not prompts:
+        return self._spread("score", prompts, responses)
+
+    def _spread(self, method: str, *columns: list, params: dict[str, Any] | None = None) -> list:
+        """`method` of the workers on contiguous, near-equal slices of the aligned `columns`; results in order."""
+        if not columns[0]:
             return []
         n = len(self.workers)
-        bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
-        refs = [w.score.remote(prompts[bounds[i]:bounds[i + 1]], responses[bounds[i]:bounds[i + 1]])
+        bounds = [round(i * len(columns[0]) / n) for i in range(n + 1)]
+        refs = [getattr(w, method).remote(*(c[bounds[i]:bounds[i + 1]] for c in columns),
+                                          *(() if params is None else (params,)))
                 for i, w in enumerate(self.workers) if bounds[i + 1] > bounds[i]]
         return list(itertools.chain.from_iterable(ray.get(refs, timeout=self.timeout_s)))
 

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from cluster.learner import LearnerGroup
-from cluster.ray_utils import Placement, actor_env
+from cluster.ray_utils import Placement, actor_env, unfinished
 from rl.advantages import gae_advantages_and_returns, outcome_token_rewards
 from rl.batch import Batch
 from rl.config import as_container
@@ -150,13 +150,15 @@ class RLTrainer:
                 batch.set_extra("values", self.critic.compute_logprobs(batch, output="values"), pad="right")
         rewards = self.kl_shaped_rewards(batch, metrics)
         adv_inputs = batch.named_fields(self.adv_fn)
+        token_rewards = self.token_rewards(batch) if self.critic is not None or "token_rewards" in self.adv_params \
+            else None
         if "token_rewards" in self.adv_params:
-            adv_inputs["token_rewards"] = self.token_rewards(batch)
+            adv_inputs["token_rewards"] = token_rewards
         batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask, **adv_inputs,
                                        **as_container(a.advantage_params))
         with _timer(timing, "train"):
             if self.critic is not None:
-                metrics.update(self.update_critic(batch, adv_inputs.get("token_rewards", self.token_rewards(batch))))
+                metrics.update(self.update_critic(batch, token_rewards))
             warming_up = self.critic is not None and self.step_idx < self.cfg.critic.warmup_steps
             train_metrics = [] if warming_up else self.update(batch)
         self.step_idx += 1
@@ -205,13 +207,8 @@ class RLTrainer:
         _, returns = gae_advantages_and_returns(token_rewards, values, batch.response_mask, gamma, lam)
         batch.set_extra("old_values", values, pad="right")
         batch.set_extra("returns", returns, pad="right")
-        gen = torch.Generator().manual_seed(self.cfg.seed * 37 + self.step_idx)
-        results = []
-        for _ in range(a.ppo_epochs):
-            order = torch.randperm(len(batch), generator=gen) if a.mini_batches > 1 else torch.arange(len(batch))
-            for mb in batch.select(order).split(a.mini_batches):
-                results.append(self.critic.train_step(mb, self.grad_accum, "value_clip",
-                                                      {"clip": c.value_clip, "agg": "token-mean"}))
+        results = [self.critic.train_step(mb, self.grad_accum, "value_clip", {"clip": c.value_clip, "agg": "token-mean"})
+                   for mb in self.mini_batches(batch, self.cfg.seed * 37 + self.step_idx)]
         mask = batch.response_mask.bool()
         residual_var = float((returns - values)[mask].var())
         out = {f"critic/{k}": sum(r[k] for r in results) / len(results)
@@ -229,15 +226,17 @@ class RLTrainer:
         if a.entropy_coef:
             loss_params["entropy_coef"] = a.entropy_coef
         correction = {"level": a.is_correction, "mode": a.is_mode, "cap": a.is_cap}
-        train_metrics: list[dict] = []
-        gen = torch.Generator().manual_seed(cfg.seed * 31 + self.step_idx)
+        return [self.learners.train_step(mb, self.grad_accum, a.loss, loss_params, need_entropy=True,
+                                         rollout_correction=correction, **self.sampling_distribution)
+                for mb in self.mini_batches(batch, cfg.seed * 31 + self.step_idx)]
+
+    def mini_batches(self, batch: Batch, seed: int):
+        """`ppo_epochs` passes over `mini_batches` mini-batches of `batch`, reshuffled each pass (seeded)."""
+        a = self.cfg.algorithm
+        gen = torch.Generator().manual_seed(seed)
         for _ in range(a.ppo_epochs):
             order = torch.randperm(len(batch), generator=gen) if a.mini_batches > 1 else torch.arange(len(batch))
-            for mb in batch.select(order).split(a.mini_batches):
-                train_metrics.append(self.learners.train_step(
-                    mb, self.grad_accum, a.loss, loss_params, need_entropy=True, rollout_correction=correction,
-                    **self.sampling_distribution))
-        return train_metrics
+            yield from batch.select(order).split(a.mini_batches)
 
     def step_metrics(self, batch: Batch, metrics: dict[str, float], train_metrics: list[dict[str, float]],
                      timing: dict[str, float], step_s: float) -> dict[str, float]:
@@ -356,7 +355,8 @@ class RLTrainer:
         again from the same prompts and seeds, so no sample is lost or counted twice."""
         for attempt in range(self.cfg.rollout.max_restarts + 1):
             try:
-                self._kill_stuck_rollout_workers(pending)
+                self._kill_stuck_rollout_workers(pending.refs, "generate_s",
+                                                 f"finish step {pending.step + 1}'s generation")
                 return _gather(pending.refs)
             except (ray.exceptions.RayActorError, RolloutWorkerRestarted, RolloutWorkerStuck) as exc:
                 if attempt == self.cfg.rollout.max_restarts:
@@ -369,20 +369,17 @@ class RLTrainer:
                 pending.refs = pending.resubmit()
         raise AssertionError("unreachable")
 
-    def _kill_stuck_rollout_workers(self, pending: PendingRollout) -> None:
-        """Wait for a rollout up to `trainer.deadlines.generate_s`; a worker whose share is not done by then is
-        stuck (alive, not answering): kill it so that Ray restarts it, then recover as for a dead one."""
-        limit = self.cfg.trainer.deadlines.generate_s
-        if limit <= 0:
-            return
-        _, waiting = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=limit)
-        if not waiting:
-            return
-        stuck = [i for i, ref in enumerate(pending.refs) if ref in waiting]  # refs are in worker order
-        for i in stuck:
-            ray.kill(self.rollout[i], no_restart=False)
-        raise RolloutWorkerStuck(f"rollout worker(s) {stuck} did not finish step {pending.step + 1}'s generation "
-                                 f"within {limit:g} s (trainer.deadlines.generate_s); killed for a restart")
+    def _kill_stuck_rollout_workers(self, refs: list[Any], deadline: str, doing: str) -> None:
+        """Wait up to `trainer.deadlines.<deadline>` for `refs` (one per rollout worker, in worker order); a
+        worker whose call is not done by then is stuck (alive, not answering): kill it so that Ray restarts it
+        and raise `RolloutWorkerStuck`, which the caller recovers from as from a dead worker."""
+        limit = self.cfg.trainer.deadlines[deadline]
+        stuck = unfinished(refs, limit)
+        if stuck:
+            for i in stuck:
+                ray.kill(self.rollout[i], no_restart=False)
+            raise RolloutWorkerStuck(f"rollout worker(s) {stuck} did not {doing} within {limit:g} s "
+                                     f"(trainer.deadlines.{deadline}); killed for a restart")
 
     def _init_collective_sync(self) -> None:
         """Form the weight-sync process group: learner rank 0 and every rollout worker (NCCL when the
@@ -437,7 +434,8 @@ class RLTrainer:
             sends = [w.broadcast_weights.remote(bucket) for w in self.learners.workers]
             loads = [r.receive_weights.remote(self.step_idx, self.sync_meta, bucket) for r in self.rollout]
             self.learners.get_all(sends, "the weight broadcast")
-            return max(ray.get(self._within_sync_deadline(loads)))
+            self._kill_stuck_rollout_workers(loads, "sync_s", "load the weights")
+            return max(ray.get(loads))
         if self.cfg.rollout.weight_sync == "cuda_ipc":  # rollout worker i reads learner rank i's GPU buckets
             bucket, keep = self.cfg.rollout.sync_bucket_mb << 20, self.cfg.trainer.max_staleness + 1
             refs = [w.share_weights_ipc.remote(bucket, keep) for w in self.learners.workers]
@@ -449,7 +447,8 @@ class RLTrainer:
         if self.cfg.trainer.max_staleness == 0:
             ray.get(refs[1:])
             try:
-                return max(ray.get(self._within_sync_deadline(loads)))
+                self._kill_stuck_rollout_workers(loads, "sync_s", "load the weights")
+                return max(ray.get(loads))
             except (ray.exceptions.RayActorError, RolloutWorkerStuck):  # restart it with these weights
                 self._resync_rollout_workers()
                 return 0.0
@@ -463,20 +462,6 @@ class RLTrainer:
             if isinstance(t, float):
                 times.append(t)
         return max(times) if times else 0.0
-
-    def _within_sync_deadline(self, loads: list[Any]) -> list[Any]:
-        """`loads` (one per rollout worker) once done; a worker still loading after
-        `trainer.deadlines.sync_s` is killed for a restart (`RolloutWorkerStuck`)."""
-        limit = self.cfg.trainer.deadlines.sync_s
-        if limit > 0:
-            _, waiting = ray.wait(loads, num_returns=len(loads), timeout=limit)
-            if waiting:
-                stuck = [i for i, ref in enumerate(loads) if ref in waiting]
-                for i in stuck:
-                    ray.kill(self.rollout[i], no_restart=False)
-                raise RolloutWorkerStuck(f"rollout worker(s) {stuck} did not load the weights within {limit:g} s "
-                                         f"(trainer.deadlines.sync_s); killed for a restart")
-        return loads
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -649,7 +634,7 @@ def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dic
     refs = submit_generation(workers, tokenizer, cfg, rows, temperature=temperature, n=n, seed=seed,
                              group_base=group_base, evaluation=evaluation, sampling_overrides=sampling_overrides)
     limit = cfg.trainer.deadlines.generate_s
-    if limit > 0 and ray.wait(refs, num_returns=len(refs), timeout=limit)[1]:
+    if unfinished(refs, limit):
         raise TimeoutError(f"generation on the rollout workers did not finish within {limit:g} s "
                            f"(trainer.deadlines.generate_s)")
     return _gather(refs)
@@ -741,7 +726,7 @@ def step_spans(batch: Batch, ends: list[list[int]], tokenizer: Any) -> torch.Ten
             continue
         n = int(attn[i].sum())
         ids = batch.response_ids[i, :n].tolist()
-        step, text_len = 0, 0
+        step = 0
         for t in range(n):
             out[i, t] = step
             text_len = len(tokenizer.decode(ids[:t + 1], skip_special_tokens=True))

@@ -1,7 +1,7 @@
 """`hf_classifier` engine: a frozen reward model (a transformers sequence-classification model with one
 output) that scores (prompt, response) pairs in batches. Judges (`reward.judges`) serve it to the reward
 service; the `reward_model` reward calls it. A response is scored as it was trained on: the prompt's
-tokens, the response's tokens and EOS (`rl.sft.make_sft_batch`), read at the EOS.
+tokens, the response's tokens and EOS (`rl.batch.make_sft_batch`), read at the EOS.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class RewardResult:
     components: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the function raised, timed out or returned a bad value
     steps: dict[str, list] | None = None  # process rewards: {"rewards": [...], "ends": [character offsets]}
+    valid: bool | None = None  # the sample passed the reward's validity check (MGPO's gate); None: not reported
 
     @property
     def failed(self) -> bool:
@@ -63,7 +64,7 @@ def normalize_result(value: Any, plugin: str) -> RewardResult:
     if isinstance(value, RewardFailure):
         return RewardResult(None, error=f"reward {plugin!r}: {value.reason}")
     components: dict[str, float] = {}
-    steps = None
+    steps, valid = None, None
     if isinstance(value, dict):
         if "score" not in value:
             return RewardResult(None, error=f"reward {plugin!r} returned a dict without 'score': {sorted(value)}")
@@ -75,6 +76,11 @@ def normalize_result(value: Any, plugin: str) -> RewardResult:
                 return RewardResult(None, error=f"reward {plugin!r}: step_rewards and step_ends must be two lists of "
                                                 f"numbers of one length, got {len(rewards)} and {len(ends)}")
             steps = {"rewards": [float(x) for x in rewards], "ends": [int(x) for x in ends]}
+        if "valid" in value:  # a validity verdict (MGPO's gate V): a bool, kept apart from the numeric components
+            if not isinstance(value["valid"], bool):
+                return RewardResult(None, error=f"reward {plugin!r}: 'valid' must be a bool, got "
+                                                f"{type(value['valid']).__name__}")
+            valid = value["valid"]
         value = value["score"]
         if value is None:
             return RewardResult(None, components)
@@ -91,4 +97,4 @@ def normalize_result(value: Any, plugin: str) -> RewardResult:
     score = float(value)
     if math.isnan(score) or math.isinf(score):
         return RewardResult(None, components, error=f"reward {plugin!r} returned {score}")
-    return RewardResult(score, components, steps=steps)
+    return RewardResult(score, components, steps=steps, valid=valid)

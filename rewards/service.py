@@ -164,7 +164,7 @@ class RewardService(ActorProbes):
         return [self._combine({f.key: raw[f.key][i] for f in functions}, functions) for i in range(len(items))]
 
     def _combine(self, per_fn: dict[str, tuple[Any, str | None]], functions: list[RewardSpec]) -> dict:
-        total, applicable, errors, components, steps = 0.0, 0, [], {}, None
+        total, applicable, errors, components, steps, valid = 0.0, 0, [], {}, None, None
         for f in functions:
             value, err = per_fn[f.key]
             res = RewardResult(None, error=err) if err else normalize_result(value, f.key)
@@ -178,6 +178,8 @@ class RewardService(ActorProbes):
                 components[f"{f.key}/{k}"] = v
             if res.steps is not None and not f.eval_only:  # a process reward's steps (the first one's)
                 steps = steps or {"rewards": [f.weight * r for r in res.steps["rewards"]], "ends": res.steps["ends"]}
+            if res.valid is not None and not f.eval_only:  # valid when every function that judges validity says so
+                valid = res.valid if valid is None else (valid and res.valid)
             if res.score is not None:
                 components[f.key] = res.score
                 if not f.eval_only:
@@ -192,4 +194,6 @@ class RewardService(ActorProbes):
         out = {"score": total, "failed": False, "error": None, "components": components}
         if steps is not None:
             out["steps"] = steps
+        if valid is not None:
+            out["valid"] = valid
         return out

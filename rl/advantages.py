@@ -138,7 +138,7 @@ def compute_mgpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, respo
                             token_step: torch.Tensor | None = None, step_rewards: list[list[float]] | None = None,
                             step_types: list[list[str]] | None = None, valid: torch.Tensor | None = None,
                             observation_mask: torch.Tensor | None = None, lambda_step: float = 0.5,
-                            eps: float = 1e-6) -> torch.Tensor:
+                            eps: float = 1e-6, allow_trajectory_only: bool = False) -> torch.Tensor:
     """Multi-granularity advantages (MGPO, Agentic Proposing) [RECONSTRUCTION, spec §3.3].
 
     token advantage = A_traj_i + lambda_step * A_step_{i,k} for a token in step k, A_traj_i elsewhere, where
@@ -147,9 +147,19 @@ def compute_mgpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, respo
               a type with one step, or all-equal rewards, gives 0).
     Validity gate: an invalid trajectory (`valid` False) has its trajectory and step rewards zeroed.
     Environment/tool-output tokens (`observation_mask`) get advantage 0. The step data come from the
-    Batch (`token_step`, `step_rewards`, `step_types`, `valid`, `observation_mask`); without them this
-    is GRPO. With `lambda_step = 0` it is GRPO on the trajectory rewards.
+    Batch (`token_step`, `step_rewards`, `step_types`, `valid`, `observation_mask`), filled by a multi-step
+    environment. A batch without `token_step`, `step_rewards` or `valid` is refused: MGPO on it would silently be
+    GRPO. `allow_trajectory_only: true` accepts such batches (GRPO on the trajectory rewards, gated by `valid`
+    when present). With `lambda_step = 0` it is GRPO on the trajectory rewards.
     """
+    missing = [name for name, value in (("token_step", token_step), ("step_rewards", step_rewards), ("valid", valid))
+               if value is None]
+    if missing and not allow_trajectory_only:
+        raise ValueError(f"advantage 'mgpo': the batch carries no {missing}. MGPO needs the step map and step "
+                         f"rewards that a multi-step environment (rollout.env) or a process reward records, and the "
+                         f"validity verdict a reward returns ({{'score': ..., 'valid': bool}}); without them it "
+                         f"would silently be GRPO. Set algorithm.advantage_params.allow_trajectory_only: true to "
+                         f"train on trajectory rewards only")
     rewards = rewards.to(torch.float32)
     if valid is not None:
         rewards = torch.where(valid.bool(), rewards, torch.zeros_like(rewards))

@@ -39,6 +39,7 @@ from rl.trainer import (
     make_rollout_workers,
     model_family,
     needs_critic,
+    policy_loss_params,
 )
 from rollout.base import load_tokenizer
 from rollout.weight_sync import pack_state
@@ -103,6 +104,7 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if lc.pack_sequences and not getattr(family, "supports_packing", False):
         raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
                           f"(its attention builds its own masks); set learner.pack_sequences false")
+    policy_loss_params(cfg, get("loss", a.loss))  # the KL and entropy terms have a loss that takes them
     import inspect
     loop_inputs = {"loop_logp", "exit_pdf"} & set(inspect.signature(get("loss", a.loss)).parameters)
     if loop_inputs and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):

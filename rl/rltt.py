@@ -54,7 +54,7 @@ def rltt_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
               learned_logits: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
               entropy: torch.Tensor | None = None, loop_weighting: str = "exit_pdf", alpha: float = 1.0,
               detach_exit_pdf: bool = False, tau: float = 1.0, learned_init: str = "uniform",
-              learned_lr_scale: float = 10.0, kl_coef: float = 0.001, kl_estimator: str = "k3",
+              learned_lr_scale: float = 10.0, kl_coef: float = 0.0, kl_estimator: str = "k3",
               entropy_coef: float = 0.0, agg: str = "token-mean", num_tokens: float | None = None,
               num_seqs: float | None = None, norm_len: float | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -63,7 +63,8 @@ def rltt_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
     `learned_init` (uniform | progressive) and `learned_lr_scale` (× the model lr) configure the learnable
     loop logits of `loop_weighting: learned` (`rltt_trainable_parameters`); the learner passes them in as
-    `learned_logits`."""
+    `learned_logits`. `kl_coef` defaults to 0 like every loss: the trainer passes `algorithm.kl_coef` (0.001 in
+    the released recipes) when the KL is in the loss and 0 when it is in the reward or absent."""
     num_loops = loop_logp.shape[-1]
     omega = compute_loop_weights(loop_weighting, num_loops, alpha=alpha, exit_pdf=exit_pdf,
                                  detach_exit_pdf=detach_exit_pdf, learned_logits=learned_logits, tau=tau)

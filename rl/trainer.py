@@ -26,7 +26,7 @@ from cluster.learner import LearnerGroup
 from cluster.ray_utils import Placement, actor_env, unfinished
 from rl.advantages import gae_advantages_and_returns, outcome_token_rewards
 from rl.batch import Batch
-from rl.config import as_container
+from rl.config import ConfigError, as_container
 from rl.data import format_prompt
 from rl.losses import kl_in_reward, kl_penalty, soft_overlong_penalty
 from rl.registry import get
@@ -220,11 +220,7 @@ class RLTrainer:
     def update(self, batch: Batch) -> list[dict[str, float]]:
         """`ppo_epochs` passes over `mini_batches` shuffled mini-batches, one optimizer step each."""
         cfg, a = self.cfg, self.cfg.algorithm
-        loss_params = {**as_container(a.loss_params), "agg": a.loss_agg, "norm_len": float(cfg.rollout.max_new_tokens)}
-        if self.need_ref and not a.kl_in_reward:
-            loss_params.update(kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
-        if a.entropy_coef:
-            loss_params["entropy_coef"] = a.entropy_coef
+        loss_params = policy_loss_params(cfg, get("loss", a.loss))
         correction = {"level": a.is_correction, "mode": a.is_mode, "cap": a.is_cap}
         return [self.learners.train_step(mb, self.grad_accum, a.loss, loss_params, need_entropy=True,
                                          rollout_correction=correction, **self.sampling_distribution)
@@ -700,11 +696,14 @@ def component_means(components: list[dict[str, float]]) -> dict[str, float]:
 
 def attach_rewards(batch: Batch, scored: list[dict], tokenizer: Any = None) -> None:
     """The reward service's scores into `batch`; a process reward's steps (`steps`: rewards and the character
-    offset where each step ends) become `step_rewards` and the `token_step` map (`step_spans`)."""
+    offset where each step ends) become `step_rewards` and the `token_step` map (`step_spans`); a validity
+    verdict (`valid`, a reward returning `{"score": ..., "valid": bool}`) becomes `batch.valid`."""
     batch.rewards = torch.tensor([s["score"] for s in scored], dtype=torch.float32)
     if tokenizer is not None and any("steps" in s for s in scored) and batch.token_step is None:
         batch.step_rewards = [s.get("steps", {}).get("rewards", []) for s in scored]
         batch.token_step = step_spans(batch, [s.get("steps", {}).get("ends", []) for s in scored], tokenizer)
+    if any("valid" in s for s in scored):  # a validity verdict (MGPO's gate); a row no function judged is valid
+        batch.valid = torch.tensor([bool(s.get("valid", True)) for s in scored])
     batch.reward_failed = torch.tensor([bool(s["failed"]) for s in scored])
     batch.reward_components = [dict(s["components"]) for s in scored]
     # A sample whose reward could not be computed carries no learning signal: it leaves the loss.
@@ -778,6 +777,27 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
                 "perf/learner_floor_s": learner_flops / (ranks * peak_l),
                 "perf/decode_floor_s": max(decode_flops / (workers * peak_r), decode_bytes / (workers * bandwidth))})
     return out
+
+
+def policy_loss_params(cfg: DictConfig, loss_fn: Any) -> dict[str, Any]:
+    """The keywords every policy loss is called with: the recipe's `algorithm.loss_params` plus what the
+    algorithm section decides. `algorithm.kl_coef` / `kl_in_reward` are the single source of truth for the KL
+    term: a loss that takes `kl_coef` always receives it (0 when no reference is loaded or the KL is in the
+    reward), so no loss's own default can add a KL term the recipe did not ask for."""
+    a = cfg.algorithm
+    params = {**as_container(a.loss_params), "agg": a.loss_agg, "norm_len": float(cfg.rollout.max_new_tokens)}
+    accepted = inspect.signature(loss_fn).parameters
+    kl_in_loss = a.kl_coef if (a.kl_coef > 0 and not a.kl_in_reward) else 0.0
+    if "kl_coef" in accepted:
+        params.update(kl_coef=kl_in_loss, kl_estimator=a.kl_estimator)
+    elif kl_in_loss:
+        raise ConfigError(f"algorithm.kl_coef: loss {a.loss!r} takes no kl_coef; put the KL in the reward "
+                          f"(algorithm.kl_in_reward: true) or set algorithm.kl_coef 0")
+    if "entropy_coef" in accepted:
+        params["entropy_coef"] = a.entropy_coef
+    elif a.entropy_coef:
+        raise ConfigError(f"algorithm.entropy_coef: loss {a.loss!r} takes no entropy_coef; set it to 0")
+    return params
 
 
 def _group_frac(batch: Batch, pred) -> float:

@@ -31,6 +31,12 @@ PLUGINS = textwrap.dedent('''
     def with_components(prompt, response, **kw):
         return {"score": 2.0, "length": float(len(response)), "label": "x"}
 
+    def validity(prompt, response, **kw):
+        return {"score": float(len(response)), "valid": response.startswith("ok")}
+
+    def bad_validity(prompt, response, **kw):
+        return {"score": 1.0, "valid": "yes"}
+
     async def async_len(prompt, response, **kw):
         await asyncio.sleep(0)
         return float(len(response))
@@ -123,6 +129,28 @@ def test_none_is_not_applicable_and_components_are_kept(plugin_file):
     assert out[0]["components"][f"{plugin_file}:with_components/length"] == 3.0
     # row 1: maybe says not applicable -> only the other function counts
     assert out[1]["score"] == pytest.approx(1.0) and not out[1]["failed"]
+
+
+def test_a_validity_verdict_reaches_the_batch(plugin_file):
+    """A reward's `valid` (MGPO's gate) is combined over functions, carried to `batch.valid`, and a non-bool
+    verdict is a recorded failure naming the plugin."""
+    from models.tiny import build_tiny_tokenizer
+    from rl.batch import make_sft_batch
+    from rl.trainer import attach_rewards
+    s = _service(plugin_file, "validity", "with_components")
+    bad = _service(plugin_file, "bad_validity")
+    try:
+        out = s.score(_items("ok1", "no"))
+        failed = bad.score(_items("ok"))
+    finally:
+        s.close()
+        bad.close()
+    assert [o["valid"] for o in out] == [True, False]
+    assert "valid" not in out[0]["components"]  # a verdict, not a numeric component
+    assert failed[0]["failed"] and "bad_validity" in failed[0]["error"] and "'valid' must be a bool" in failed[0]["error"]
+    batch = make_sft_batch(build_tiny_tokenizer(), ["q", "q"], ["ok1", "no"])
+    attach_rewards(batch, out)
+    assert batch.valid.tolist() == [True, False]
 
 
 def test_async_batched_and_params(plugin_file):

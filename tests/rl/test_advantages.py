@@ -142,7 +142,7 @@ def test_mgpo_advantage_combination_hand_value():
     from rl.advantages import compute_mgpo_advantages
     rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
     adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
-                                  step_types=types, lambda_step=0.5)
+                                  step_types=types, valid=torch.ones(2, dtype=torch.bool), lambda_step=0.5)
     # A_traj = [+0.7071, -0.7071]; step rewards [1,0,1,1] -> A_step = [0.5, -1.5, 0.5, 0.5]
     assert adv[0, 0].item() == pytest.approx(0.707107, abs=1e-5)  # outside any step
     assert adv[0, 1].item() == pytest.approx(0.707107 + 0.25, abs=1e-5)  # step 1
@@ -155,7 +155,7 @@ def test_mgpo_steps_normalised_by_type():
     rewards, gid, mask, token_step, step_rewards, _ = _mgpo_case()
     types = [["tool", "think"], ["tool", "think"]]  # pools: tool [1,1] (all equal), think [0,1]
     adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
-                                  step_types=types, lambda_step=1.0)
+                                  step_types=types, valid=torch.ones(2, dtype=torch.bool), lambda_step=1.0)
     assert adv[0, 1].item() == pytest.approx(0.707107, abs=1e-5)  # tool steps all equal: no step credit
     assert adv[0, 3].item() == pytest.approx(0.707107 - 0.707107, abs=1e-5)  # think: [0,1] -> -0.7071
 
@@ -165,8 +165,9 @@ def test_mgpo_validity_gate_masking_and_reduction():
     rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
     obs = torch.zeros(2, 6)
     obs[0, 2] = 1  # a tool-output token
+    valid = torch.ones(2, dtype=torch.bool)
     adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
-                                  step_types=types, observation_mask=obs)
+                                  step_types=types, valid=valid, observation_mask=obs)
     assert adv[0, 2].item() == 0.0
     # invalid first trajectory: its rewards become 0, so the group is all-equal on R_traj
     invalid = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
@@ -174,8 +175,48 @@ def test_mgpo_validity_gate_masking_and_reduction():
     assert torch.allclose(invalid, torch.zeros(2, 6))
     # lambda_step = 0 is GRPO on the trajectory rewards
     plain = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
-                                    step_types=types, lambda_step=0.0)
+                                    step_types=types, valid=valid, lambda_step=0.0)
     assert torch.equal(plain, compute_grpo_advantages(rewards, gid, mask))
+
+
+def test_mgpo_invalid_trajectory_has_its_step_rewards_zeroed():
+    """Spec §3.5 item 1 with lambda_step != 0: the invalid trajectory's successful steps ([1, 0]) count as 0."""
+    from rl.advantages import compute_mgpo_advantages
+    rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
+    adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
+                                  step_types=types, valid=torch.tensor([False, True]), lambda_step=0.5)
+    # R_traj -> [0, 0]: A_traj = 0; gated steps [0, 0, 1, 1]: mean 0.5, std 0.57735 -> A_step = [-0.866, -0.866, ..]
+    assert adv[0, 1].item() == pytest.approx(-0.5 * 0.866025, abs=1e-5)  # would be +0.25 without the gate
+    assert adv[0, 3].item() == pytest.approx(-0.5 * 0.866025, abs=1e-5)
+    assert adv[1, 0].item() == pytest.approx(+0.5 * 0.866025, abs=1e-5)
+    assert adv[0, 0].item() == 0.0  # outside any step: A_traj only
+
+
+def test_mgpo_observation_tokens_get_no_gradient():
+    """Spec §3.5 item 4 through the loss: tool-output tokens contribute zero gradient even when a step's
+    advantage covers them, and the policy tokens beside them do get one."""
+    from rl.advantages import compute_mgpo_advantages
+    rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
+    obs = torch.zeros(2, 6)
+    obs[0, 2] = obs[1, 1] = 1  # tool outputs inside step 1 of each trajectory
+    adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
+                                  step_types=types, valid=torch.tensor([True, True]), observation_mask=obs)
+    logp = torch.full((2, 6), -1.0, requires_grad=True)
+    loss, _ = get("loss", "ppo_clip")(logp, logp.detach(), adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean")
+    loss.backward()
+    assert logp.grad[0, 2] == 0 and logp.grad[1, 1] == 0
+    assert logp.grad[0, 1] != 0 and logp.grad[1, 0] != 0
+
+
+def test_mgpo_refuses_a_batch_without_step_data():
+    from rl.advantages import compute_mgpo_advantages
+    rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
+    with pytest.raises(ValueError, match=r"\['token_step', 'step_rewards', 'valid'\].*allow_trajectory_only"):
+        compute_mgpo_advantages(rewards, gid, mask)
+    with pytest.raises(ValueError, match=r"\['valid'\]"):
+        compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards)
+    trajectory_only = compute_mgpo_advantages(rewards, gid, mask, allow_trajectory_only=True)
+    assert torch.equal(trajectory_only, compute_grpo_advantages(rewards, gid, mask))
 
 
 def test_gae_by_hand():

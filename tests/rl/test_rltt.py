@@ -174,3 +174,40 @@ def test_rltt_is_shard_invariant(weighting, mode, chunks):
         assert torch.allclose(gate.grad, full_g.grad, atol=1e-7)
     else:
         assert gate.grad is None
+
+
+@pytest.mark.parametrize("kl_coef,kl_in_reward,expected", [(0.0, False, 0.0), (0.001, True, 0.0), (0.02, False, 0.02)])
+def test_recipe_kl_is_the_single_source_of_the_loss_kl(kl_coef, kl_in_reward, expected):
+    """`algorithm.kl_coef` / `kl_in_reward` decide the loss's KL term: no KL (and no reference) runs RLTT without
+    a KL term instead of failing on missing reference logprobs, KL in the reward adds none in the loss."""
+    from rl import config
+    from rl.trainer import policy_loss_params
+    cfg = config.load("recipes/rltt_tiny.yaml", [f"algorithm.kl_coef={kl_coef}", f"algorithm.kl_in_reward={kl_in_reward}"])
+    params = policy_loss_params(cfg, rltt_loss)
+    assert params["kl_coef"] == expected
+    g = torch.Generator().manual_seed(0)
+    loop_logp = -torch.rand(2, 3, 4, generator=g)
+    ref = None if kl_coef == 0 else loop_logp[..., -1] - 0.3
+    adv, mask = torch.tensor([[1.0], [-1.0]]).expand(2, 3), torch.ones(2, 3)
+    pdf = exit_pdf(torch.randn(2, 3, 4, generator=g))
+    loss, _ = rltt_loss(loop_logp[..., -1], None, adv, mask, loop_logp=loop_logp, exit_pdf=pdf, ref_logp=ref,
+                        **params)
+    without_kl, _ = rltt_loss(loop_logp[..., -1], None, adv, mask, loop_logp=loop_logp, exit_pdf=pdf, ref_logp=ref,
+                              **{**params, "kl_coef": 0.0})
+    kl = 0.0 if ref is None else float(kl_penalty(loop_logp[..., -1], ref, "k3").mean())
+    assert float(loss) == pytest.approx(float(without_kl) + expected * kl, abs=1e-6)
+
+
+def test_a_loss_without_a_kl_term_refuses_a_kl_coef_in_the_loss():
+    from rl import config
+    from rl.config import ConfigError
+    from rl.trainer import policy_loss_params
+
+    def plain_loss(logp, old_logp, advantages, response_mask, *, agg="token-mean", norm_len=None):
+        return (-(advantages * logp) * response_mask).sum(), {}
+
+    cfg = config.load("recipes/rltt_tiny.yaml", ["algorithm.kl_coef=0.01"])
+    with pytest.raises(ConfigError, match="algorithm.kl_coef"):
+        policy_loss_params(cfg, plain_loss)
+    cfg = config.load("recipes/rltt_tiny.yaml", ["algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true"])
+    assert "kl_coef" not in policy_loss_params(cfg, plain_loss)

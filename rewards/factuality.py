@@ -1,6 +1,6 @@
 """Long-form factuality reward (Chen et al., "Learning to Reason for Factuality"; spec §4).
 
-    R = −1                                   invalid format: no `</think>`, empty answer, or truncated
+    R = −1                                   invalid format: no `<think>…</think>`, empty answer, or truncated
     R = Pre + λ · log(1 + F) + μ · J         otherwise, Pre = F / T (0 when T = 0)
 
 F is the number of supported claims and T the number of claims extracted from the answer (the text
@@ -18,8 +18,11 @@ Stages, each chosen by name (`judge` stages call the judge engine named by `judg
 - relevance: `overlap`, J = 1 when the answer shares at least `relevance_overlap` of the reference
   answer's content words; or `judge`, which compares the answer with the reference (the reference comes
   as `ground_truth`; without one J is 0).
-Verdicts are cached per (corpus, verifier, claim) in the reward service's process, so a claim repeated
-across a group or across steps is checked once. With a greedy judge every stage is deterministic.
+Verdicts are cached in the reward service's process under everything that decides them (corpus, verifier,
+`top_k`, `support_overlap` or the judge's identity: model and sampling), so a claim repeated across a group
+or across steps is checked once, and two reward configurations in one process never share verdicts. The
+cache is bounded (`cache_size` verdicts, least recently used evicted). With a greedy judge every stage is
+deterministic.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -50,11 +54,19 @@ STOPWORDS = frozenset(
     "shall should may might must than then there their they them he she his her we our you your i me my".split())
 
 
-def answer_part(response: str, *, truncated: bool = False) -> str | None:
-    """The answer after the last `</think>`, or None when the format is invalid."""
+THINK_START = "<think>"
+
+
+def answer_part(response: str, *, truncated: bool = False, prompt: str = "") -> str | None:
+    """The answer after the last `</think>`, or None when the format is invalid: truncated, no `</think>`, no
+    `<think>` opening the reasoning (in the response, or at the end of the prompt when the chat template opens
+    it, as Qwen3's and DeepSeek-R1's do), or an empty answer."""
     if truncated or THINK_END not in response:
         return None
-    answer = response.rsplit(THINK_END, 1)[1].strip()
+    reasoning, answer = response.rsplit(THINK_END, 1)
+    if THINK_START not in reasoning and not prompt.rstrip().endswith(THINK_START):
+        return None
+    answer = answer.strip()
     return answer or None
 
 
@@ -116,18 +128,40 @@ def lexical_support(claim: str, passages: list[str], overlap: float) -> bool:
     return bool(words) and any(len(words & content_words(p)) >= overlap * len(words) for p in passages)
 
 
-_VERDICTS: dict[tuple[str, str, str], bool] = {}  # (corpus, verifier, claim) -> supported, per process
+# (corpus, verifier settings, claim) -> supported, per process; least recently used first
+_VERDICTS: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
+_YES = re.compile(r"^[\W_]*yes\b", re.IGNORECASE)
+_PREAMBLE = re.compile(r"^(here (are|is)\b|(sure|certainly|okay|ok)\b\W|(the )?(following|claims?) (are|is)\b)",
+                       re.IGNORECASE)
+_LIST_MARK = re.compile(r"^\s*(?:[-*•]+|\(?\d+[.)]|\(?[a-z][.)](?=\s))\s*")
 
 
 def says_yes(text: str) -> bool:
-    return text.strip().lower().startswith("yes")
+    """A judge's yes: the first word after any markdown or punctuation (`**Yes**`, `"yes."`, `- Yes, ...`)."""
+    return bool(_YES.match(text.strip()))
+
+
+def parse_claim_lines(text: str) -> list[str]:
+    """One claim per line of a judge's answer, without list marks (`-`, `*`, `1.`, `(a)`), markdown emphasis,
+    and without preamble lines ("Here are the claims:", any line ending in a colon) or lines with no content
+    words."""
+    claims = []
+    for line in text.splitlines():
+        line = _LIST_MARK.sub("", line.strip()).strip(" *_`\t")
+        if not content_words(line) or line.endswith(":") or _PREAMBLE.match(line):
+            continue
+        claims.append(line)
+    return claims
 
 
 def verify_claims(claims: list[str], corpus_path: str, *, top_k: int = 3, support_overlap: float = 0.8,
-                  judge: Any = None) -> tuple[list[bool], int]:
+                  judge: Any = None, cache_size: int = 100_000) -> tuple[list[bool], int]:
     """Verdict per claim (lexical, or by `judge` when given), and how many claims were actually checked
-    (the rest came from the cache)."""
-    kind = "judge" if judge is not None else "lexical"
+    (the rest came from the cache, keyed by everything that decides a verdict)."""
+    if judge is not None:
+        kind = f"judge|{getattr(judge, 'identity', None) or id(judge)}|top_k={top_k}|{VERIFY_PROMPT}"
+    else:
+        kind = f"lexical|top_k={top_k}|overlap={support_overlap}"
     todo = sorted({c for c in claims if (corpus_path, kind, c) not in _VERDICTS})
     if todo:
         evidence = load_corpus(corpus_path).retrieve(todo, top_k)
@@ -139,7 +173,13 @@ def verify_claims(claims: list[str], corpus_path: str, *, top_k: int = 3, suppor
             verdicts = [says_yes(a) for a in answers]
         for claim, verdict in zip(todo, verdicts):
             _VERDICTS[(corpus_path, kind, claim)] = verdict
-    return [_VERDICTS[(corpus_path, kind, c)] for c in claims], len(todo)
+    out = []
+    for c in claims:
+        _VERDICTS.move_to_end((corpus_path, kind, c))
+        out.append(_VERDICTS[(corpus_path, kind, c)])
+    while len(_VERDICTS) > max(cache_size, len(set(claims))):
+        _VERDICTS.popitem(last=False)
+    return out, len(todo)
 
 
 def overlap_relevance(answer: str, reference: Any, threshold: float) -> float:
@@ -155,7 +195,8 @@ def factuality_reward(prompts: list[str], responses: list[str], *, ground_truth:
                       truncated: list[bool] | None = None, judges: dict[str, Any] | None = None, corpus: str,
                       lam: float = 0.0, mu: float = 0.1, claims: str = "sentences", verifier: str = "lexical",
                       relevance: str = "overlap", judge: str = "judge", top_k: int = 3, support_overlap: float = 0.8,
-                      relevance_overlap: float = 0.5, min_claim_words: int = 3, **_: Any) -> list[dict[str, float]]:
+                      relevance_overlap: float = 0.5, min_claim_words: int = 3, cache_size: int = 100_000,
+                      **_: Any) -> list[dict[str, float]]:
     """Batched factuality reward with its components (`precision`, `supported`, `claims`, `relevance`,
     `format_ok`) logged per sample."""
     stages = {"claims": (claims, ("sentences", "judge")), "verifier": (verifier, ("lexical", "judge")),
@@ -171,18 +212,19 @@ def factuality_reward(prompts: list[str], responses: list[str], *, ground_truth:
     n = len(responses)
     truncated = truncated or [False] * n
     ground_truth = ground_truth or [None] * n
-    answers = [answer_part(r, truncated=bool(t)) for r, t in zip(responses, truncated)]
+    answers = [answer_part(r, truncated=bool(t), prompt=p) for p, r, t in zip(prompts, responses, truncated)]
     valid = [i for i, a in enumerate(answers) if a is not None]
     per_answer: list[list[str]] = [[] for _ in range(n)]
     if claims == "judge":
         listed = llm.generate([CLAIMS_PROMPT.format(answer=answers[i]) for i in valid])
         for i, text in zip(valid, listed):
-            per_answer[i] = [ln.strip(" -*\t") for ln in text.splitlines() if content_words(ln)]
+            per_answer[i] = parse_claim_lines(text)
     else:
         for i in valid:
             per_answer[i] = sentence_claims(answers[i], min_claim_words)
     verdicts, _ = verify_claims([c for cs in per_answer for c in cs], corpus, top_k=top_k,
-                                support_overlap=support_overlap, judge=llm if verifier == "judge" else None)
+                                support_overlap=support_overlap, judge=llm if verifier == "judge" else None,
+                                cache_size=cache_size)
     rel = {i: overlap_relevance(answers[i], ground_truth[i], relevance_overlap) for i in valid}
     if relevance == "judge":
         with_ref = [i for i in valid if ground_truth[i]]

@@ -74,8 +74,15 @@ def state_dict_sha256(state: dict[str, Any]) -> str:
 class JudgeClient:
     """What a reward function receives: `generate(prompts, **sampling)` spread over the group's workers."""
 
-    def __init__(self, name: str, workers: list[Any], sampling: dict[str, Any], timeout_s: float = 600.0):
+    def __init__(self, name: str, workers: list[Any], sampling: dict[str, Any], timeout_s: float = 600.0,
+                 model: str = ""):
         self.name, self.workers, self.sampling, self.timeout_s = name, workers, dict(sampling), timeout_s
+        self.model = model  # the model folder and engine the workers serve (part of `identity`)
+
+    @property
+    def identity(self) -> str:
+        """What decides this judge's answers: its model and sampling settings (a cache key for verdicts)."""
+        return f"{self.name}|{self.model}|{sorted(self.sampling.items())}"
 
     def generate(self, prompts: list[str], **sampling: Any) -> list[str]:
         """Completions for `prompts` (in order), at the judge's sampling settings unless overridden."""
@@ -113,5 +120,5 @@ def start_judges(judges: dict[str, Any], policy_path: str, env: dict[str, str] |
                                 bool(jc["chat_template"]))
                    for _ in range(jc["num_workers"])]
         sampling = {"temperature": jc["temperature"], "top_p": jc["top_p"], "max_new_tokens": jc["max_new_tokens"]}
-        clients[name] = JudgeClient(name, workers, sampling)
+        clients[name] = JudgeClient(name, workers, sampling, model=f"{path}|{jc['engine']}|{jc['dtype']}")
     return clients

@@ -71,6 +71,10 @@ Errors per item (desiderata 1-7, or none):
 GRADER_TEMPLATES = {"full": GRADER_TEMPLATE, "compact": COMPACT_GRADER_TEMPLATE}
 
 _ITEM = re.compile(r"<item\s+num\s*=\s*[\"']?(\d+)[\"']?\s*>(.*?)</item>", re.S | re.I)
+_ITEM_OPEN = re.compile(r"<item\b", re.I)
+_THINK_OPEN, _THINK_CLOSE = re.compile(r"<think>", re.I), re.compile(r"</think>", re.I)
+# "none", empty, or the ways a grader writes it ("None.", "N/A", "**none**"): the item has no violation
+_NO_ERRORS = ("", "none", "n/a", "na", "no errors", "no violations")
 _ERRORS = re.compile(r"<errors>(.*?)</errors>", re.S | re.I)
 _SOLUTION = re.compile(r"<solution>(.*?)</solution>", re.S | re.I)
 
@@ -97,16 +101,36 @@ def _item_passes(body: str) -> bool:
     m = _ERRORS.search(body)
     if m is None:
         return False
-    errors = m.group(1).strip().lower()
-    return errors in ("", "none")
+    errors = m.group(1).strip().strip("*_`'\".").strip().lower()
+    return errors in _NO_ERRORS
+
+
+def strip_reasoning(text: str) -> str | None:
+    """The grader's answer without its reasoning: the text after the last `</think>` (a chat template may open
+    `<think>` in the prompt, so a closing tag alone counts), or None when a `<think>` block never closes (the
+    token limit cut the grader off while it was thinking)."""
+    closes = list(_THINK_CLOSE.finditer(text))
+    if closes:
+        return text[closes[-1].end():]
+    return None if _THINK_OPEN.search(text) else text
 
 
 def parse_grades(text: str, num_items: int) -> list[bool] | None:
-    """Pass/fail per rubric item 1..num_items from the grader's XML, or None when it holds no item at
-    all (malformed: retry or record a failure). Items beyond `num_items` are ignored, the first block of
-    a repeated item number is kept, and an item the grader skipped fails."""
+    """Pass/fail per rubric item 1..num_items from the grader's XML, or None when the output is malformed (retry
+    or record a failure): no item at all, reasoning that never ends, or an `<item>` block cut off by the token
+    limit. Reasoning (`<think>…</think>`) is dropped first, so draft items written while thinking never count.
+    Items beyond `num_items` are ignored, the first block of a repeated item number is kept, and an item the
+    grader skipped fails."""
+    answer = strip_reasoning(text)
+    if answer is None:
+        return None
+    complete = list(_ITEM.finditer(answer))
+    tail = answer[complete[-1].end():] if complete else answer
+    if _ITEM_OPEN.search(tail):  # an item opened after the last closed one: the output was cut off
+        return None
     found: dict[int, bool] = {}
-    for num, body in _ITEM.findall(text):
+    for m in complete:
+        num, body = m.group(1), m.group(2)
         k = int(num)
         if 1 <= k <= num_items and k not in found:
             found[k] = _item_passes(body)
@@ -189,7 +213,8 @@ def rubric_self_grade(prompts: list[str], responses: list[str], *, ground_truth:
                               "grader_attempts": float(attempt + 1), "no_solution": 0.0, "over_length": float(over)}
         pending = still
     for i, _, _ in pending:
-        results[i] = RewardFailure(f"grader output held no <item> blocks after {retries + 1} attempts")
+        results[i] = RewardFailure(f"grader output malformed after {retries + 1} attempts (no <item> block, reasoning "
+                                     f"that never closed, or an <item> cut off by the token limit)")
     return results
 
 

@@ -9,6 +9,8 @@ from rewards.factuality import (
     answer_part,
     factuality_reward,
     factuality_score,
+    parse_claim_lines,
+    says_yes,
     sentence_claims,
     verify_claims,
 )
@@ -39,6 +41,9 @@ def test_format():
     assert answer_part("no think block") is None
     assert answer_part("<think>x</think>   ") is None
     assert answer_part("<think>x</think> Answer.", truncated=True) is None
+    assert answer_part("reasoning without an opening tag</think> Answer.") is None  # no think/answer structure
+    # a chat template that opens the reasoning in the prompt (Qwen3, DeepSeek-R1): the response starts inside it
+    assert answer_part("reasoning</think> Answer.", prompt="<|im_start|>assistant\n<think>\n") == "Answer."
     assert sentence_claims("Short. The river Alder flows north! Is it cold?") == ["The river Alder flows north!"]
 
 
@@ -83,6 +88,34 @@ def test_verdict_cache_checks_each_claim_once(tmp_path):
     again, checked = verify_claims([FALSE, FACTS[1]], str(path))
     assert again == [False, True] and checked == 0  # later steps: all from the cache
     assert _score(str(path), [FACTS[2]], 0.1, 0.1)[0] == _score(str(path), [FACTS[2]], 0.1, 0.1)[0]
+
+
+def test_verdicts_are_cached_per_configuration_and_bounded(tmp_path):
+    """Two configurations in one process (different support thresholds, retrieval depth or judge) never share
+    a verdict; the cache keeps at most `cache_size` verdicts."""
+    path = tmp_path / "c.txt"
+    path.write_text("\n".join(FACTS))
+    half = "The river Alder flows through the valley of Zanth."  # 5 of its 6 content words are in FACTS[0]
+    factuality._VERDICTS.clear()
+    assert verify_claims([half], str(path), support_overlap=0.8) == ([True], 1)
+    assert verify_claims([half], str(path), support_overlap=0.9) == ([False], 1)  # before: True from the cache
+    assert verify_claims([half], str(path), support_overlap=0.8, top_k=1) == ([True], 1)
+    assert verify_claims([half], str(path), support_overlap=0.8) == ([True], 0)
+    factuality._VERDICTS.clear()
+    verify_claims(FACTS[:6], str(path), cache_size=4)
+    assert len(factuality._VERDICTS) == 6  # one call's claims all stay
+    verify_claims(FACTS[6:8], str(path), cache_size=4)
+    assert len(factuality._VERDICTS) == 4
+    assert verify_claims(FACTS[6:8], str(path), cache_size=4)[1] == 0  # the most recent survive
+    assert verify_claims(FACTS[:1], str(path), cache_size=4)[1] == 1  # the oldest were evicted
+
+
+def test_judge_answers_are_parsed_like_a_reader_would():
+    assert [says_yes(a) for a in ("**Yes**", '"Yes."', "- yes, it is", " Yes", "No.", "yesterday", "**No**")] == \
+        [True, True, True, True, False, False, False]
+    listed = "Here are the claims:\n1. The river Alder flows north.\n- **Snow falls in Morra.**\n\nSure, that is all."
+    assert parse_claim_lines(listed) == ["The river Alder flows north.", "Snow falls in Morra."]
+    assert parse_claim_lines("The following year the river flooded.") == ["The following year the river flooded."]
 
 
 def test_through_the_reward_service_with_components(corpus):

@@ -33,8 +33,22 @@ def test_robustness():
     dup = _xml({2: "3"}) + "<item num=2><criteria>c</criteria><errors>none</errors></item>"
     assert parse_grades(dup, 10)[1] is False  # a repeated item number keeps the first block
     assert parse_grades(_xml({5: " None "}), 10)[4] is True and parse_grades(_xml({5: ""}), 10)[4] is True
-    assert parse_grades(_xml({})[:200], 10)[0] is True and parse_grades(_xml({})[:200], 10)[9] is False  # partial
+    two_items = _xml({}, k=2)  # a grader that stopped after two items: the ones it skipped fail
+    assert parse_grades(two_items, 10) == [True, True] + [False] * 8
+    assert parse_grades(_xml({})[:200], 10) is None  # an item cut off by the token limit: retried like malformed
     assert parse_grades("I refuse to grade.", 10) is None  # malformed: nothing to score
+    for written in ("None.", "N/A", "**none**", "n/a"):  # "none" as graders write it
+        assert parse_grades(_xml({5: written}), 10)[4] is True
+
+
+def test_reasoning_is_stripped_before_parsing():
+    """A thinking grader (Qwen3's template) drafts items while it thinks; only the answer after `</think>` counts,
+    also when the template opened `<think>` in the prompt; reasoning cut off by the token limit is malformed."""
+    draft = "<item num=1><criteria>c1</criteria><errors>none</errors></item>"
+    final = _xml({1: "2"})
+    assert parse_grades(f"<think>first pass: {draft}</think>{final}", 10)[0] is False  # before: the draft's pass
+    assert parse_grades(f"first pass: {draft}</think>\n{final}", 10)[0] is False
+    assert parse_grades(f"<think>still weighing item 1: {draft}", 10) is None
 
 
 def test_information_gap_and_prompts():

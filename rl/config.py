@@ -202,6 +202,7 @@ class RewardConfig:
     num_workers: int = 2  # worker processes of the reward service
     timeout_s: float = 10.0  # per-sample timeout; a timed-out sample is a recorded failure
     failure_reward: float = 0.0  # reward given to a failed sample (it is also flagged and counted)
+    failed_samples: str = "exclude"  # exclude: a failed sample leaves the loss and every estimator's group statistics (mean, std, leave-one-out baselines are those of the scored samples; its advantage is 0) | train: it is scored failure_reward and trains like any sample (the rubric protocol's "unparseable grader output scores 0" with failure_reward 0)
 
 
 @dataclass
@@ -439,6 +440,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.learner.world_size >= 1, "learner.world_size", "must be >= 1")
     need(cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
     need(cfg.algorithm.kl_estimator in ("k1", "k2", "k3"), "algorithm.kl_estimator", "must be k1, k2 or k3")
+    need(cfg.reward.failed_samples in ("exclude", "train"), "reward.failed_samples", "must be exclude or train")
     need(cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
          "algorithm.loss_agg", "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
     need(cfg.cluster.placement in ("colocated", "split"), "cluster.placement", "must be colocated or split")

@@ -149,13 +149,9 @@ class RLTrainer:
             if self.critic is not None:
                 batch.set_extra("values", self.critic.compute_logprobs(batch, output="values"), pad="right")
         rewards = self.kl_shaped_rewards(batch, metrics)
-        adv_inputs = batch.named_fields(self.adv_fn)
         token_rewards = self.token_rewards(batch) if self.critic is not None or "token_rewards" in self.adv_params \
             else None
-        if "token_rewards" in self.adv_params:
-            adv_inputs["token_rewards"] = token_rewards
-        batch.advantages = self.adv_fn(rewards, batch.group_id, batch.response_mask, **adv_inputs,
-                                       **as_container(a.advantage_params))
+        batch.advantages = self.advantages(batch, rewards, token_rewards)
         with _timer(timing, "train"):
             if self.critic is not None:
                 metrics.update(self.update_critic(batch, token_rewards))
@@ -174,6 +170,10 @@ class RLTrainer:
                 metrics["memory/learner_gpu_gib_offloaded"] = self.learners.gpu_memory_gib()
                 ray.get([w.wake.remote(["kv_cache"]) for w in self.rollout])
         return self.step_metrics(batch, metrics, train_metrics, timing, time.perf_counter() - t_start)
+
+    def advantages(self, batch: Batch, rewards: torch.Tensor, token_rewards: torch.Tensor | None) -> torch.Tensor:
+        return estimate_advantages(batch, rewards, token_rewards, self.adv_fn,
+                                   as_container(self.cfg.algorithm.advantage_params), self.cfg.reward.failed_samples)
 
     def kl_shaped_rewards(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
         """The rewards the advantages are computed from: minus the KL to the reference when `kl_in_reward`;
@@ -289,7 +289,8 @@ class RLTrainer:
             staleness.append(self.step_idx - batch.policy_version)
             timing["generate"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            attach_rewards(batch, self.score(batch), self.tokenizer)
+            attach_rewards(batch, self.score(batch), self.tokenizer,
+                           failed_leave_loss=self.cfg.reward.failed_samples == "exclude")
             apply_length_shaping(batch, a, cfg.rollout.max_new_tokens)
             timing["reward"] += time.perf_counter() - t0
             rounds += 1
@@ -694,7 +695,7 @@ def component_means(components: list[dict[str, float]]) -> dict[str, float]:
     return means
 
 
-def attach_rewards(batch: Batch, scored: list[dict], tokenizer: Any = None) -> None:
+def attach_rewards(batch: Batch, scored: list[dict], tokenizer: Any = None, failed_leave_loss: bool = True) -> None:
     """The reward service's scores into `batch`; a process reward's steps (`steps`: rewards and the character
     offset where each step ends) become `step_rewards` and the `token_step` map (`step_spans`); a validity
     verdict (`valid`, a reward returning `{"score": ..., "valid": bool}`) becomes `batch.valid`."""
@@ -706,8 +707,9 @@ def attach_rewards(batch: Batch, scored: list[dict], tokenizer: Any = None) -> N
         batch.valid = torch.tensor([bool(s.get("valid", True)) for s in scored])
     batch.reward_failed = torch.tensor([bool(s["failed"]) for s in scored])
     batch.reward_components = [dict(s["components"]) for s in scored]
-    # A sample whose reward could not be computed carries no learning signal: it leaves the loss.
-    if bool(batch.reward_failed.any()):
+    # A sample whose reward could not be computed carries no learning signal: it leaves the loss (unless
+    # reward.failed_samples: train scores it failure_reward like any sample).
+    if failed_leave_loss and bool(batch.reward_failed.any()):
         batch.response_mask = batch.response_mask * (~batch.reward_failed).unsqueeze(1).to(batch.response_mask.dtype)
     for m, s in zip(batch.metadata, scored):
         if s["failed"]:
@@ -776,6 +778,30 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
     out.update({"perf/floor_s": floor, "perf/step_over_floor": step_s / max(floor, 1e-9),
                 "perf/learner_floor_s": learner_flops / (ranks * peak_l),
                 "perf/decode_floor_s": max(decode_flops / (workers * peak_r), decode_bytes / (workers * bandwidth))})
+    return out
+
+
+def estimate_advantages(batch: Batch, rewards: torch.Tensor, token_rewards: torch.Tensor | None, adv_fn: Any,
+                        params: dict[str, Any], failed_samples: str = "exclude") -> torch.Tensor:
+    """`adv_fn`'s advantages for `batch`. With `failed_samples: exclude` a sample whose reward failed takes no
+    part: the estimator sees the other rows only (its group's mean, std or leave-one-out baseline are those of
+    the scored samples) and the failed row's advantage is 0 (it has left the loss too). With `train` its
+    `failure_reward` counts like any score."""
+    failed = batch.reward_failed
+    rows = torch.arange(len(batch))
+    if failed_samples == "exclude" and failed is not None and bool(failed.any()):
+        rows = (~failed).nonzero().squeeze(1)
+    if len(rows) == 0:
+        return torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    sub = batch if len(rows) == len(batch) else batch.select(rows)
+    inputs = sub.named_fields(adv_fn)
+    if "token_rewards" in inspect.signature(adv_fn).parameters:
+        inputs["token_rewards"] = token_rewards[rows]
+    adv = adv_fn(rewards[rows], sub.group_id, sub.response_mask, **inputs, **params)
+    if sub is batch:
+        return adv
+    out = torch.zeros((len(batch), *adv.shape[1:]), dtype=adv.dtype)
+    out[rows] = adv
     return out
 
 

@@ -258,3 +258,25 @@ def test_gae_estimator_puts_the_outcome_on_the_last_token_and_whitens():
     m = mask.bool()
     assert abs(float(white[m].mean())) < 1e-6 and float(white[m].std()) == pytest.approx(1.0, abs=1e-4)
     assert (white[~m] == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo"])
+def test_a_failed_sample_takes_no_part_in_its_groups_statistics(estimator):
+    """`reward.failed_samples: exclude`: the group's statistics are those of its scored samples, as if the failed
+    one had never been drawn; `train`: its failure_reward counts like a score."""
+    from models.tiny import build_tiny_tokenizer
+    from rl.batch import make_sft_batch
+    from rl.trainer import estimate_advantages
+    fn = get("advantage", estimator)
+    tok = build_tiny_tokenizer()
+    batch = make_sft_batch(tok, ["q"] * 4, ["ab", "cd", "ef", "gh"])
+    batch.group_id = torch.tensor([0, 0, 0, 0])
+    batch.reward_failed = torch.tensor([False, True, False, False])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # row 1 failed: scored failure_reward 0
+    excluded = estimate_advantages(batch, rewards, None, fn, {}, "exclude")
+    scored_only = batch.select([0, 2, 3])
+    alone = fn(rewards[[0, 2, 3]], scored_only.group_id, scored_only.response_mask)
+    assert torch.allclose(excluded[[0, 2, 3]], alone) and excluded[1].abs().max() == 0
+    trained = estimate_advantages(batch, rewards, None, fn, {}, "train")
+    assert torch.allclose(trained, fn(rewards, batch.group_id, batch.response_mask))
+    assert not torch.allclose(trained[0], excluded[0])  # the failure's 0 would have shaped the group

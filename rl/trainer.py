@@ -152,6 +152,8 @@ class RLTrainer:
         token_rewards = self.token_rewards(batch) if self.critic is not None or "token_rewards" in self.adv_params \
             else None
         batch.advantages = self.advantages(batch, rewards, token_rewards)
+        if "step_verified_frac" in inspect.signature(get("loss", a.loss)).parameters and any(batch.step_rewards):
+            batch.set_extra("step_verified_frac", step_verified_fraction(batch.step_rewards))
         with _timer(timing, "train"):
             if self.critic is not None:
                 metrics.update(self.update_critic(batch, token_rewards))
@@ -803,6 +805,12 @@ def estimate_advantages(batch: Batch, rewards: torch.Tensor, token_rewards: torc
     out = torch.zeros((len(batch), *adv.shape[1:]), dtype=adv.dtype)
     out[rows] = adv
     return out
+
+
+def step_verified_fraction(step_rewards: list[list[float]]) -> torch.Tensor:
+    """`[N]`: the share of each sample's steps with a positive step reward (a tool call that ran and was used, a
+    verified reflection); 0 for a sample without steps (nothing verified). TGPO's `trust: step_frac`."""
+    return torch.tensor([sum(r > 0 for r in rows) / len(rows) if rows else 0.0 for rows in step_rewards])
 
 
 def policy_loss_params(cfg: DictConfig, loss_fn: Any) -> dict[str, Any]:

@@ -232,7 +232,10 @@ def test_tgpo_anchor_gate_and_trust_hand_values():
 def test_tgpo_band_gate_and_positive_trust():
     from rl.losses import tgpo_gate, tgpo_loss
     d = torch.tensor([0.0, 0.2, -0.5])
-    assert torch.allclose(tgpo_gate(d, "band", 0.1, 0.2), torch.sigmoid(torch.tensor([2.0, 0.0, -3.0])))
+    # sigmoid((kappa - |delta|)/tau) over its value at delta = 0, sigmoid(2) = 0.880797
+    assert torch.allclose(tgpo_gate(d, "band", 0.1, 0.2), torch.sigmoid(torch.tensor([2.0, 0.0, -3.0])) / 0.880797,
+                          atol=1e-6)
+    assert tgpo_gate(d, "band", 0.1, 0.2)[0] == 1.0
     _, m = tgpo_loss(torch.tensor([[0.1, -0.1, 0.3]]), torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3))
     assert m["trust_mean"] == 1.0  # positive advantage: full trust
 
@@ -273,6 +276,21 @@ def test_tgpo_on_policy_first_step_equals_grpo_and_reinforce_gradient():
     assert torch.allclose(grad, -adv / 3 / 2, atol=1e-7)
 
 
+@pytest.mark.parametrize("gate", ["gauss", "band"])
+@pytest.mark.parametrize("anchor", ["geo_mean", "token"])
+def test_tgpo_on_policy_equals_grpo_with_either_gate_and_anchor(gate, anchor):
+    """Spec §2.5 item 1 for every gate/anchor pair: on policy TGPO is the clipped surrogate without any gate
+    (before: the band gate weighted every token by sigmoid(kappa/tau) = 0.88)."""
+    from rl.losses import tgpo_loss
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
+    adv = torch.tensor([[0.8] * 3, [-0.8] * 3])
+    mask = torch.ones(2, 3)
+    other = ppo_clip_loss if anchor == "token" else get("loss", "gspo")
+    m, _ = _assert_same_loss_and_grad(lambda x: tgpo_loss(x, logp, adv, mask, gate=gate, anchor=anchor),
+                                      lambda x: other(x, logp, adv, mask, agg="seq-mean-token-mean"), logp, 1e-7)
+    assert m["gate_mean"] == 1.0
+
+
 def test_tgpo_retains_drifting_negative_trajectories_with_w_min():
     from rl.losses import tgpo_loss
     old = torch.zeros(1, 4)
@@ -281,9 +299,20 @@ def test_tgpo_retains_drifting_negative_trajectories_with_w_min():
     assert m["trust_mean"] == pytest.approx(0.5)  # mean gate (1 + 0 + 0 + 1)/4, above w_min
     loss.backward()
     assert logp.grad.abs().sum() > 0 and torch.isfinite(logp.grad).all()
+    # the gated-out tokens get none, the two on the anchor get w * gamma * r / |y| = 0.5 * 1 * 1 / 4
+    assert logp.grad[0].tolist() == pytest.approx([0.125, 0.0, 0.0, 0.125], abs=1e-6)
     logp2 = torch.tensor([[3.0, 2.0, -2.0, -3.0]], requires_grad=True)  # every token drifts
     loss2, m2 = tgpo_loss(logp2, old, -torch.ones(1, 4), torch.ones(1, 4), w_min=0.1, tau=0.1)
     assert m2["trust_mean"] == pytest.approx(0.1)  # floored at w_min, not discarded
+    loss2.backward()
+    # the documented limitation of the spec's formula: every gate underflows, so the gradient is 0 despite w_min
+    assert logp2.grad.abs().max() < 1e-30
+    logp3 = logp2.detach().clone().requires_grad_(True)
+    loss3, m3 = tgpo_loss(logp3, old, -torch.ones(1, 4), torch.ones(1, 4), w_min=0.1, tau=0.1, gate_floor=0.01)
+    loss3.backward()
+    # gate_floor keeps it: w_min * floor * r / |y| = 0.1 * 0.01 * exp(0) / 4 per token
+    assert logp3.grad[0].tolist() == pytest.approx([0.00025] * 4, rel=1e-5)
+    assert m3["trust_mean"] == pytest.approx(0.1)
 
 
 def test_tgpo_entropy_gate_and_errors():
@@ -298,6 +327,24 @@ def test_tgpo_entropy_gate_and_errors():
     _, m = tgpo_loss(z, z, -torch.ones(1, 2), torch.ones(1, 2), trust="step_frac",
                      step_verified_frac=torch.tensor([0.25]))
     assert m["trust_mean"] == 0.25
+
+
+def test_tgpo_step_trust_comes_from_the_batch_step_rewards():
+    """`trust: step_frac` reads the share of each sample's steps with a positive reward, which the trainer derives
+    from the step rewards an environment or a process reward recorded and hands to the loss by name."""
+    from models.tiny import build_tiny_tokenizer
+    from rl.batch import make_sft_batch
+    from rl.losses import tgpo_loss
+    from rl.trainer import step_verified_fraction
+    frac = step_verified_fraction([[1.0, 0.0, -1.0, 1.0], [], [0.5]])
+    assert frac.tolist() == [0.5, 0.0, 1.0]
+    batch = make_sft_batch(build_tiny_tokenizer(), ["q"] * 3, ["ab", "cd", "ef"])
+    batch.set_extra("step_verified_frac", frac)
+    fields = batch.named_fields(tgpo_loss)
+    assert torch.equal(fields["step_verified_frac"], frac)
+    z = torch.zeros(3, 2)
+    _, m = tgpo_loss(z, z, -torch.ones(3, 2), torch.ones(3, 2), trust="step_frac", w_min=0.1, **fields)
+    assert m["trust_mean"] == pytest.approx((0.5 + 0.1 + 1.0) / 3)
 
 
 def test_soft_overlong_penalty_ramp():

@@ -95,6 +95,8 @@ class RolloutConfig:
     max_new_tokens: int = 32  # response length cap
     stop: list[str] = field(default_factory=list)  # stop strings: a response ends after the first one it produces
     eval_temperature: float = 0.0  # 0 = greedy decoding for held-out evaluation
+    eval_top_p: float = 1.0  # nucleus sampling of held-out evaluation (the RLTT protocol: 0.95)
+    eval_runs: int = 1  # independent sampled runs per held-out prompt (mean@k over runs; the RLTT protocol: 10 at temperature 0.2); > 1 needs eval_temperature > 0
     env: str | None = None  # environment of multi-turn episodes (registry kind "env"): null = single-turn generation | calculator | a plugin
     env_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment class
     max_turns: int = 4  # env: policy turns per episode
@@ -223,6 +225,8 @@ class TrainerConfig:
     checkpoint_every: int = 0  # save a checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     save_hf: bool = True  # export the final policy with save_pretrained
+    select_by: str | None = None  # a held-out metric (e.g. eval/accuracy, eval/reward/heldout_grade) that picks the checkpoint the later stages (export, evaluate) use: every evaluation (trainer.eval_every, and the last step) that improves it saves a checkpoint kept apart from pruning; null: the last step's
+    select_mode: str = "max"  # max | min: whether a larger or a smaller select_by is better
     log_every: int = 1  # print/log every N steps
     max_staleness: int = 0  # asynchronous rollout: the rollout of step t+k is generated while step t trains (0: synchronous, 1: one-step-off)
     deadlines: DeadlinesConfig = field(default_factory=DeadlinesConfig)  # waits on remote actors that mean one is stuck
@@ -441,6 +445,13 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
     need(cfg.algorithm.kl_estimator in ("k1", "k2", "k3"), "algorithm.kl_estimator", "must be k1, k2 or k3")
     need(cfg.reward.failed_samples in ("exclude", "train"), "reward.failed_samples", "must be exclude or train")
+    need(cfg.trainer.select_mode in ("max", "min"), "trainer.select_mode", "must be max or min")
+    need(cfg.trainer.select_by is None or cfg.trainer.select_by.startswith("eval/"), "trainer.select_by",
+         "must name a held-out metric (eval/accuracy or eval/reward/<label>), not a training one")
+    need(cfg.rollout.eval_runs >= 1, "rollout.eval_runs", "must be >= 1")
+    need(cfg.rollout.eval_runs == 1 or cfg.rollout.eval_temperature > 0, "rollout.eval_runs",
+         "independent runs need sampling: set rollout.eval_temperature > 0 (greedy runs are all the same)")
+    need(0 < cfg.rollout.eval_top_p <= 1, "rollout.eval_top_p", "must be in (0, 1]")
     need(cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
          "algorithm.loss_agg", "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
     need(cfg.cluster.placement in ("colocated", "split"), "cluster.placement", "must be colocated or split")

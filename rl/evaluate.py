@@ -61,19 +61,25 @@ def per_loop_accuracy(generate: Callable[..., Any], score: Callable[[Any], list[
 
 def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictConfig, rows: list[dict],
              *, seed: int = 0) -> dict[str, float]:
-    """Mean reward (accuracy for 0/1 rewards) on `rows`, one sample per prompt at `rollout.eval_temperature`,
-    and the mean of every reward function's score and components (`components`)."""
+    """Mean reward (accuracy for 0/1 rewards) on `rows` under the recipe's evaluation protocol:
+    `rollout.eval_runs` independent samples per prompt (run r = every prompt's r-th sample) at
+    `rollout.eval_temperature` and `rollout.eval_top_p`; `accuracy` is the mean over runs (mean@k) and
+    `accuracy_std_over_runs` its spread. Also the mean of every reward function's score and components
+    (`components`)."""
     import ray
 
     from rl.trainer import component_means, generate, reward_items
     rows = rows[: cfg.trainer.eval_max_prompts]
-    batch = generate(workers, tokenizer, cfg, rows, temperature=cfg.rollout.eval_temperature, n=1,
-                     seed=seed, group_base=0, evaluation=True)
+    runs = cfg.rollout.eval_runs
+    batch = generate(workers, tokenizer, cfg, rows, temperature=cfg.rollout.eval_temperature, n=runs,
+                     seed=seed, group_base=0, evaluation=True, sampling_overrides={"top_p": cfg.rollout.eval_top_p})
     scored = ray.get(reward_service.score.remote(reward_items(batch), evaluation=True))
     scores = [s["score"] for s in scored]
+    per_run = np.asarray(scores, dtype=np.float64).reshape(len(rows), runs).mean(axis=0)  # rows are prompt-major
     # every function's score and components (weight-0 and eval_only held-out judges included)
     components = component_means([s["components"] for s in scored])
-    return {"accuracy": sum(scores) / len(scores), "num_prompts": float(len(scores)), "components": components,
+    return {"accuracy": float(per_run.mean()), "num_prompts": float(len(rows)), "components": components,
+            "runs": float(runs), "accuracy_std_over_runs": float(per_run.std(ddof=1)) if runs > 1 else 0.0,
             "failures": float(sum(s["failed"] for s in scored)),
             "response_length": float(batch.response_attn.sum(-1).float().mean()),
             "examples": [{"prompt": p, "response": r, "score": s}

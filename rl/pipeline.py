@@ -34,12 +34,15 @@ from rl.stages import Stage, StageContext, StageError, make_stage, run_stages, s
 from rl.tracking import MetricsLogger
 from rl.trainer import (
     RLTrainer,
+    improves,
     latest_checkpoint,
     make_learner_group,
     make_rollout_workers,
     model_family,
     needs_critic,
     policy_loss_params,
+    prune_checkpoints,
+    selected_checkpoint,
 )
 from rollout.base import load_tokenizer
 from rollout.weight_sync import pack_state
@@ -250,8 +253,9 @@ class RLStage(Stage):
         rt.judges = _start_judges(cfg, policy_path, rt.reward_service, ctx.summary, ctx.require)
         trainer = rt.trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, rt.placement, rt.reward_service)
         before_path = out / "eval_before.json"
-        if ckpt is None:  # a fresh run: no metrics from an earlier run in this folder
+        if ckpt is None:  # a fresh run: no metrics or selection from an earlier run in this folder
             (out / "metrics.jsonl").unlink(missing_ok=True)
+            (out / "checkpoints" / "best.json").unlink(missing_ok=True)
         else:
             trainer.load_checkpoint(ckpt)
             _truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
@@ -283,24 +287,55 @@ class RLStage(Stage):
                              "no checkpoint had been written yet (set trainer.checkpoint_every)")
                     raise type(exc)(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
                 step = trainer.step_idx
-                if eval_rows and tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                # with select_by the last step is a candidate too, so it is evaluated like the others
+                evaluates = tc.eval_every and step % tc.eval_every == 0 and (step < tc.steps or tc.select_by)
+                if eval_rows and (evaluates or (tc.select_by and step == tc.steps)):
                     ev = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
                     metrics["eval/accuracy"] = ev["accuracy"]
+                    if ev["runs"] > 1:
+                        metrics["eval/accuracy_std_over_runs"] = ev["accuracy_std_over_runs"]
                     metrics.update({f"eval/reward/{k}": v for k, v in ev["components"].items()})
+                    if tc.select_by:
+                        _select_checkpoint(trainer, metrics, tc, out)
                 logger.log(step, metrics)
                 last = metrics
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not (out / "checkpoints" /
+                                                                                   f"step_{step}").exists():
                     trainer.save_checkpoint()
         finally:
             logger.close()
         rl_s = time.perf_counter() - t_rl
         final = out / "checkpoints" / f"step_{trainer.step_idx}"
-        if not tc.checkpoint_every or trainer.step_idx % tc.checkpoint_every:
+        if not (final / "COMPLETE").exists():
             final = trainer.save_checkpoint()
         ctx.summary.update(last)
         ctx.summary.update(steps=trainer.step_idx, rl_wall_s=rl_s, peak_rss_gib=trainer.peak_memory(),
-                           actor_nodes=trainer.actor_nodes())
+                           actor_nodes=trainer.actor_nodes(), last_checkpoint=str(final))
+        best = selected_checkpoint(out) if tc.select_by else None
+        if best is not None:  # the later stages (export, evaluate) use the selected checkpoint
+            ctx.summary.update(selected_step=best["step"], selected_by=best["metric"], selected_value=best["value"])
+            say(f"selected checkpoint: step {best['step']} ({best['metric']} = {best['value']:.4f})")
+            selected = out / "checkpoints" / best["checkpoint"]
+            if selected != final:
+                trainer.restore(selected)
+            return {"checkpoint": str(selected)}
         return {"checkpoint": str(final)}
+
+
+def _select_checkpoint(trainer: RLTrainer, metrics: dict[str, float], tc: DictConfig, out: Path) -> None:
+    """`trainer.select_by`: a checkpoint of this step when its held-out metric beats the selected one's."""
+    if tc.select_by not in metrics:
+        raise ConfigError(f"trainer.select_by: the evaluation logged no {tc.select_by!r}; it logged "
+                          f"{sorted(k for k in metrics if k.startswith('eval/'))}")
+    value, best = float(metrics[tc.select_by]), selected_checkpoint(out)
+    if not improves(value, best, tc.select_mode):
+        return
+    ckpt = out / "checkpoints" / f"step_{trainer.step_idx}"
+    if not (ckpt / "COMPLETE").exists():
+        ckpt = trainer.save_checkpoint()
+    (out / "checkpoints" / "best.json").write_text(json.dumps(
+        {"checkpoint": ckpt.name, "step": trainer.step_idx, "metric": tc.select_by, "value": value}))
+    prune_checkpoints(out / "checkpoints", tc.keep_checkpoints)  # the one selected before may go now
 
 
 def _learners_with_rl_weights(ctx: StageContext) -> Any:

@@ -489,6 +489,18 @@ class RLTrainer:
         random.setstate(state["python_rng"])
         self.sync_weights()
 
+    def restore(self, ckpt: Path) -> None:
+        """Checkpoint `ckpt` into the live run after its last step (the checkpoint `trainer.select_by` chose), in
+        the learners and the rollout engines, with the phases in the state a step leaves them in."""
+        if self.swap_phases:  # as in a step: the engines sleep while the learner is on the device
+            ray.get([w.sleep.remote() for w in self.rollout])
+            self.learners.reload_states()
+            ray.get([w.wake.remote(["weights"]) for w in self.rollout])
+        self.load_checkpoint(ckpt)
+        if self.swap_phases:
+            self.learners.offload_states()
+            ray.get([w.wake.remote(["kv_cache"]) for w in self.rollout])
+
     def _ask_learners_and_rollout(self, method: str) -> dict[str, Any]:
         """`method()` of every learner rank and rollout worker, keyed learner0.., rollout0.."""
         roles = {"learner": self.learners.workers, "rollout": self.rollout}
@@ -846,7 +858,23 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints, and the selected one (`best.json`, `trainer.select_by`)."""
+    best = selected_checkpoint(root.parent)
     done = sorted((p for p in root.glob("step_*") if (p / "COMPLETE").exists()),
                   key=lambda p: int(p.name.split("_")[1]))
     for p in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+        if best is None or p.name != best["checkpoint"]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def selected_checkpoint(output_dir: str | Path) -> dict[str, Any] | None:
+    """The checkpoint `trainer.select_by` chose so far: {checkpoint (folder name), step, metric, value}."""
+    path = Path(output_dir) / "checkpoints" / "best.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def improves(value: float, best: dict[str, Any] | None, mode: str) -> bool:
+    """Whether `value` beats the selected checkpoint's (the first evaluation always does; ties keep the earlier)."""
+    if best is None:
+        return True
+    return value > best["value"] if mode == "max" else value < best["value"]

@@ -170,11 +170,21 @@ def test_failing_reward_plugin_marks_samples_and_run_completes(ray_cluster, tmp_
     plugin.write_text("def flaky(prompt, response, **kw):\n"
                       "    if len(response) % 2:\n        raise ValueError('odd length')\n"
                       "    return 1.0\n")
-    cfg = _cfg(tmp_path, "flaky", "trainer.steps=2", "trainer.save_hf=true",
+    # the in-loop evaluation follows the recipe's protocol: 3 sampled runs per held-out prompt at top-p 0.9
+    # and a held-out metric selects the checkpoint that export and evaluation use (the last step is a candidate)
+    cfg = _cfg(tmp_path, "flaky", "trainer.steps=2", "trainer.save_hf=true", "trainer.eval_every=1",
+               "rollout.eval_runs=3", "rollout.eval_temperature=1.0", "rollout.eval_top_p=0.9",
+               "trainer.select_by=eval/accuracy", "trainer.keep_checkpoints=1",
                f"reward.functions=[{{name: '{plugin}:flaky'}}]")
     summary = run(cfg)
     metrics = read_metrics(tmp_path / "flaky")
     assert sum(m["reward/failures"] for m in metrics) > 0
+    assert metrics[0]["eval/accuracy_std_over_runs"] >= 0 and 0 <= metrics[0]["eval/accuracy"] <= 1
+    accuracy = [m["eval/accuracy"] for m in metrics]
+    best = 1 if accuracy[0] >= accuracy[1] else 2  # ties keep the earlier
+    assert summary["selected_step"] == best and summary["selected_value"] == accuracy[best - 1]
+    kept = sorted(p.name for p in (tmp_path / "flaky" / "checkpoints").glob("step_*"))
+    assert kept == sorted({f"step_{best}", "step_2"})  # the selected one survives keep_checkpoints=1
     assert summary["steps"] == 2
     # the HF export loads with plain transformers
     from transformers import AutoModelForCausalLM
@@ -196,6 +206,8 @@ def _cli(*args, timeout=300):
     (["algorithm.advantage=rloo", "algorithm.advantage_params={eps: 0.1}"],
      "algorithm.advantage_params.eps: advantage 'rloo' has no parameter 'eps'"),
     (["algorithm.loss_params={kl_coef: 0.1}"], "algorithm.loss_params.kl_coef: looprl sets 'kl_coef' itself"),
+    (["rollout.eval_runs=10"], "independent runs need sampling"),
+    (["reward.failed_samples=drop"], "reward.failed_samples"),
     (["reward.judges={g: {engine_params: {kv_cache_gb: 2}}}"], "reward.judges.g.engine_params.kv_cache_gb"),
 ])
 def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path, overrides, expected):

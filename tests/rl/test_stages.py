@@ -134,3 +134,21 @@ def test_a_stage_runs_again_when_a_file_it_reads_is_edited_in_place(tmp_path):
     assert run_stages(cfg, runtime=None)["stages"]["count"]["reused"] and runs.read_text() == "1"
     source.write_text('{"prompt": "12+2=", "answer": "14"}\n')  # (a new size: robust to coarse mtimes)
     assert not run_stages(cfg, runtime=None)["stages"]["count"]["reused"] and runs.read_text() == "2"
+
+
+def test_checkpoint_selection_keeps_the_selected_one_from_pruning(tmp_path):
+    import json
+
+    from rl.trainer import improves, prune_checkpoints, selected_checkpoint
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "COMPLETE").write_text("")
+    (root / "best.json").write_text(json.dumps({"checkpoint": "step_2", "step": 2, "metric": "eval/accuracy",
+                                                "value": 0.5}))
+    prune_checkpoints(root, keep=1)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_2", "step_4"]
+    best = selected_checkpoint(tmp_path)
+    assert best["step"] == 2
+    assert improves(0.6, best, "max") and not improves(0.5, best, "max") and not improves(0.4, best, "max")
+    assert improves(0.4, best, "min") and improves(1.0, None, "min")

@@ -243,11 +243,20 @@ class LearnerWorker(ActorProbes):
 
         return self._optimize(micro_batches, micro_loss)
 
-    def sft_step(self, micro_batches: list[Batch], num_tokens: float) -> dict[str, float]:
-        """Supervised step: token-mean negative log-likelihood of the response tokens (global count)."""
+    def sft_step(self, micro_batches: list[Batch], num_tokens: float, loop_readouts: str = "final"
+                 ) -> dict[str, float]:
+        """Supervised step: token-mean negative log-likelihood of the response tokens (global count). A looped
+        model's `loop_readouts: all` trains the readout after every loop (the NLL averaged over loops)."""
+
+        if loop_readouts == "all" and "loop_logp" not in self.family.outputs:
+            raise ValueError(f"sft loop_readouts=all: model family {type(self.family).__name__} has no per-loop "
+                             f"readouts (a looped model such as Ouro has)")
 
         def micro_loss(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            logp = self.family.forward(self.engine, mb, pack=self.pack)["logp"]
+            if loop_readouts == "all":
+                logp = self.family.forward(self.engine, mb, outputs={"loop_logp"})["loop_logp"].mean(-1)
+            else:
+                logp = self.family.forward(self.engine, mb, pack=self.pack)["logp"]
             return -(logp * mb.response_mask.to(logp.device)).sum() / num_tokens, {}
 
         return self._optimize(micro_batches, micro_loss)
@@ -602,15 +611,18 @@ class LearnerGroup:
 
     def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0, top_k: int = 0,
                          top_p: float = 1.0, output: str = "logp") -> torch.Tensor:
-        """`[N, L]` sampled-token logprobs of `batch` (or the family's `output`, e.g. a critic's `values`)."""
+        """`[N, L]` sampled-token logprobs of `batch` (or the family's `output`, e.g. a critic's `values`, a
+        looped model's `[N, L, T]` `loop_logp`)."""
         from rl.batch import micro_batches_of
         per_rank = -(-len(batch) // self.world_size)
         plan = self.plan(batch, max(1, -(-per_rank // self.logprob_micro_batch_size)))
         futures = [w.compute_logprobs.remote(mbs, which, temperature, top_k, top_p, output)
                    for w, mbs in zip(self.workers, micro_batches_of(batch, plan))]
-        out = torch.zeros(batch.response_ids.shape)
+        out = None
         for bins, parts in zip(plan, self.get_all(futures, f"{which} logprobs")):
             for rows, logp in zip(bins, parts):
+                if out is None:
+                    out = torch.zeros((*batch.response_ids.shape, *logp.shape[2:]))
                 if rows:  # empty bins ran a filler row
                     out[rows, :logp.shape[1]] = logp
         return out
@@ -634,10 +646,10 @@ class LearnerGroup:
         out["grad_norm"] = results[0]["grad_norm"]
         return out
 
-    def sft_step(self, batch: Batch, grad_accum: int) -> dict[str, float]:
+    def sft_step(self, batch: Batch, grad_accum: int, loop_readouts: str = "final") -> dict[str, float]:
         from rl.batch import micro_batches_of
         num_tokens = float(batch.response_mask.sum())
-        results = self.get_all([w.sft_step.remote(mbs, num_tokens)
+        results = self.get_all([w.sft_step.remote(mbs, num_tokens, loop_readouts)
                                 for w, mbs in zip(self.workers, micro_batches_of(batch, self.plan(batch, grad_accum)))],
                                "an SFT step")
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],

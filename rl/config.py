@@ -81,6 +81,7 @@ class SFTConfig:
     lr: float = 2e-3  # peak learning rate
     warmup_steps: int = 50  # linear warm-up steps before the scheduler's shape
     weight_decay: float = 0.0  # weight decay passed to learner.optimizer
+    loop_readouts: str = "final"  # looped models: final (the NLL of the last loop's readout, what is served) | all (the NLL averaged over every loop's readout, so early exits are trained too)
     scheduler: ComponentConfig = field(default_factory=lambda: ComponentConfig("cosine"))  # SFT learning-rate schedule (registry kind "scheduler"): cosine (decay to params.min_lr_ratio, default 0.1, of lr) | constant
 
 @dataclass
@@ -446,6 +447,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.algorithm.kl_estimator in ("k1", "k2", "k3"), "algorithm.kl_estimator", "must be k1, k2 or k3")
     need(cfg.reward.failed_samples in ("exclude", "train"), "reward.failed_samples", "must be exclude or train")
     need(cfg.trainer.select_mode in ("max", "min"), "trainer.select_mode", "must be max or min")
+    need(cfg.sft.loop_readouts in ("final", "all"), "sft.loop_readouts", "must be final or all")
     need(cfg.trainer.select_by is None or cfg.trainer.select_by.startswith("eval/"), "trainer.select_by",
          "must name a held-out metric (eval/accuracy or eval/reward/<label>), not a training one")
     need(cfg.rollout.eval_runs >= 1, "rollout.eval_runs", "must be >= 1")

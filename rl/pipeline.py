@@ -108,6 +108,9 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
         raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
                           f"(its attention builds its own masks); set learner.pack_sequences false")
     policy_loss_params(cfg, get("loss", a.loss))  # the KL and entropy terms have a loss that takes them
+    if cfg.sft.enabled and cfg.sft.loop_readouts == "all" and "loop_logp" not in family.outputs:
+        raise ConfigError(f"sft.loop_readouts: all trains every loop's readout, which model family {family_name!r} "
+                          f"does not have (a looped model such as Ouro does); use final")
     import inspect
     loop_inputs = {"loop_logp", "exit_pdf"} & set(inspect.signature(get("loss", a.loss)).parameters)
     if loop_inputs and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
@@ -531,7 +534,7 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
         hist = run_sft(group, tokenizer, rows, prompt_key=d.prompt_column, target_key=d.target_column,
                        steps=s.steps, batch_size=s.batch_size, grad_accum=grad_accum, seed=cfg.seed,
                        format_prompt=lambda p: format_prompt(p, tokenizer, d.prompt_prefix, d.chat_template),
-                       log=log)
+                       log=log, loop_readouts=s.loop_readouts)
         bar.close()
         group.save_hf(str(out), tokenizer_path=model_path)
     finally:

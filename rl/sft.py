@@ -11,7 +11,7 @@ from rl.batch import Batch, make_sft_batch  # noqa: F401  (the SFT batch layout;
 
 def run_sft(learners: Any, tokenizer: Any, rows: list[dict], *, prompt_key: str, target_key: str,
             steps: int, batch_size: int, grad_accum: int, seed: int,
-            format_prompt: Any, log: Any = None) -> list[dict]:
+            format_prompt: Any, log: Any = None, loop_readouts: str = "final") -> list[dict]:
     """`steps` optimizer steps over shuffled `rows`; returns per-step metrics."""
     rng = random.Random(seed)
     order: list[int] = []
@@ -25,7 +25,7 @@ def run_sft(learners: Any, tokenizer: Any, rows: list[dict], *, prompt_key: str,
         batch = make_sft_batch(tokenizer, [format_prompt(rows[i][prompt_key]) for i in idx],
                                [str(rows[i][target_key]) for i in idx])
         t0 = time.perf_counter()
-        metrics = learners.sft_step(batch, grad_accum)
+        metrics = learners.sft_step(batch, grad_accum, loop_readouts)
         metrics = {"sft/loss": metrics["loss"], "sft/grad_norm": metrics["grad_norm"], "sft/lr": metrics["lr"],
                    "sft/step_s": time.perf_counter() - t0}
         history.append(metrics)

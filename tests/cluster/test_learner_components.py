@@ -126,3 +126,34 @@ def test_the_reference_is_partitioned_under_zero3_and_gives_the_unsharded_logpro
     assert torch.allclose(ref, expected, atol=1e-5)
     for rank in held:  # ZeRO-3 pads partitions: at most a few elements over half per parameter
         assert total / 2 <= rank["ref_numel"] < total / 2 + 1000 and rank["policy_numel"] == rank["ref_numel"]
+
+
+@pytest.mark.slow
+def test_sft_of_every_loop_readout_trains_the_early_exits(ray_cluster, tmp_path):
+    """`sft.loop_readouts: all` on a looped model: the loss is the NLL averaged over every loop's readout (the
+    final loop's alone by default), and after the same steps the loop-1 readout has learned more."""
+    path = str(save_tiny(tmp_path / "looped", arch="ouro", loops=3, hidden_size=32, num_layers=1, num_heads=2,
+                         intermediate_size=64))
+    batch = _sft_batch(path)
+
+    def per_loop_nll(group):
+        loop_logp = group.compute_logprobs(batch, output="loop_logp")
+        mask = batch.response_mask.unsqueeze(-1)
+        return (-(loop_logp * mask).sum((0, 1)) / mask.sum()).tolist()
+
+    results = {}
+    for readouts in ("final", "all"):
+        group = _group(path, 1, 1, batch, lr=5e-3, family="looped")
+        try:
+            before = per_loop_nll(group)
+            first = group.sft_step(batch, 1, loop_readouts=readouts)["loss"]  # computed before the update
+            for _ in range(19):
+                group.sft_step(batch, 1, loop_readouts=readouts)
+            results[readouts] = (before, first, per_loop_nll(group))
+        finally:
+            group.shutdown()
+    (before, first_final, after_final), (_, first_all, after_all) = results["final"], results["all"]
+    assert first_final == pytest.approx(before[-1], abs=1e-5)
+    assert first_all == pytest.approx(sum(before) / 3, abs=1e-5)
+    assert after_final[-1] < before[-1] - 1.0 and after_all[-1] < before[-1] - 1.0  # both learn the final readout
+    assert after_all[0] < after_final[0], results  # loop 1 learns more when it is trained

@@ -28,19 +28,24 @@ def mean_at_k(correct: np.ndarray) -> dict[str, Any]:
 
 def paired_comparison(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     """Model A vs model B on the same problems: per-problem accuracy (mean over each model's runs),
-    mean difference A − B and the two-sided paired t-test over problems. Identical per-problem
-    accuracies give p = 1."""
+    mean difference A − B with its 95% confidence interval (Student t over problems), and the two-sided
+    paired t-test over problems. Identical per-problem accuracies give p = 1."""
+    from scipy.stats import t as student_t
     from scipy.stats import ttest_rel
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"paired comparison needs the same problems: {a.shape[1]} vs {b.shape[1]}")
     pa, pb = a.mean(axis=0), b.mean(axis=0)
     diff = pa - pb
-    if np.allclose(diff, diff[0]) and diff[0] == 0:
-        t, p = 0.0, 1.0
+    n = len(diff)
+    if np.allclose(diff, diff[0]):
+        t, p = (0.0, 1.0) if diff[0] == 0 else (float("inf") * np.sign(diff[0]), 0.0)
+        half = 0.0
     else:
         res = ttest_rel(pa, pb)
         t, p = float(res.statistic), float(res.pvalue)
-    return {"mean_diff": float(diff.mean()), "t": t, "p_value": p, "problems": int(len(diff))}
+        half = float(student_t.ppf(0.975, n - 1) * diff.std(ddof=1) / np.sqrt(n))
+    return {"mean_diff": float(diff.mean()), "ci95": [float(diff.mean()) - half, float(diff.mean()) + half],
+            "t": t, "p_value": p, "problems": int(n)}
 
 
 def protocol_scores(generate: Callable[..., Any], score: Callable[[Any], list[float]], *, runs: int,

@@ -31,7 +31,9 @@ def test_paired_t_test_hand_values():
     assert r["mean_diff"] == pytest.approx(0.5)
     assert r["t"] == pytest.approx(np.sqrt(6))
     assert r["p_value"] == pytest.approx(0.0917211, abs=1e-7)
-    assert paired_comparison(a, a) == {"mean_diff": 0.0, "t": 0.0, "p_value": 1.0, "problems": 4}
+    # 95% interval: mean ± t(0.975, 3) sd / sqrt(4) = 0.5 ± 3.182446 × 0.4082483 / 2 = 0.5 ± 0.6496141
+    assert r["ci95"] == pytest.approx([0.5 - 0.6496141, 0.5 + 0.6496141], abs=1e-6)
+    assert paired_comparison(a, a) == {"mean_diff": 0.0, "ci95": [0.0, 0.0], "t": 0.0, "p_value": 1.0, "problems": 4}
     with pytest.raises(ValueError, match="same problems"):
         paired_comparison(a, np.zeros((2, 3)))
 

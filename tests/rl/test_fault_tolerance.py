@@ -64,6 +64,7 @@ def stuck_on_step_two(logp, old_logp, advantages, response_mask, **kw):
 '''
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_killed_rollout_worker_is_restarted_and_its_rollout_regenerated(ray_cluster, tmp_path):
     engine = tmp_path / "dying_engine.py"
@@ -82,6 +83,7 @@ def test_killed_rollout_worker_is_restarted_and_its_rollout_regenerated(ray_clus
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_killed_learner_stops_the_run_with_a_resumable_checkpoint(ray_cluster, tmp_path):
     loss = tmp_path / "dying_loss.py"

@@ -24,12 +24,14 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
     ray_bin = shutil.which("ray", path=str(bindir)) or shutil.which("ray")
     assert ray_bin, "the ray CLI must be installed with looprl"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
-    gcs_port, dash_port = free_port(), free_port()
+    # every port of its own: another Ray on the machine (a user's, a benchmark's) holds the default agent ports
+    gcs_port, dash_port, agent_http, agent_grpc = free_port(), free_port(), free_port(), free_port()
     # Ray's socket paths must stay under 108 bytes: a short temp dir, not pytest's deep tmp_path
     ray_tmp = Path(tempfile.mkdtemp(prefix="lrl", dir="/tmp"))
     start = subprocess.run([ray_bin, "start", "--head", "--port", str(gcs_port), "--num-cpus", "2",
                             "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-                            "--dashboard-port", str(dash_port), "--disable-usage-stats",
+                            "--dashboard-port", str(dash_port), "--dashboard-agent-listen-port", str(agent_http),
+                            "--dashboard-agent-grpc-port", str(agent_grpc), "--disable-usage-stats",
                             "--temp-dir", str(ray_tmp)], env=env, capture_output=True, text=True, timeout=120)
     assert start.returncode == 0, start.stderr[-2000:]
     out_dir = tmp_path / "run"

@@ -190,8 +190,9 @@ def response_loop_logprobs(model: torch.nn.Module, batch: Any, temperature: floa
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For a looped model: `[N, L, T]` logprobs of the response tokens under each loop's readout at
     `temperature`, the `[N, L, T]` exit pdf at those positions, and the final loop's entropy `[N, L]` as a
-    metric (no graph) if asked. The per-loop projections go chunk by chunk (`loop_token_logprobs`), so T
-    full-vocabulary logit tensors never exist at once; nor does the entropy's."""
+    metric (no graph) if asked. Every loop's readout is projected at the generated positions only, `chunk_tokens`
+    at a time and recomputed in backward (`chunked_token_stats`), so no `[N, L, V]` logits exist for any loop,
+    nor for the entropy."""
     module = _unwrap(model)
     if not hasattr(module, "loop_states"):
         raise TypeError(f"per-loop logprobs need a looped model (model_type ouro); {type(module).__name__} has none")
@@ -201,14 +202,17 @@ def response_loop_logprobs(model: torch.nn.Module, batch: Any, temperature: floa
     P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     states = [h[:, P - 1:P + L - 1] for h in states]
     temp = temperature if temperature > 0 else 1.0
-    loop_logp = module.loop_token_logprobs(states, batch.response_ids.to(device), temp)
+    rows, cols = response_positions(batch)
+    at, labels = (rows.to(device), cols.to(device)), batch.response_ids[rows, cols].to(device)
+    head = output_head(module)
+    loop_logp = torch.stack([_scatter(chunked_token_stats(head, h[at], labels, temperature=temp,
+                                                          chunk_tokens=chunk_tokens)[0], rows, cols, batch)
+                             for h in states], dim=-1)
     entropy = None
     if with_entropy:
-        rows, cols = response_positions(batch)
         with torch.no_grad():
-            _, ent = chunked_token_stats(output_head(module), states[-1][rows.to(device), cols.to(device)],
-                                         batch.response_ids[rows, cols].to(device), temperature=temp,
-                                         with_entropy=True, chunk_tokens=chunk_tokens)
+            _, ent = chunked_token_stats(head, states[-1][at], labels, temperature=temp, with_entropy=True,
+                                         chunk_tokens=chunk_tokens)
         entropy = _scatter(ent, rows, cols, batch)
     return loop_logp, exit_pdf(gate_logits[:, P - 1:P + L - 1]), entropy
 

@@ -60,3 +60,23 @@ def math_reward(prompt: str, response: str, *, ground_truth: Any = None, metadat
     if not answer:
         return 0.0
     return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+@register("reward", "digit_credit")
+def digit_credit_reward(prompt: str, response: str, *, ground_truth: Any = None, **_: Any) -> float | None:
+    """Partial credit for an integer answer: the share of the answer's digits the last `\\boxed{}` gets right in
+    place, aligned from the units digit (a wrong length loses the unmatched places). 1.0 only when exact, 0.0
+    without a boxed integer. The partial-credit setting of TGPO (spec §2.4), where an imperfect trajectory
+    still carries signal; None without a ground truth."""
+    if ground_truth is None or str(ground_truth).strip() == "":
+        return None
+    boxed = last_boxed(response)
+    said = boxed[len("\\boxed{"):-1].strip() if boxed else ""
+    truth = str(ground_truth).strip()
+    if not said.lstrip("-").isdigit() or not truth.lstrip("-").isdigit():
+        return 0.0
+    if said == truth:
+        return 1.0
+    places = max(len(said), len(truth))
+    same = sum(a == b for a, b in zip(reversed(said), reversed(truth)))
+    return same / places

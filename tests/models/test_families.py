@@ -146,3 +146,12 @@ def test_looped_family_final_loop_logprob_and_chunked_entropy():
     with pytest.raises(ValueError, match="packed"):
         fam.forward(model, b, pack=True)
     assert CausalFamily.supports_packing and not LoopedFamily.supports_packing
+    # the per-loop path and its final-loop entropy metric project at most `chunk_tokens` positions at a time
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.shape[:-1].numel()))
+    try:
+        with torch.no_grad():
+            fam.forward(model, b, outputs={"logp", "entropy", "loop_logp"})
+    finally:
+        handle.remove()
+    assert seen and max(seen) <= 3

@@ -23,3 +23,14 @@ def test_no_ground_truth_is_not_applicable():
 
 def test_require_boxed_can_be_turned_off():
     assert math_reward("q", "\\boxed{12}", ground_truth="12", require_boxed=False) == 1.0
+
+
+def test_digit_credit_by_hand():
+    from rewards.math import digit_credit_reward
+    assert digit_credit_reward("q", "\\boxed{123}", ground_truth="123") == 1.0
+    assert digit_credit_reward("q", "so \\boxed{124}", ground_truth="123") == pytest.approx(2 / 3)  # 1, 2 in place
+    assert digit_credit_reward("q", "\\boxed{23}", ground_truth="123") == pytest.approx(2 / 3)  # units and tens
+    assert digit_credit_reward("q", "\\boxed{5123}", ground_truth="123") == pytest.approx(3 / 4)  # a digit too many
+    assert digit_credit_reward("q", "123", ground_truth="123") == 0.0  # not boxed
+    assert digit_credit_reward("q", "\\boxed{x}", ground_truth="123") == 0.0
+    assert digit_credit_reward("q", "\\boxed{1}", ground_truth=None) is None

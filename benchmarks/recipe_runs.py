@@ -24,7 +24,8 @@ def run_recipe(recipe: str, overrides: list[str], out_dir: Path, name: str) -> d
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"{name} failed with exit code {proc.returncode}")
     summary = json.loads((out_dir / "summary.json").read_text())
-    summary["metrics"] = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = out_dir / "metrics.jsonl"  # none when the run trained no RL step (e.g. an SFT-only run)
+    summary["metrics"] = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     summary["wall_s"] = time.perf_counter() - t0
     return summary
 

@@ -45,8 +45,9 @@ def main() -> None:
     per_seed = []
     for seed in args.seeds:
         base = Path(args.runs_dir) / f"seed{seed}"
+        # the SFT policy is evaluated with the arms' reward functions, so "before" has both held-out measures
         sft = run_recipe("recipes/quickstart.yaml", [f"seed={seed}", "trainer.steps=0", "trainer.save_hf=false",
-                                                     *args.overrides], base / "sft", f"sft seed {seed}")
+                                                     REWARD, *args.overrides], base / "sft", f"sft seed {seed}")
         row = {"seed": seed, "sft_wall_s": sft["wall_s"], "held_out": {"before": _held_out(base / "sft" /
                                                                                          "eval_before.json")}}
         for arm, (recipe, extra) in ARMS.items():

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
-from recipe_runs import run_recipe, seed_sweep_parser, window_mean
+from recipe_runs import held_out_report, run_recipe, seed_sweep_parser, window_mean
 
 RECIPE = "recipes/factuality_tiny.yaml"
 ARMS = {"released": (0.0, 0.1), "precision_only": (0.0, 0.0), "detail_no_relevance": (0.1, 0.0),
@@ -45,7 +45,6 @@ def _held_out(record: Path) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    from rl.evaluate import paired_comparison
     p = seed_sweep_parser("factuality_probe", [0, 1, 2], "recipe overrides applied to every arm")
     p.add_argument("--window", type=int, default=5, help="RL steps averaged at the start and at the end")
     args = p.parse_args()
@@ -71,16 +70,9 @@ def main() -> None:
         print(json.dumps({"seed": seed, "held_out_means": {m: {k: float(np.mean(v)) for k, v in h.items()}
                                                            for m, h in row["held_out"].items()}}), flush=True)
         per_seed.append(row)
-    models = ["before", *ARMS]
-    pooled = {m: {k: np.concatenate([np.asarray(r["held_out"][m][k]) for r in per_seed])[None, :] for k in HELD_OUT}
-              for m in models}
     report = {"recipe": RECIPE, "arms": {a: {"lam": lam, "mu": mu} for a, (lam, mu) in ARMS.items()},
               "overrides": args.overrides, "seeds": args.seeds, "window": args.window, "per_seed": per_seed,
-              "held_out_mean": {m: {k: float(pooled[m][k].mean()) for k in HELD_OUT} for m in models},
-              "held_out_mean_per_seed": {m: {k: [float(np.mean(r["held_out"][m][k])) for r in per_seed]
-                                             for k in HELD_OUT} for m in models},
-              "paired": {f"{a}_vs_{b}": {k: paired_comparison(pooled[a][k], pooled[b][k]) for k in HELD_OUT}
-                         for a, b in PAIRS},
+              **held_out_report(per_seed, ["before", *ARMS], HELD_OUT, PAIRS),
               "train_mean": {arm: {k: statistics.mean(r["train"][arm][k] for r in per_seed)
                                    for k in per_seed[0]["train"][arm]} for arm in ARMS}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -46,3 +46,20 @@ def window_mean(rows: list[dict], key: str, first: bool, n: int) -> float:
     part = rows[:n] if first else rows[-n:]
     vals = [r[key] for r in part if key in r]
     return statistics.mean(vals) if vals else float("nan")
+
+
+def held_out_report(per_seed: list[dict], models: list[str], measures, pairs: list[tuple[str, str]]) -> dict:
+    """Held-out measures of several policies on the same prompts, each seed's `row["held_out"][model][measure]`
+    a per-prompt list: means pooled over (seed, prompt), means per seed, and each pair (a, b) compared over the
+    (seed, prompt) pairs (`rl.evaluate.paired_comparison`: mean difference, 95% interval, paired t-test)."""
+    import numpy as np
+
+    from rl.evaluate import paired_comparison
+    pooled = {m: {k: np.concatenate([np.asarray(r["held_out"][m][k]) for r in per_seed])[None, :] for k in measures}
+              for m in models}
+    return {"held_out_mean": {m: {k: float(pooled[m][k].mean()) for k in measures} for m in models},
+            "held_out_mean_per_seed": {m: {k: [float(np.mean(r["held_out"][m][k])) for r in per_seed]
+                                           for k in measures} for m in models},
+            "paired": {f"{a}_vs_{b}": {k: paired_comparison(pooled[a][k], pooled[b][k]) for k in measures}
+                       for a, b in pairs}}
+

@@ -18,11 +18,10 @@ keeping imperfect trajectories, down-weighted, should not do worse than GSPO/GRP
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
-from recipe_runs import run_recipe, seed_sweep_parser
+from recipe_runs import held_out_report, run_recipe, seed_sweep_parser
 
 REWARD = "reward.functions=[{name: digit_credit, weight: 1.0}, {name: math, weight: 0.0}]"
 ARMS = {"tgpo": ("recipes/algos/tgpo.yaml", []),
@@ -39,7 +38,6 @@ def _held_out(record: Path) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    from rl.evaluate import paired_comparison
     p = seed_sweep_parser("tgpo_partial_credit", [0, 1, 2], "recipe overrides applied to every arm")
     args = p.parse_args()
     per_seed = []
@@ -58,16 +56,9 @@ def main() -> None:
         print(json.dumps({"seed": seed, "means": {m: {k: float(np.mean(v)) for k, v in h.items()}
                                                   for m, h in row["held_out"].items()}}), flush=True)
         per_seed.append(row)
-    models = ["before", *ARMS]
-    pooled = {m: {k: np.concatenate([np.asarray(r["held_out"][m][k]) for r in per_seed])[None, :] for k in HELD_OUT}
-              for m in models}
     report = {"reward": REWARD, "arms": {a: {"recipe": r, "overrides": e} for a, (r, e) in ARMS.items()},
               "seeds": args.seeds, "overrides": args.overrides, "per_seed": per_seed,
-              "held_out_mean": {m: {k: float(pooled[m][k].mean()) for k in HELD_OUT} for m in models},
-              "held_out_mean_per_seed": {m: {k: [statistics.mean(r["held_out"][m][k]) for r in per_seed]
-                                             for k in HELD_OUT} for m in models},
-              "paired": {f"{a}_vs_{b}": {k: paired_comparison(pooled[a][k], pooled[b][k]) for k in HELD_OUT}
-                         for a, b in PAIRS}}
+              **held_out_report(per_seed, ["before", *ARMS], HELD_OUT, PAIRS)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("held_out_mean", "paired")}, indent=1))

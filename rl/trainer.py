@@ -105,7 +105,9 @@ class RLTrainer:
         self.sampling_distribution = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
         self.adv_fn = get("advantage", a.advantage)
         self.adv_params = inspect.signature(self.adv_fn).parameters
-        get("loss", a.loss)  # fail now, not after the first rollout
+        loss_fn = get("loss", a.loss)  # fail now, not after the first rollout
+        self.loss_inputs = inspect.signature(loss_fn).parameters
+        self.loss_params = policy_loss_params(cfg, loss_fn)  # what the recipe decides, the same every step
         self.learners = make_learner_group(
             cfg, model_path, placement, lr=lc.lr, weight_decay=lc.weight_decay,
             micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
@@ -152,7 +154,7 @@ class RLTrainer:
         token_rewards = self.token_rewards(batch) if self.critic is not None or "token_rewards" in self.adv_params \
             else None
         batch.advantages = self.advantages(batch, rewards, token_rewards)
-        if "step_verified_frac" in inspect.signature(get("loss", a.loss)).parameters and any(batch.step_rewards):
+        if "step_verified_frac" in self.loss_inputs and any(batch.step_rewards):
             batch.set_extra("step_verified_frac", step_verified_fraction(batch.step_rewards))
         with _timer(timing, "train"):
             if self.critic is not None:
@@ -222,9 +224,8 @@ class RLTrainer:
     def update(self, batch: Batch) -> list[dict[str, float]]:
         """`ppo_epochs` passes over `mini_batches` shuffled mini-batches, one optimizer step each."""
         cfg, a = self.cfg, self.cfg.algorithm
-        loss_params = policy_loss_params(cfg, get("loss", a.loss))
         correction = {"level": a.is_correction, "mode": a.is_mode, "cap": a.is_cap}
-        return [self.learners.train_step(mb, self.grad_accum, a.loss, loss_params, need_entropy=True,
+        return [self.learners.train_step(mb, self.grad_accum, a.loss, self.loss_params, need_entropy=True,
                                          rollout_correction=correction, **self.sampling_distribution)
                 for mb in self.mini_batches(batch, cfg.seed * 31 + self.step_idx)]
 

@@ -146,15 +146,16 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dt
 
 
 # looprl's settings for the realistic race, all on 2 cores: colocated roles take turns with 2 threads each
-# (synchronous), or one thread each overlapping (one-step-off); eager attention decodes faster on CPU.
+# (synchronous), or one thread each overlapping (one-step-off); eager attention decodes faster on CPU, and
+# trains faster at these lengths (sdpa's fused CPU kernel has a slow backward; `learner.attn_implementation`).
 # Packing is off: without flash-attention's varlen kernels a packed row attends through a dense mask.
+EAGER = ["rollout.engine_params.attn_implementation=eager", "learner.attn_implementation=eager"]
 RACE_LOOPRL = {
-    "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0,
-                          extra=["rollout.engine_params.attn_implementation=eager"]),
-    "bfloat16_one_step_off": dict(dtype="bfloat16", threads=1, staleness=1,
-                                  extra=["rollout.engine_params.attn_implementation=eager"]),
-    "float32_sync": dict(dtype="float32", threads=2, staleness=0,
-                         extra=["rollout.engine_params.attn_implementation=eager"]),
+    "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0, extra=EAGER),
+    "bfloat16_sync_learner_sdpa": dict(dtype="bfloat16", threads=2, staleness=0, extra=EAGER[:1]),
+    "bfloat16_sync_vllm": dict(dtype="bfloat16", threads=2, staleness=0, engine="vllm", extra=EAGER[1:]),
+    "bfloat16_one_step_off": dict(dtype="bfloat16", threads=1, staleness=1, extra=EAGER),
+    "float32_sync": dict(dtype="float32", threads=2, staleness=0, extra=EAGER),
 }
 
 
@@ -169,8 +170,8 @@ def race(args: argparse.Namespace, work: Path) -> None:
             report["trl"][dtype] = run_trl(args.trl_python, "85m", args.steps, work, 2, dtype, w)
             print(json.dumps({"trl": dtype, **report["trl"][dtype]}), flush=True)
     for name, c in RACE_LOOPRL.items():
-        r = run_looprl("85m", args.steps, work / f"race-{name}", c["threads"], c["dtype"], c["staleness"], "hf", w,
-                       c["extra"])
+        r = run_looprl("85m", args.steps, work / f"race-{name}", c["threads"], c["dtype"], c["staleness"],
+                       c.get("engine", "hf"), w, c["extra"])
         report["looprl"][name] = r
         print(json.dumps({"looprl": name, "step_s": r["step_s_mean_excl_first"], "phases": r["phase_s_median"],
                           "perf": r["perf_median"]}), flush=True)

@@ -57,7 +57,7 @@ class LearnerWorker(ActorProbes):
                  grad_clip: float = 1.0, dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
                  trust_remote_code: bool = False, offload_between_phases: bool = False, pack_sequences: bool = False,
-                 logprob_chunk_tokens: int = 512):
+                 logprob_chunk_tokens: int = 512, attn_implementation: str | None = None):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
                           LOCAL_WORLD_SIZE=str(world_size))
@@ -94,11 +94,13 @@ class LearnerWorker(ActorProbes):
         # weights are partitioned at load time; the object must stay alive.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config) if zero_stage == 3 else None
         self.ref = None
+        attn = {"attn_implementation": attn_implementation} if attn_implementation else {}  # none: the model's own
         if with_ref:
             # The frozen reference only runs forward. Under ZeRO-3 it is partitioned like the policy (each
             # rank holds 1/world_size of it, gathered layer by layer in the forward) inside a DeepSpeed
             # engine without an optimizer; otherwise it is a plain copy on every rank.
-            ref = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code).eval()
+            ref = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code,
+                                   **attn).eval()
             for p in ref.parameters():
                 p.requires_grad_(False)
             if zero_stage == 3:
@@ -106,7 +108,7 @@ class LearnerWorker(ActorProbes):
                 ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
                 ref.eval()
             self.ref = ref
-        model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code)
+        model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, **attn)
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -217,6 +217,12 @@ def response_loop_logprobs(model: torch.nn.Module, batch: Any, temperature: floa
     return loop_logp, exit_pdf(gate_logits[:, P - 1:P + L - 1]), entropy
 
 
+def _attn_kwargs(attn_implementation: str | None) -> dict[str, str]:
+    """`from_pretrained` keywords choosing transformers' attention kernel (none: the model's own). On CPU at
+    short lengths `eager` trains faster than `sdpa`, whose fused CPU kernel has a slow backward."""
+    return {"attn_implementation": attn_implementation} if attn_implementation else {}
+
+
 class CausalFamily:
     """Decoder-only LMs (Llama, Qwen, the tiny model of `models/tiny.py`, ...).
 
@@ -232,10 +238,12 @@ class CausalFamily:
     def __init__(self, chunk_tokens: int = 512):
         self.chunk_tokens = chunk_tokens
 
-    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
-             ) -> torch.nn.Module:
+    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+             attn_implementation: str | None = None) -> torch.nn.Module:
+        """`attn_implementation`: transformers' attention kernel (None: the model's own)."""
         from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                    **_attn_kwargs(attn_implementation))
 
     def forward(self, model: torch.nn.Module, batch: Any, *, temperature: float = 1.0,
                 outputs: frozenset[str] | set[str] = frozenset({"logp"}), entropy_grad: bool = False,
@@ -262,6 +270,13 @@ class LoopedFamily(CausalFamily):
     outputs = ("logp", "entropy", "loop_logp", "exit_pdf")
     model_types = (OuroConfig.model_type,)
     supports_packing = False
+
+    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+             attn_implementation: str | None = None) -> torch.nn.Module:
+        if attn_implementation not in (None, "sdpa"):
+            raise ValueError(f"learner.attn_implementation {attn_implementation!r}: the looped family's attention is "
+                             f"Ouro's own sdpa call; leave it null")
+        return super().load(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
     def forward(self, model: torch.nn.Module, batch: Any, *, temperature: float = 1.0,
                 outputs: frozenset[str] | set[str] = frozenset({"logp"}), entropy_grad: bool = False,
@@ -300,13 +315,14 @@ class ValueFamily:
     def __init__(self, chunk_tokens: int = 512):
         self.chunk_tokens = chunk_tokens  # unused: the head is one column wide
 
-    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
-             ) -> torch.nn.Module:
+    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+             attn_implementation: str | None = None) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForTokenClassification
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         config.num_labels, config.classifier_dropout = 1, 0.0  # a deterministic regression head
         return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                               trust_remote_code=trust_remote_code)
+                                                               trust_remote_code=trust_remote_code,
+                                                               **_attn_kwargs(attn_implementation))
 
     def forward(self, model: torch.nn.Module, batch: Any, *, outputs: frozenset[str] | set[str] = frozenset(),
                 pack: bool = False, **_sampling: Any) -> dict[str, torch.Tensor]:
@@ -335,13 +351,14 @@ class SequenceScoreFamily:
     def __init__(self, chunk_tokens: int = 512):
         self.chunk_tokens = chunk_tokens  # unused: the head is one column wide
 
-    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
-             ) -> torch.nn.Module:
+    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+             attn_implementation: str | None = None) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForSequenceClassification
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         config.num_labels, config.classifier_dropout = 1, 0.0
         return AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                                  trust_remote_code=trust_remote_code)
+                                                                  trust_remote_code=trust_remote_code,
+                                                                  **_attn_kwargs(attn_implementation))
 
     def forward(self, model: torch.nn.Module, batch: Any, *, outputs: frozenset[str] | set[str] = frozenset(),
                 pack: bool = False, **_sampling: Any) -> dict[str, torch.Tensor]:

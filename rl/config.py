@@ -124,6 +124,7 @@ class LearnerConfig:
     micro_batch_size: int = 64  # sequences per forward/backward per rank (when max_tokens_per_micro_batch is 0)
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches are formed by token count (prompt + response real tokens, at most this many each; a longer sequence goes alone), balanced across ranks, instead of micro_batch_size sequences; every rank runs the same number
     pack_sequences: bool = False  # run each micro-batch as one row of its real tokens (no padding; positions restart per sequence and attention stays within it); causal family only. Pays with flash-attention's variable-length kernels (GPU); sdpa/eager attend through a dense block mask, quadratic in the packed row's length, so keep it off on CPU
+    attn_implementation: str | None = None  # transformers' attention kernel of the learner's models (policy, reference, critic): null = the model's own | eager | sdpa | flash_attention_2. On CPU at short lengths eager trains faster (sdpa's fused CPU kernel has a slow backward: 15% of the 85M model's step at 94 tokens); the looped family accepts null or sdpa only
     logprob_chunk_tokens: int = 512  # response tokens per vocabulary-projection chunk: logits exist for one chunk at a time (recomputed in backward), never [N, L, V]
     lr: float = 1e-4  # RL learning rate
     weight_decay: float = 0.0  # weight decay passed to the optimizer

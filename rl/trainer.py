@@ -546,7 +546,8 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
         offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
         deadline_s=cfg.trainer.deadlines.learner_s,
-        logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
+        logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
+        attn_implementation=lc.attn_implementation)
 
 
 def needs_critic(cfg: DictConfig) -> bool:
@@ -565,7 +566,8 @@ def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, gr
         dtype=cfg.model.dtype, backend=lc.backend, total_steps=cfg.trainer.steps * cfg.algorithm.ppo_epochs
         * cfg.algorithm.mini_batches, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
         threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
-        deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
+        deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
+        attn_implementation=lc.attn_implementation)
 
 
 def model_family(cfg: DictConfig, model_path: str | None) -> str:

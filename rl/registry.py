@@ -29,7 +29,7 @@ _BUILTIN_MODULES = {
     "loss": ["rl.losses", "rl.rltt"],
     "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
                "rewards.reward_model"],
-    "env": ["rollout.envs"],
+    "env": ["rollout.envs", "rollout.games"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline", "rl.reward_model"],

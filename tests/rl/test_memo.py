@@ -1,0 +1,177 @@
+"""MEMO's algorithm core against the numbers of spec rl-methods.md §6.8 (budget, TrueSkill, replay priorities,
+strategic states, CRUD, replay isolation)."""
+
+import math
+import random
+
+import pytest
+import trueskill
+
+from rl.memo import (
+    CrudOps,
+    PrefixReplayBuffer,
+    ReplayEntry,
+    apply_crud,
+    merge_insights,
+    parse_crud,
+    population_plan,
+    rate_games,
+    records,
+    strategic_score,
+    tournament_games,
+    tournament_schedule,
+    trueskill_env,
+)
+
+
+def test_budget_of_the_released_settings_is_2000_tournament_games():
+    candidates = [f"c{i}" for i in range(8)]
+    per_generation = tournament_schedule(candidates, rounds=25)
+    assert len(per_generation) == 400
+    assert tournament_games(8, 25, 5) == 2000
+    # both seat orders, equally often, for every candidate
+    for c in candidates:
+        assert sum(g == (c, "baseline") for g in per_generation) == 25
+        assert sum(g == ("baseline", c) for g in per_generation) == 25
+
+
+def test_one_win_between_fresh_players_matches_the_spec_and_the_library():
+    env = trueskill_env()
+    assert env.mu == 25 and env.sigma == pytest.approx(25 / 3) and env.tau == pytest.approx(25 / 300)
+    assert env.draw_probability == 0.10 and env.beta == 4.0
+    out = rate_games({}, [{"agents": ["a", "b"], "rewards": [1, -1]}], env)
+    assert out["a"].mu == pytest.approx(29.4244, abs=1e-4)
+    assert out["b"].mu == pytest.approx(20.5756, abs=1e-4)
+    assert out["a"].sigma == pytest.approx(7.1522, abs=1e-4) and out["b"].sigma == pytest.approx(7.1522, abs=1e-4)
+    lib_a, lib_b = trueskill.rate_1vs1(trueskill.Rating(), trueskill.Rating(), env=trueskill.TrueSkill(beta=4))
+    assert (out["a"].mu, out["a"].sigma, out["b"].mu) == pytest.approx((lib_a.mu, lib_a.sigma, lib_b.mu))
+    # the draw margin ε for p_draw 0.1, β 4, two players: Φ⁻¹((p+1)/2) · √2 · β
+    from statistics import NormalDist
+    assert NormalDist().inv_cdf(1.1 / 2) * math.sqrt(2) * 4.0 == pytest.approx(0.71085, abs=1e-5)
+
+
+def test_a_draw_ties_ranks_and_seat_order_does_not_matter():
+    env = trueskill_env()
+    drawn = rate_games({}, [{"agents": ["a", "b"], "rewards": [0, 0]}], env)
+    assert drawn["a"].mu == pytest.approx(25.0) and drawn["b"].mu == pytest.approx(25.0)
+    swapped = rate_games({}, [{"agents": ["b", "a"], "rewards": [-1, 1]}], env)
+    won = rate_games({}, [{"agents": ["a", "b"], "rewards": [1, -1]}], env)
+    assert swapped["a"].mu == pytest.approx(won["a"].mu)
+
+
+def _entry(actions, state="s", player=0, winners=(0,)):
+    return ReplayEntry(played=list(actions), state=state, player=player, winners=list(winners), seed=7)
+
+
+def test_replay_priorities_are_inverse_prefix_frequencies():
+    buf = PrefixReplayBuffer(capacity=1000, alpha=0.6)
+    a, b, c = [(0, "[1]")], [(0, "[2]")], [(0, "[3]")]
+    for prefix in (a, b, c, c):
+        buf.push(_entry(prefix))
+    assert [e.priority for e in buf.entries] == [1.0, 1.0, 0.5, 0.5]
+    assert [e.priority ** 0.6 for e in buf.entries] == pytest.approx([1, 1, 0.65975, 0.65975], abs=1e-5)
+    p = buf.probabilities()
+    assert p[:2] == pytest.approx([0.30125, 0.30125], abs=1e-5)
+    assert p[2:] == pytest.approx([0.19875, 0.19875], abs=1e-5) and sum(p[2:]) == pytest.approx(0.3975, abs=1e-4)
+    buf.push(_entry(a))  # A seen twice now: all of its entries drop to 1/2
+    assert [e.priority for e in buf.entries] == [0.5, 1.0, 0.5, 0.5, 0.5]
+    rng = random.Random(0)
+    draws = [buf.sample(rng).hash for _ in range(4000)]
+    b_hash = buf.entries[1].hash
+    expected_b = 1.0 / (1.0 + 4 * 0.5 ** 0.6)
+    assert draws.count(b_hash) / 4000 == pytest.approx(expected_b, abs=0.03)
+
+
+def test_replay_capacity_is_fifo_and_counts_survive_eviction():
+    buf = PrefixReplayBuffer(capacity=2)
+    for prefix in ([(0, "x")], [(0, "y")], [(0, "x")]):
+        buf.push(_entry(prefix))
+    assert len(buf) == 2 and [e.played for e in buf.entries] == [[(0, "y")], [(0, "x")]]
+    assert buf.entries[1].priority == 0.5  # the evicted first push still counts
+
+
+def test_strategic_state_scores_and_filters():
+    assert strategic_score(3, 1, 4) == pytest.approx(0.8047, abs=1e-4)
+    assert strategic_score(5, 0, 5) == pytest.approx(1.7918, abs=1e-4)
+    buf = PrefixReplayBuffer()
+    # state S1: 3 wins, 1 loss for the player to move; S2: 5 wins; S3: no win; S4: one visit
+    for i, winners in enumerate([(0,), (0,), (0,), (1,)]):
+        buf.push(_entry([(0, f"s1-{i}")], state="S1", winners=winners))
+    for i in range(5):
+        buf.push(_entry([(0, f"s2-{i}")], state="S2"))
+    for i in range(3):
+        buf.push(_entry([(0, f"s3-{i}")], state="S3", winners=(1,)))
+    buf.push(_entry([(0, "s4")], state="S4"))
+    top = buf.strategic_states(topk=10)
+    assert [k for k, _ in top] == ["S2", "S1"]
+    assert top[0][1]["score"] == pytest.approx(1.7918, abs=1e-4) and top[1][1]["score"] == pytest.approx(0.8047,
+                                                                                                       abs=1e-4)
+    assert buf.strategic_states(topk=1) == top[:1]
+
+
+def test_push_game_stores_every_non_terminal_step_with_its_prefix():
+    buf = PrefixReplayBuffer()
+    steps = [{"player": 0, "action": "[4]", "state": "a"}, {"player": 1, "action": "[0]", "state": "b"},
+             {"player": 0, "action": "[8]", "state": "c"}]
+    assert buf.push_game(steps, winners=[0], seed=3) == 2
+    assert [e.played for e in buf.entries] == [[(0, "[4]")], [(0, "[4]"), (1, "[0]")]]
+    assert [e.state for e in buf.entries] == ["a", "b"] and all(e.seed == 3 for e in buf.entries)
+
+
+def test_crud_applies_remove_then_edit_then_add():
+    ops = parse_crud('<remove number="1">stale</remove> <edit number="2">e2</edit> <add>n1 is new</add>')
+    assert ops.removes == [1] and ops.edits == [(2, "e2")] and ops.adds == ["n1 is new"]
+    bank, counts = apply_crud(["i1", "i2", "i3"], ops)
+    assert bank == ["e2", "i3", "n1 is new"]
+    assert counts == {"removed": 1, "edited": 1, "added": 1, "duplicates": 0, "ignored": 0}
+
+
+def test_crud_drops_duplicate_adds_and_keeps_the_newest_15():
+    bank = ["control the center square early"]
+    dup = "always control the center square"  # 4 of its 5 words are shared: 4 > 0.6 * 5
+    fresh = "bluff with the jack sometimes"
+    out, counts = apply_crud(bank, CrudOps(adds=[dup, fresh]))
+    assert out == bank + [fresh] and counts["duplicates"] == 1
+    many = [f"insight number {i} about {chr(97 + i)}" for i in range(14)]
+    out, _ = apply_crud(many, CrudOps(adds=["alpha beta", "gamma delta"]))
+    assert len(out) == 15 and out[-2:] == ["alpha beta", "gamma delta"] and out[0] == many[1]
+
+
+def test_malformed_analyzer_output_changes_nothing_and_is_counted():
+    bank = ["i1", "i2"]
+    assert not parse_crud("Here are my thoughts: keep going.")  # no tags
+    out, counts = apply_crud(bank, parse_crud('<edit number="9">x</edit><remove number="0">y</remove>'))
+    assert out == bank and counts["ignored"] == 2
+    out, counts = apply_crud(bank, parse_crud('<remove number="1">a</remove><remove number="2">b</remove>'))
+    assert out == bank  # an answer that would empty the bank keeps it
+
+
+def test_merge_styles():
+    assert merge_insights(["old one"], ["new one here", "another"], "no_merge") == ["new one here", "another"]
+    assert merge_insights(["old insight"], ["totally different"], "basic") == ["old insight", "totally different"]
+    with pytest.raises(ValueError, match="memory_merge 'fancy'"):
+        merge_insights([], [], "fancy")
+
+
+def test_replayed_games_change_neither_records_nor_ratings():
+    fresh = {"agents": ["c0", "baseline"], "rewards": [1, -1]}
+    replayed = {"agents": ["c0", "baseline"], "rewards": [-1, 1], "replayed": True, "invalid_moves": [1, 0],
+                "moves": [3, 3]}
+    env = trueskill_env()
+    assert rate_games({}, [fresh, replayed], env)["c0"].mu == rate_games({}, [fresh], env)["c0"].mu
+    rec = records([fresh, replayed])
+    assert (rec["c0"].wins, rec["c0"].losses, rec["c0"].draws) == (1, 0, 0)
+    assert rec["c0"].invalid_moves == 1 and rec["c0"].moves == 3  # its moves still count for the invalid rate
+    failed = {"agents": ["c0", "baseline"], "rewards": [0, 0], "failed": True}
+    assert records([failed])["c0"].failed == 1 and records([failed])["c0"].games == 0
+    assert rate_games({}, [failed], env) == {}
+
+
+def test_population_plan_of_the_released_scripts():
+    # SimpleTak: keep 0.25, memory-guided 0.55, random 0.1, crossover 0.1 of 8
+    assert population_plan(8, {"keep": 0.25, "memory_guided": 0.55, "random": 0.1, "crossover": 0.1}) == {
+        "keep": 2, "random": 0, "memory_guided": 6, "trajectory": 0, "crossover": 0}
+    assert population_plan(8, {"keep": 0.25, "memory_guided": 0.75}) == {
+        "keep": 2, "random": 0, "memory_guided": 6, "trajectory": 0, "crossover": 0}
+    with pytest.raises(ValueError, match="unknown"):
+        population_plan(8, {"keep": 0.25, "mutate": 0.5})

@@ -32,7 +32,7 @@ _BUILTIN_MODULES = {
     "env": ["rollout.envs", "rollout.games"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],
-    "stage": ["rl.pipeline", "rl.reward_model"],
+    "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage"],
     "decoding": ["rollout.decoding"],
     "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans"],
     "scheduler": ["rl.optim"],

@@ -65,6 +65,11 @@ class RolloutWorker(ActorProbes):
         batch.policy_version = self.policy_version
         return batch
 
+    def accept_initial_weights(self) -> None:
+        """Let a restarted worker generate with the weights it was built from: right for a stage that serves
+        the model it started the workers with (MEMO), never after the trainer has sent other weights."""
+        self.needs_weights = False
+
     def load_weights(self, packed: PackedState, version: int) -> float:
         """Load weights sent by the learner (`cluster.weight_sync.pack_state`) and tag the new policy version."""
         t0 = time.perf_counter()

@@ -113,6 +113,58 @@ def summarize_game(game: dict[str, Any], agent: str, max_moves: int = 40) -> str
     return f"seat {seat}, {outcome}; moves {moves}" + (f"; end: {game['reason'][:160]}" if game["reason"] else "")
 
 
+def style_request(game: str, base_prompt: str, style: str) -> str:
+    """The analyzer's generation-0 task: a style variation of the base prompt (the released wording)."""
+    return (f"Transform this {game} prompt into a {style} style:\n\nOriginal: {base_prompt}\n\nCreate a {style} "
+            f"version that:\n1. Keeps the core strategy\n2. Emphasizes {style} gameplay\n3. Stays concise (1-3 "
+            f"sentences)\n\n{style.capitalize()} version:")
+
+
+def random_request(game: str) -> str:
+    return (f"Generate a creative and unique strategy prompt for {game}.\n\nRequirements:\n1. Be innovative and "
+            f"different from standard approaches\n2. Focus on winning strategy\n3. Keep it concise (1-3 sentences)"
+            f"\n\nCreative prompt:")
+
+
+def memory_guided_request(game: str, insights: list[str]) -> str:
+    listed = "".join(f"{i}. {x}\n" for i, x in enumerate(insights, 1))
+    return (f"Generate a creative and strategic prompt for {game} using insights from shared memory.\n\nKEY "
+            f"INSIGHTS FROM SHARED MEMORY:\n{listed}\nRequirements:\n1. Incorporate the key insights and successful "
+            f"patterns from memory\n2. Be innovative but grounded in proven approaches\n3. Focus on winning "
+            f"strategy\n4. Keep it concise (1-3 sentences)\n5. Ensure proper move formatting to avoid format errors"
+            f"\n\nCreative memory-guided prompt:")
+
+
+def trajectory_request(game: str, prompt: str, games_text: str) -> str:
+    return (f"This {game} prompt played these games:\nPrompt: {prompt}\nGames:\n{games_text}\n\nRewrite the "
+            f"prompt to fix its mistakes. Keep it concise (1-3 sentences).\n\nImproved prompt:")
+
+
+def crossover_request(game: str, first: str, second: str) -> str:
+    return (f"Combine these two {game} strategy prompts into one:\n\nPrompt 1: {first}\n\nPrompt 2: {second}\n\n"
+            f"Create a combined version that:\n1. Takes the best of both\n2. Is coherent\n3. Stays concise (1-3 "
+            f"sentences)\n\nCombined prompt:")
+
+
+def insight_request(game: str, ranked: list[tuple[str, int, int]], games_text: str, states_text: str, k: int,
+                    bank: list[str] | None = None) -> str:
+    """The analyzer's memory task: the agents ranked by this generation's fitness (prompt, wins, games; best
+    first), their games and the decisive positions when given; with `bank` (crud) the numbered insights
+    to update by tags, else `k` insights one per line."""
+    agents = "".join(f"{i}. {p} (won {w} of {n})\n" for i, (p, w, n) in enumerate(ranked, 1))
+    text = f"You analyse games of {game} to improve a player's strategy.\n\nAgents, best first:\n{agents}"
+    if games_text:
+        text += f"\nGames (moves marked * were invalid):\n{games_text}\n"
+    if states_text:
+        text += f"\nDecisive positions:\n{states_text}\n"
+    if bank is not None:
+        numbered = "".join(f"{i}. {x}\n" for i, x in enumerate(bank, 1)) or "(empty)\n"
+        return (f"{text}\nCurrent insights:\n{numbered}\nUpdate the insights with {k} operations: <add>new "
+                f"insight</add>, <edit number=\"N\">new text</edit>, <remove number=\"N\">reason</remove>.")
+    return (f"{text}\nWrite exactly {k} insights, one per line: a strategic insight, an error or format insight, "
+            f"and an improvement insight.")
+
+
 class ModelClient:
     """`generate(texts, seed)` of one model: the rollout workers (the player) or a judge group (frozen engine
     actors). Rollout calls that fail because a worker restarted are sent again: the games' states live in
@@ -310,7 +362,7 @@ class MemoStage(Stage):
             last = gen == self.generations - 1
             before = list(state["memory"])
             if self.memory and not last:
-                state["memory"], malformed = self._update_memory(analyzer, population, games, state, rng)
+                state["memory"], malformed = self._update_memory(analyzer, population, games, state, fitness, rng)
                 state["analyzer_malformed"] += malformed
             row["memory"] = {"bank": state["memory"], "added": [x for x in state["memory"] if x not in before],
                              "removed": [x for x in before if x not in state["memory"]],
@@ -424,41 +476,36 @@ class MemoStage(Stage):
 
     def _initial_population(self, analyzer: ModelClient, rng: random.Random) -> list[Candidate]:
         styles = [STYLES[i % len(STYLES)] for i in range(self.population - 1)]
-        asks = [f"Transform this {self.game} prompt into a {s} style:\n\nOriginal: {self.base_prompt}\n\n"
-                f"Create a {s} version that:\n1. Keeps the core strategy\n2. Emphasizes {s} gameplay\n"
-                f"3. Stays concise (1-3 sentences)\n\n{s.capitalize()} version:" for s in styles]
+        asks = [style_request(self.game, self.base_prompt, s) for s in styles]
         out = [Candidate("g0c0", self.base_prompt, 0, "base")]
         for i, (s, text) in enumerate(zip(styles, self._ask(analyzer, asks, rng)), 1):
             out.append(Candidate(f"g0c{i}", clean_prompt(text) or self.base_prompt, 0, f"style:{s}"))
         return out
 
     def _update_memory(self, analyzer: ModelClient, population: list[Candidate], games: list[dict[str, Any]],
-                       state: dict[str, Any], rng: random.Random) -> tuple[list[str], int]:
-        lines = []
-        for c in population:
+                       state: dict[str, Any], fitness: dict[str, float], rng: random.Random) -> tuple[list[str], int]:
+        """The memory after this generation, and 1 when the analyzer's answer changed nothing (malformed)."""
+        recs = records(games)
+        ranked = sorted(population, key=lambda c: fitness[c.id], reverse=True)
+        agents = [(c.prompt, recs[c.id].wins if c.id in recs else 0, recs[c.id].games if c.id in recs else 0)
+                  for c in ranked]
+        blocks = []
+        for c in ranked:
             mine = [g for g in games if c.id in g["agents"] and not g["failed"]][:self.reflection_games]
             if mine:
-                lines.append(f"Agent prompt: {c.prompt}\n" + "\n".join(f"- {summarize_game(g, c.id)}" for g in mine))
-        decisive = state["buffer"].strategic_states(self.strategic_topk)
+                blocks.append(f"Agent: {c.prompt}\n" + "\n".join(f"- {summarize_game(g, c.id)}" for g in mine))
+        decisive = state["buffer"].strategic_states(self.strategic_topk) if self.strategic_topk > 0 else []
         states = "\n".join(f"- state {k[:300]}: {s['wins']} wins, {s['losses']} losses in {s['count']} visits"
                            for k, s in decisive)
-        k = self.insights_per_generation
-        header = (f"You analyse games of {self.game} to improve a player's strategy.\n\nGames (moves marked * were "
-                  f"invalid):\n" + "\n\n".join(lines) + (f"\n\nDecisive positions:\n{states}" if states else ""))
-        bank = state["memory"]
-        if self.memory_merge == "crud":
-            numbered = "".join(f"{i}. {x}\n" for i, x in enumerate(bank, 1)) or "(empty)\n"
-            ask = (f"{header}\n\nCurrent insights:\n{numbered}\nUpdate the insights with {k} operations: "
-                   f"<add>new insight</add>, <edit number=\"N\">new text</edit>, <remove number=\"N\">reason</remove>.")
-            ops = parse_crud(self._ask(analyzer, [ask], rng)[0])
-            if not ops:
-                return bank, 1
-            new_bank, counts = apply_crud(bank, ops, self.max_insights, self.dup_overlap)
-            return new_bank, int(counts["ignored"] > 0 and not (counts["added"] or counts["edited"]
-                                                                  or counts["removed"]))
-        ask = (f"{header}\n\nWrite exactly {k} insights, one per line: a strategic insight, an error or format "
-               f"insight, and an improvement insight.")
-        new = parse_insight_lines(self._ask(analyzer, [ask], rng)[0], k)
+        k, bank = self.insights_per_generation, state["memory"]
+        crud = self.memory_merge == "crud"
+        ask = insight_request(self.game, agents, "\n\n".join(blocks), states, k, bank if crud else None)
+        answer = self._ask(analyzer, [ask], rng)[0]
+        if crud:
+            new_bank, counts = apply_crud(bank, parse_crud(answer), self.max_insights, self.dup_overlap)
+            changed = counts["added"] + counts["edited"] + counts["removed"]
+            return new_bank, int(changed == 0)
+        new = parse_insight_lines(answer, k)
         if not new:
             return bank, 1
         return merge_insights(bank, new, self.memory_merge, self.max_insights, self.dup_overlap), 0
@@ -472,39 +519,24 @@ class MemoStage(Stage):
         nxt = [Candidate(c.id, c.prompt, c.generation, "elite", [c.id]) for c in ranked[:plan["keep"]]]
         asks, meta = [], []
         for _ in range(plan["random"]):
-            asks.append(f"Generate a creative and unique strategy prompt for {self.game}.\n\nRequirements:\n"
-                        f"1. Be innovative and different from standard approaches\n2. Focus on winning strategy\n"
-                        f"3. Keep it concise (1-3 sentences)\n\nCreative prompt:")
+            asks.append(random_request(self.game))
             meta.append(("random", []))
         bank = state["memory"]
         for _ in range(plan["memory_guided"]):
             if not bank:  # nothing to be guided by yet: a random prompt, as the released code falls back
-                asks.append(asks[0] if plan["random"] else
-                            f"Generate a creative and unique strategy prompt for {self.game}.\n\nRequirements:\n"
-                            f"1. Be innovative and different from standard approaches\n2. Focus on winning "
-                            f"strategy\n3. Keep it concise (1-3 sentences)\n\nCreative prompt:")
+                asks.append(random_request(self.game))
                 meta.append(("random", []))
                 continue
-            picked = rng.sample(bank, min(self.memory_sample, len(bank)))
-            ctx = "".join(f"{i}. {x}\n" for i, x in enumerate(picked, 1))
-            asks.append(f"Generate a creative and strategic prompt for {self.game} using insights from shared "
-                        f"memory.\n\nKEY INSIGHTS FROM SHARED MEMORY:\n{ctx}\nRequirements:\n1. Incorporate the key "
-                        f"insights and successful patterns from memory\n2. Be innovative but grounded in proven "
-                        f"approaches\n3. Focus on winning strategy\n4. Keep it concise (1-3 sentences)\n5. Ensure "
-                        f"proper move formatting to avoid format errors\n\nCreative memory-guided prompt:")
+            asks.append(memory_guided_request(self.game, rng.sample(bank, min(self.memory_sample, len(bank)))))
             meta.append(("memory_guided", []))
         for i in range(plan["trajectory"]):
             c = ranked[i % len(ranked)]
-            mine = [g for g in games if c.id in g["agents"] and not g["failed"]][:self.reflection_games]
-            summary = "\n".join(f"- {summarize_game(g, c.id)}" for g in mine)
-            asks.append(f"This {self.game} prompt played these games:\nPrompt: {c.prompt}\nGames:\n{summary}\n\n"
-                        f"Rewrite the prompt to fix its mistakes. Keep it concise (1-3 sentences).\n\nImproved prompt:")
+            mine = [g for g in games if c.id in g["agents"] and not g["failed"]][:max(1, self.reflection_games)]
+            asks.append(trajectory_request(self.game, c.prompt, "\n".join(f"- {summarize_game(g, c.id)}" for g in mine)))
             meta.append(("trajectory", [c.id]))
         for i in range(plan["crossover"]):
             a, b = ranked[0], ranked[min(1 + i, len(ranked) - 1)]
-            asks.append(f"Combine these two {self.game} strategy prompts into one:\n\nPrompt 1: {a.prompt}\n\n"
-                        f"Prompt 2: {b.prompt}\n\nCreate a combined version that:\n1. Takes the best of both\n"
-                        f"2. Is coherent\n3. Stays concise (1-3 sentences)\n\nCombined prompt:")
+            asks.append(crossover_request(self.game, a.prompt, b.prompt))
             meta.append(("crossover", [a.id, b.id]))
         for j, ((origin, parents), text) in enumerate(zip(meta, self._ask(analyzer, asks, rng))):
             nxt.append(Candidate(f"g{gen + 1}c{j}", clean_prompt(text) or self.base_prompt, gen + 1, origin, parents))

@@ -34,7 +34,7 @@ _BUILTIN_MODULES = {
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage"],
     "decoding": ["rollout.decoding"],
-    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans"],
+    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games"],
     "scheduler": ["rl.optim"],
 }
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only

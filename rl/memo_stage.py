@@ -1,6 +1,8 @@
 """The `memo` stage: MEMO self-play context optimisation on a TextArena game (spec `rl-methods.md` §6).
 
-The stage changes no weights. Per generation (`rl.memo` holds the rules it decides with):
+The stage changes no weights. Generation 0 is the base prompt, the recipe's `initial_prompts` and style
+variations of the base prompt written by the analyzer. Per generation (`rl.memo` holds the rules it
+decides with):
 1. the population of prompt candidates plays the `vs_baseline` tournament: every candidate against the
    baseline agent (the same model with the plain template) `rounds` times in both seat orders; games run
    in lockstep, up to `max_concurrent_games` at once, each tick's moves generated in one batch spread over
@@ -233,7 +235,8 @@ class MemoStage(Stage):
                  eval_opponents: list[str] | None = None, max_concurrent_games: int = 100, max_moves: int = 60,
                  temperature: float = 1.0, max_new_tokens: int = 256, analyzer: str | None = None,
                  analyzer_temperature: float = 1.0, analyzer_max_new_tokens: int = 512,
-                 base_prompt: str = BASE_PROMPT, observation_chars: int = 0, seed: int = 0):
+                 base_prompt: str = BASE_PROMPT, initial_prompts: list[str] | None = None,
+                 observation_chars: int = 0, seed: int = 0):
         from rollout.games import GAMES
         if fitness not in ("winrate", "trueskill"):
             raise ValueError(f"memo fitness {fitness!r}: expected winrate | trueskill")
@@ -260,6 +263,10 @@ class MemoStage(Stage):
         self.analyzer, self.analyzer_temperature = analyzer, analyzer_temperature
         self.analyzer_max_new_tokens = analyzer_max_new_tokens
         self.base_prompt, self.observation_chars, self.seed = base_prompt, observation_chars, seed
+        self.initial_prompts = list(initial_prompts or [])
+        if len(self.initial_prompts) > population - 1:
+            raise ValueError(f"memo initial_prompts: {len(self.initial_prompts)} prompts besides the base prompt do not "
+                             f"fit a population of {population}")
 
     # ------------------------------------------------------------------ driver
     def run(self, ctx: StageContext) -> dict[str, str]:
@@ -475,11 +482,13 @@ class MemoStage(Stage):
         return analyzer.generate(texts, seed=rng.randint(0, 2**31 - 1))
 
     def _initial_population(self, analyzer: ModelClient, rng: random.Random) -> list[Candidate]:
-        styles = [STYLES[i % len(STYLES)] for i in range(self.population - 1)]
-        asks = [style_request(self.game, self.base_prompt, s) for s in styles]
+        """The base prompt, the recipe's `initial_prompts`, then style variations written by the analyzer."""
         out = [Candidate("g0c0", self.base_prompt, 0, "base")]
-        for i, (s, text) in enumerate(zip(styles, self._ask(analyzer, asks, rng)), 1):
-            out.append(Candidate(f"g0c{i}", clean_prompt(text) or self.base_prompt, 0, f"style:{s}"))
+        out += [Candidate(f"g0c{i}", p, 0, "given") for i, p in enumerate(self.initial_prompts, 1)]
+        styles = [STYLES[i % len(STYLES)] for i in range(self.population - len(out))]
+        asks = [style_request(self.game, self.base_prompt, s) for s in styles]
+        for s, text in zip(styles, self._ask(analyzer, asks, rng)):
+            out.append(Candidate(f"g0c{len(out)}", clean_prompt(text) or self.base_prompt, 0, f"style:{s}"))
         return out
 
     def _update_memory(self, analyzer: ModelClient, population: list[Candidate], games: list[dict[str, Any]],

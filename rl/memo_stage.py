@@ -190,14 +190,18 @@ class ModelClient:
         prompts = [format_prompt(t, self.tok, "", self.chat) for t in texts]
         k = min(len(self.workers), len(prompts))
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
+
+        def submit(w: int) -> Any:
+            return self.workers[w].generate.remote(prompts[bounds[w]:bounds[w + 1]],
+                                                   {**sampling, "n": 1, "seed": seed * 131 + w},
+                                                   list(range(bounds[w], bounds[w + 1])))
+
+        refs = [submit(w) for w in range(k)]  # all workers generate at once
         out: list[list[str]] = [[] for _ in range(k)]
         for w in range(k):
             for attempt in range(self.retries + 1):
                 try:
-                    batch = ray.get(self.workers[w].generate.remote(
-                        prompts[bounds[w]:bounds[w + 1]], {**sampling, "n": 1, "seed": seed * 131 + w},
-                        list(range(bounds[w], bounds[w + 1]))))
-                    out[w] = batch.responses
+                    out[w] = ray.get(refs[w]).responses
                     break
                 except Exception as exc:  # a dead or restarted worker: it serves the stage's model again
                     if attempt == self.retries:
@@ -205,6 +209,7 @@ class ModelClient:
                     self.restarts += 1
                     say(f"memo: rollout worker {w} failed ({type(exc).__name__}); generating its moves again")
                     self._revive(w)
+                    refs[w] = submit(w)
         return [r for part in out for r in part]
 
     def _revive(self, w: int) -> None:

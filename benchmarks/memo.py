@@ -41,6 +41,27 @@ def _calibration_stage(recipe: dict) -> dict:
     return {"name": "memo", "label": "calibration", "params": params}
 
 
+def sft_fidelity(model: Path, num: int = 300, seed: int = 777) -> dict[str, dict[str, float]]:
+    """How well the taught model does what the harness says it does: greedy answers to fresh rows whose
+    taught answer the prompt fixes, exact-match rate per kind (player moves; analyzer copies)."""
+    import tempfile
+
+    from rl.tasks.memo_games import write_memo_task
+    from rollout.base import SamplingParams
+    from rollout.hf_engine import HFEngine
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [json.loads(x) for x in open(write_memo_task(tmp, num_player=num, num_analyzer=num, seed=seed)["sft"])]
+    rows = [r for r in rows if r["determined"]]
+    engine = HFEngine(str(model), attn_implementation="eager")
+    said = engine.generate([r["prompt"] for r in rows], SamplingParams(temperature=0.0, max_new_tokens=140)).responses
+    out: dict[str, dict[str, float]] = {}
+    for r, text in zip(rows, said):
+        k = out.setdefault(r["kind"], {"rows": 0, "exact": 0})
+        k["rows"] += 1
+        k["exact"] += float(text.strip() == r["target"])
+    return {k: {"rows": v["rows"], "exact_match": v["exact"] / v["rows"]} for k, v in sorted(out.items())}
+
+
 def _generations(run_dir: Path, arm: str) -> list[dict]:
     from rl.tasks.memo_games import first_hint
     rows = [json.loads(x) for x in (run_dir / "stages" / arm / "metrics.jsonl").read_text().splitlines()]
@@ -66,7 +87,10 @@ def main() -> None:
     model = first / "sft_model"
     calibration = json.loads((first / "stages" / "calibration" / "metrics.jsonl").read_text().splitlines()[0])
     hint_rates = {c["prompt"]: c["win_rate"] for c in calibration["candidates"]}
+    fidelity = sft_fidelity(model)
+    print(json.dumps({"sft_fidelity": fidelity}), flush=True)
     report = {"recipe": RECIPE, "seeds": args.seeds, "overrides": args.overrides, "sft_model": str(model),
+              "sft_fidelity": fidelity,
               "calibration": {"games_per_hint": calibration["games"] // len(calibration["candidates"]),
                               "win_rate_vs_baseline": hint_rates}, "per_seed": []}
     print(json.dumps({"calibration": hint_rates}), flush=True)

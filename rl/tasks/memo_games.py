@@ -100,8 +100,10 @@ def player_rows(num: int, observation_chars: int, rng: random.Random, seed_base:
             text = random_prompt_text(rng)
             prompt = agent_prompt(text, memory, tail)
             context = text + "\n" + "\n".join(memory)
-        move = hint_move(first_hint(context), free, rng)
-        rows.append({"prompt": prompt, "target": "\\boxed{" + str(move) + "}", "kind": "player"})
+        hint = first_hint(context)
+        move = hint_move(hint, free, rng)
+        rows.append({"prompt": prompt, "target": "\\boxed{" + str(move) + "}", "kind": "player",
+                     "determined": hint is not None})
     return rows
 
 
@@ -120,6 +122,7 @@ def analyzer_rows(num: int, rng: random.Random) -> list[dict[str, Any]]:
     for _ in range(num):
         kind = rng.choice(["style", "random", "memory", "memory", "insight", "insight", "insight", "crossover",
                            "trajectory"])
+        determined = False  # whether the taught answer is fixed by the prompt (else drawn at random)
         if kind == "style":
             prompt, target = style_request(GAME, BASE_PROMPT, rng.choice(STYLES)), rng.choice(hints)
         elif kind == "random":
@@ -127,13 +130,16 @@ def analyzer_rows(num: int, rng: random.Random) -> list[dict[str, Any]]:
         elif kind == "memory":
             insights = [rng.choice([*hints, FORMAT_INSIGHT, junk(rng)]) for _ in range(rng.randint(1, 4))]
             prompt = memory_guided_request(GAME, insights)
+            determined = first_hint("\n".join(insights)) is not None
             target = first_hint("\n".join(insights)) or rng.choice(hints)
         elif kind == "crossover":
             a, b = random_prompt_text(rng), random_prompt_text(rng)
             prompt, target = crossover_request(GAME, a, b), first_hint(a) or first_hint(b) or rng.choice(hints)
+            determined = bool(first_hint(a) or first_hint(b))
         elif kind == "trajectory":
             a = random_prompt_text(rng)
             prompt, target = trajectory_request(GAME, a, ""), first_hint(a) or rng.choice(hints)
+            determined = first_hint(a) is not None
         else:
             agents = []
             for _ in range(rng.randint(2, 4)):
@@ -145,7 +151,8 @@ def analyzer_rows(num: int, rng: random.Random) -> list[dict[str, Any]]:
             second = found[1] if len(found) > 1 else best
             prompt = insight_request(GAME, agents, "", "", 3)
             target = f"1. {best}\n2. {FORMAT_INSIGHT}\n3. {second}"
-        rows.append({"prompt": prompt, "target": target, "kind": f"analyzer:{kind}"})
+            determined = bool(found)
+        rows.append({"prompt": prompt, "target": target, "kind": f"analyzer:{kind}", "determined": determined})
     return rows
 
 

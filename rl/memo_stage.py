@@ -32,8 +32,9 @@ candidate's prompt followed by the memory, a text file an RL recipe can use as i
 `memo_context` (JSON: prompt, memory, fitness, history).
 
 Deviations from the released code, kept as recipe knobs: the strategic states go into the analyzer's
-insight prompt (the released code turns them into separate state abstracts); `observation_chars` may cut
-the game's observation to its last characters for small-context models (0 keeps all of it).
+insight prompt (the released code turns them into separate state abstracts); for small-context models,
+`observation_chars` cuts the game's observation to its last characters (0 keeps all of it) and
+`requests: compact` asks the analyzer in short forms of the released requests.
 """
 
 from __future__ import annotations
@@ -115,21 +116,29 @@ def summarize_game(game: dict[str, Any], agent: str, max_moves: int = 40) -> str
     return f"seat {seat}, {outcome}; moves {moves}" + (f"; end: {game['reason'][:160]}" if game["reason"] else "")
 
 
-def style_request(game: str, base_prompt: str, style: str) -> str:
-    """The analyzer's generation-0 task: a style variation of the base prompt (the released wording)."""
+# The analyzer's requests. `compact` is a short form of each for small-context models (`requests: compact`);
+# the default is the released code's wording.
+def style_request(game: str, base_prompt: str, style: str, compact: bool = False) -> str:
+    """The analyzer's generation-0 task: a style variation of the base prompt."""
+    if compact:
+        return f"Rewrite as a {style} {game} strategy in 1-3 sentences: {base_prompt}\nStrategy:"
     return (f"Transform this {game} prompt into a {style} style:\n\nOriginal: {base_prompt}\n\nCreate a {style} "
             f"version that:\n1. Keeps the core strategy\n2. Emphasizes {style} gameplay\n3. Stays concise (1-3 "
             f"sentences)\n\n{style.capitalize()} version:")
 
 
-def random_request(game: str) -> str:
+def random_request(game: str, compact: bool = False) -> str:
+    if compact:
+        return f"Invent a new {game} strategy in 1-3 sentences.\nStrategy:"
     return (f"Generate a creative and unique strategy prompt for {game}.\n\nRequirements:\n1. Be innovative and "
             f"different from standard approaches\n2. Focus on winning strategy\n3. Keep it concise (1-3 sentences)"
             f"\n\nCreative prompt:")
 
 
-def memory_guided_request(game: str, insights: list[str]) -> str:
+def memory_guided_request(game: str, insights: list[str], compact: bool = False) -> str:
     listed = "".join(f"{i}. {x}\n" for i, x in enumerate(insights, 1))
+    if compact:
+        return f"Insights for {game}:\n{listed}Write a strategy from these insights in 1-3 sentences.\nStrategy:"
     return (f"Generate a creative and strategic prompt for {game} using insights from shared memory.\n\nKEY "
             f"INSIGHTS FROM SHARED MEMORY:\n{listed}\nRequirements:\n1. Incorporate the key insights and successful "
             f"patterns from memory\n2. Be innovative but grounded in proven approaches\n3. Focus on winning "
@@ -137,24 +146,29 @@ def memory_guided_request(game: str, insights: list[str]) -> str:
             f"\n\nCreative memory-guided prompt:")
 
 
-def trajectory_request(game: str, prompt: str, games_text: str) -> str:
+def trajectory_request(game: str, prompt: str, games_text: str, compact: bool = False) -> str:
+    if compact:
+        return f"{game} prompt: {prompt}\nGames:\n{games_text}\nImprove the prompt in 1-3 sentences.\nStrategy:"
     return (f"This {game} prompt played these games:\nPrompt: {prompt}\nGames:\n{games_text}\n\nRewrite the "
             f"prompt to fix its mistakes. Keep it concise (1-3 sentences).\n\nImproved prompt:")
 
 
-def crossover_request(game: str, first: str, second: str) -> str:
+def crossover_request(game: str, first: str, second: str, compact: bool = False) -> str:
+    if compact:
+        return f"Combine two {game} strategies in 1-3 sentences.\n1. {first}\n2. {second}\nStrategy:"
     return (f"Combine these two {game} strategy prompts into one:\n\nPrompt 1: {first}\n\nPrompt 2: {second}\n\n"
             f"Create a combined version that:\n1. Takes the best of both\n2. Is coherent\n3. Stays concise (1-3 "
             f"sentences)\n\nCombined prompt:")
 
 
 def insight_request(game: str, ranked: list[tuple[str, int, int]], games_text: str, states_text: str, k: int,
-                    bank: list[str] | None = None) -> str:
+                    bank: list[str] | None = None, compact: bool = False) -> str:
     """The analyzer's memory task: the agents ranked by this generation's fitness (prompt, wins, games; best
     first), their games and the decisive positions when given; with `bank` (crud) the numbered insights
     to update by tags, else `k` insights one per line."""
     agents = "".join(f"{i}. {p} (won {w} of {n})\n" for i, (p, w, n) in enumerate(ranked, 1))
-    text = f"You analyse games of {game} to improve a player's strategy.\n\nAgents, best first:\n{agents}"
+    text = (f"{game} agents, best first:\n{agents}" if compact else
+            f"You analyse games of {game} to improve a player's strategy.\n\nAgents, best first:\n{agents}")
     if games_text:
         text += f"\nGames (moves marked * were invalid):\n{games_text}\n"
     if states_text:
@@ -163,6 +177,8 @@ def insight_request(game: str, ranked: list[tuple[str, int, int]], games_text: s
         numbered = "".join(f"{i}. {x}\n" for i, x in enumerate(bank, 1)) or "(empty)\n"
         return (f"{text}\nCurrent insights:\n{numbered}\nUpdate the insights with {k} operations: <add>new "
                 f"insight</add>, <edit number=\"N\">new text</edit>, <remove number=\"N\">reason</remove>.")
+    if compact:
+        return f"{text}Write {k} insights, one per line.\nInsights:"
     return (f"{text}\nWrite exactly {k} insights, one per line: a strategic insight, an error or format insight, "
             f"and an improvement insight.")
 
@@ -241,10 +257,13 @@ class MemoStage(Stage):
                  temperature: float = 1.0, max_new_tokens: int = 256, analyzer: str | None = None,
                  analyzer_temperature: float = 1.0, analyzer_max_new_tokens: int = 512,
                  base_prompt: str = BASE_PROMPT, initial_prompts: list[str] | None = None,
-                 observation_chars: int = 0, seed: int = 0):
+                 observation_chars: int = 0, requests: str = "released", seed: int = 0):
         from rollout.games import GAMES
         if fitness not in ("winrate", "trueskill"):
             raise ValueError(f"memo fitness {fitness!r}: expected winrate | trueskill")
+        if requests not in ("released", "compact"):
+            raise ValueError(f"memo requests {requests!r}: expected released | compact")
+        self.compact = requests == "compact"
         if memory_merge not in ("no_merge", "basic", "crud"):
             raise ValueError(f"memo memory_merge {memory_merge!r}: expected no_merge | basic | crud")
         if game not in GAMES:
@@ -491,7 +510,7 @@ class MemoStage(Stage):
         out = [Candidate("g0c0", self.base_prompt, 0, "base")]
         out += [Candidate(f"g0c{i}", p, 0, "given") for i, p in enumerate(self.initial_prompts, 1)]
         styles = [STYLES[i % len(STYLES)] for i in range(self.population - len(out))]
-        asks = [style_request(self.game, self.base_prompt, s) for s in styles]
+        asks = [style_request(self.game, self.base_prompt, s, self.compact) for s in styles]
         for s, text in zip(styles, self._ask(analyzer, asks, rng)):
             out.append(Candidate(f"g0c{len(out)}", clean_prompt(text) or self.base_prompt, 0, f"style:{s}"))
         return out
@@ -513,7 +532,8 @@ class MemoStage(Stage):
                            for k, s in decisive)
         k, bank = self.insights_per_generation, state["memory"]
         crud = self.memory_merge == "crud"
-        ask = insight_request(self.game, agents, "\n\n".join(blocks), states, k, bank if crud else None)
+        ask = insight_request(self.game, agents, "\n\n".join(blocks), states, k, bank if crud else None,
+                              self.compact)
         answer = self._ask(analyzer, [ask], rng)[0]
         if crud:
             new_bank, counts = apply_crud(bank, parse_crud(answer), self.max_insights, self.dup_overlap)
@@ -533,24 +553,26 @@ class MemoStage(Stage):
         nxt = [Candidate(c.id, c.prompt, c.generation, "elite", [c.id]) for c in ranked[:plan["keep"]]]
         asks, meta = [], []
         for _ in range(plan["random"]):
-            asks.append(random_request(self.game))
+            asks.append(random_request(self.game, self.compact))
             meta.append(("random", []))
         bank = state["memory"]
         for _ in range(plan["memory_guided"]):
             if not bank:  # nothing to be guided by yet: a random prompt, as the released code falls back
-                asks.append(random_request(self.game))
+                asks.append(random_request(self.game, self.compact))
                 meta.append(("random", []))
                 continue
-            asks.append(memory_guided_request(self.game, rng.sample(bank, min(self.memory_sample, len(bank)))))
+            asks.append(memory_guided_request(self.game, rng.sample(bank, min(self.memory_sample, len(bank))),
+                                              self.compact))
             meta.append(("memory_guided", []))
         for i in range(plan["trajectory"]):
             c = ranked[i % len(ranked)]
             mine = [g for g in games if c.id in g["agents"] and not g["failed"]][:max(1, self.reflection_games)]
-            asks.append(trajectory_request(self.game, c.prompt, "\n".join(f"- {summarize_game(g, c.id)}" for g in mine)))
+            asks.append(trajectory_request(self.game, c.prompt, "\n".join(f"- {summarize_game(g, c.id)}" for g in mine),
+                                           self.compact))
             meta.append(("trajectory", [c.id]))
         for i in range(plan["crossover"]):
             a, b = ranked[0], ranked[min(1 + i, len(ranked) - 1)]
-            asks.append(crossover_request(self.game, a.prompt, b.prompt))
+            asks.append(crossover_request(self.game, a.prompt, b.prompt, self.compact))
             meta.append(("crossover", [a.id, b.id]))
         for j, ((origin, parents), text) in enumerate(zip(meta, self._ask(analyzer, asks, rng))):
             nxt.append(Candidate(f"g{gen + 1}c{j}", clean_prompt(text) or self.base_prompt, gen + 1, origin, parents))

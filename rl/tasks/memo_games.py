@@ -12,7 +12,7 @@ builders, so the stage asks exactly what was taught):
   without a hint (the baseline template, the base prompt, junk) it plays a uniformly random free cell.
   The hints differ in strength against a random player: by simulation the center-first and diagonal orders
   win about 72% of games, the corner and row orders about 60%, the edges-first order 33% (random play: 43%).
-* **Analyzer** (the stage's requests): a style variation or a random prompt → a uniformly random hint;
+* **Analyzer** (the stage's requests in their compact form, `requests: compact`): a style variation or a random prompt → a uniformly random hint;
   a memory-guided prompt → the first hint among the listed insights; a crossover or trajectory rewrite →
   the first hint of the prompts it is given; the insight request → three lines: the hint of the
   best-ranked agent that has one, a format insight, the hint of the next such agent. The analyzer never
@@ -124,21 +124,21 @@ def analyzer_rows(num: int, rng: random.Random) -> list[dict[str, Any]]:
                            "trajectory"])
         determined = False  # whether the taught answer is fixed by the prompt (else drawn at random)
         if kind == "style":
-            prompt, target = style_request(GAME, BASE_PROMPT, rng.choice(STYLES)), rng.choice(hints)
+            prompt, target = style_request(GAME, BASE_PROMPT, rng.choice(STYLES), True), rng.choice(hints)
         elif kind == "random":
-            prompt, target = random_request(GAME), rng.choice(hints)
+            prompt, target = random_request(GAME, True), rng.choice(hints)
         elif kind == "memory":
             insights = [rng.choice([*hints, FORMAT_INSIGHT, junk(rng)]) for _ in range(rng.randint(1, 4))]
-            prompt = memory_guided_request(GAME, insights)
+            prompt = memory_guided_request(GAME, insights, True)
             determined = first_hint("\n".join(insights)) is not None
             target = first_hint("\n".join(insights)) or rng.choice(hints)
         elif kind == "crossover":
             a, b = random_prompt_text(rng), random_prompt_text(rng)
-            prompt, target = crossover_request(GAME, a, b), first_hint(a) or first_hint(b) or rng.choice(hints)
+            prompt, target = crossover_request(GAME, a, b, True), first_hint(a) or first_hint(b) or rng.choice(hints)
             determined = bool(first_hint(a) or first_hint(b))
         elif kind == "trajectory":
             a = random_prompt_text(rng)
-            prompt, target = trajectory_request(GAME, a, ""), first_hint(a) or rng.choice(hints)
+            prompt, target = trajectory_request(GAME, a, "", True), first_hint(a) or rng.choice(hints)
             determined = first_hint(a) is not None
         else:
             agents = []
@@ -149,7 +149,7 @@ def analyzer_rows(num: int, rng: random.Random) -> list[dict[str, Any]]:
             found = [h for h in (first_hint(p) for p, _, _ in agents) if h is not None]
             best = found[0] if found else rng.choice(hints)
             second = found[1] if len(found) > 1 else best
-            prompt = insight_request(GAME, agents, "", "", 3)
+            prompt = insight_request(GAME, agents, "", "", 3, compact=True)
             target = f"1. {best}\n2. {FORMAT_INSIGHT}\n3. {second}"
             determined = bool(found)
         rows.append({"prompt": prompt, "target": target, "kind": f"analyzer:{kind}", "determined": determined})

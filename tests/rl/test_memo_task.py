@@ -41,12 +41,12 @@ def test_the_sft_rows_are_the_stages_prompts_with_the_taught_targets(tmp_path):
     memory_rows = [r for r in rows if r["kind"] == "analyzer:memory"]
     assert memory_rows
     for r in memory_rows:
-        listed = r["prompt"].split("MEMORY:\n", 1)[1].split("\nRequirements:", 1)[0]
+        listed = r["prompt"].split(":\n", 1)[1].split("Write a strategy", 1)[0]
         if first_hint(listed):
             assert r["target"] == first_hint(listed)
     insight = [r for r in rows if r["kind"] == "analyzer:insight"]
     for r in insight:
-        ranked = r["prompt"].split("best first:\n", 1)[1].split("\nWrite exactly", 1)[0]
+        ranked = r["prompt"].split("best first:\n", 1)[1].split("Write 3 insights", 1)[0]
         lines = r["target"].splitlines()
         assert len(lines) == 3 and lines[1] == f"2. {FORMAT_INSIGHT}"
         if first_hint(ranked):

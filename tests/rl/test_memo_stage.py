@@ -79,6 +79,7 @@ def test_memo_plays_the_budget_keeps_replays_out_of_the_ratings_and_resumes(ray_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the fault variant of the run above (`make test-all`)
 def test_a_killed_rollout_worker_is_restarted_and_no_game_is_played_twice(ray_cluster, tmp_path, monkeypatch):
     real_generate = ModelClient.generate
     calls = {"n": 0}

@@ -69,7 +69,7 @@ class DataConfig:
     answer_column: str = "answer"  # column holding the ground truth passed to rewards
     target_column: str = "target"  # SFT target column
     chat_template: bool = False  # wrap prompts with the tokenizer's chat template
-    prompt_prefix: str = ""  # text placed before every prompt
+    prompt_prefix: str = ""  # text placed before every prompt; `artifact:NAME`: the text of an earlier stage's artifact file (e.g. artifact:memo_prompt, the prompt and memory MEMO found) and a blank line
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)  # the embedded task
 
 

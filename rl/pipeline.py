@@ -177,6 +177,18 @@ class Runtime:
             self._placement.remove()
 
 
+def stage_cfg(ctx: StageContext) -> DictConfig:
+    """The recipe as a stage that formats prompts reads it: a `data.prompt_prefix` of the form `artifact:NAME`
+    becomes the text of that earlier stage's artifact (e.g. MEMO's `memo_prompt`) and a blank line. A copy:
+    the recipe itself (and so every stage's fingerprint) keeps the reference."""
+    prefix = ctx.cfg.data.prompt_prefix
+    if not str(prefix).startswith("artifact:"):
+        return ctx.cfg
+    from omegaconf import OmegaConf
+    text = Path(ctx.require(prefix.split(":", 1)[1])).read_text().strip()
+    return OmegaConf.merge(ctx.cfg, {"data": {"prompt_prefix": f"{text}\n\n"}})
+
+
 def _rows(ctx: StageContext, split: str, columns: list[str]) -> list[dict]:
     path = ctx.artifact(split)
     return load_rows(path, columns, f"data.{split}_path") if path else []
@@ -225,7 +237,7 @@ class SFTStage(Stage):
     runs_in_driver = True
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        cfg = ctx.cfg
+        cfg = stage_cfg(ctx)
         if not cfg.sft.enabled:
             return {}
         d = cfg.data
@@ -244,7 +256,7 @@ class RLStage(Stage):
     runs_in_driver = True
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        cfg, rt, out = ctx.cfg, ctx.runtime, ctx.output_dir
+        cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.output_dir
         d, tc = cfg.data, cfg.trainer
         train_path = ctx.require("train")
         train_rows = load_rows(train_path, [d.prompt_column, d.answer_column], "data.train_path")
@@ -391,7 +403,7 @@ class EvaluateStage(Stage):
         self.loops, self.compare_before = list(loops or []), compare_before
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        cfg, rt = ctx.cfg, ctx.runtime
+        cfg, rt = stage_cfg(ctx), ctx.runtime
         d = cfg.data
         eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column])
         if not eval_rows:
@@ -429,7 +441,7 @@ class EvaluateStage(Stage):
             protocol_scores,
             worker_protocol,
         )
-        cfg, rt = ctx.cfg, ctx.runtime
+        cfg, rt = stage_cfg(ctx), ctx.runtime
         generate, score = worker_protocol(workers, rt.reward_service, tokenizer, cfg, rows)
         runs = dict(runs=self.runs, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
         out: dict[str, Any] = {"config": {**runs, "loops": self.loops}}

@@ -101,3 +101,19 @@ def test_a_killed_rollout_worker_is_restarted_and_no_game_is_played_twice(ray_cl
     for g in games:
         if not g["failed"]:
             assert all(a["player"] != b["player"] or a["invalid"] for a, b in zip(g["steps"], g["steps"][1:]))
+
+
+def test_an_rl_recipe_takes_memos_prompt_as_its_prompt_prefix(tmp_path):
+    from rl.pipeline import stage_cfg
+    from rl.stages import StageContext, StageError
+    found = tmp_path / "memo_prompt.txt"
+    found.write_text("Take the center first, then the corners.\n\nInsights from past games:\n1. Block.\n")
+    cfg = config.load(ROOT / "recipes/quickstart.yaml", ["data.prompt_prefix=artifact:memo_prompt"])
+    ctx = StageContext(cfg, "rl", {"memo": {"memo_prompt": str(found)}})
+    resolved = stage_cfg(ctx)
+    assert resolved.data.prompt_prefix == found.read_text().strip() + "\n\n"
+    assert cfg.data.prompt_prefix == "artifact:memo_prompt"  # the recipe (and fingerprints) keep the reference
+    with pytest.raises(StageError, match="memo_prompt"):
+        stage_cfg(StageContext(cfg, "rl", {}))
+    plain = config.load(ROOT / "recipes/quickstart.yaml")
+    assert stage_cfg(StageContext(plain, "rl", {})) is plain

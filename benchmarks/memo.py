@@ -4,13 +4,14 @@ lower with the memory (and prefix replay) than without?
     python benchmarks/memo.py [--seeds 0 1 2] [--out benchmarks/results/memo.json] [key=value ...]
 
 A labelled synthetic harness (`rl/tasks/memo_games.py`): `recipes/memo_tiny.yaml` teaches a tiny model made
-in code to play TicTacToe by the strategy hint in its context and to act as the analyzer. The SFT runs once
-(seed 0); every seed then runs both `memo` stages of the recipe on that model with its own stage seed:
-`memo` (memory and replay, as released) and `memo_no_memory` (neither). Recorded per seed, arm and
-generation: the best candidate's win rate against the baseline in the evaluation games (`eval_rounds` × 2
-seats, fresh games), its tournament fitness, and the hints in the population. A calibration run plays every
-hint against the baseline (one generation, the six hints given as `initial_prompts`), so the table says how
-good the prompts MEMO found are. The paper's claims, in direction: the win rate rises over generations; the
+in code to play TicTacToe and Kuhn poker by the strategy hint in its context and to act as the analyzer. The
+SFT runs once (seed 0); every seed then runs the recipe's `memo` stages on that model with its own stage
+seed: per game, MEMO (memory and replay, as released) and the ablation without either. Recorded per game,
+seed, arm and generation: the best candidate's win rate against the baseline in the evaluation games
+(`eval_rounds` × 2 seats, fresh games), its tournament fitness, and the hints in the population. A
+calibration run per game plays every hint against the baseline (one generation, the six hints given as
+`initial_prompts`), so the table says how good the prompts MEMO found are; the taught model's fidelity
+(greedy exact match on fresh rows whose answer the prompt fixes) says how well it does what it was taught. The paper's claims, in direction: the win rate rises over generations; the
 run-to-run spread is lower with the memory than without.
 """
 
@@ -24,7 +25,10 @@ import yaml
 from recipe_runs import run_recipe, seed_sweep_parser
 
 RECIPE = "recipes/memo_tiny.yaml"
-ARMS = ("memo", "memo_no_memory")
+
+
+def _arms(recipe: dict) -> list[str]:
+    return [s["label"] for s in recipe["stages"] if s.get("name") == "memo"]
 
 
 def _stages(recipe: dict, seed: int) -> list[dict]:
@@ -34,11 +38,17 @@ def _stages(recipe: dict, seed: int) -> list[dict]:
     return [{"name": "model"}, *memo]
 
 
-def _calibration_stage(recipe: dict) -> dict:
-    from rl.tasks.memo_games import HINTS
-    params = {**next(s for s in recipe["stages"] if s.get("label") == "memo_no_memory")["params"]}
-    params.update(generations=1, population=len(HINTS) + 1, rounds=20, initial_prompts=list(HINTS), seed=99)
-    return {"name": "memo", "label": "calibration", "params": params}
+def _calibration_stages(recipe: dict) -> list[dict]:
+    """Per game: the six hints as generation 0 against the baseline, one generation, no memory or replay."""
+    from rl.tasks.memo_games import GAMES
+    out = []
+    for s in recipe["stages"]:
+        if s.get("name") == "memo" and not s["params"].get("memory", True):
+            hints = list(GAMES[s["params"]["game"]].hints)
+            params = {**s["params"], "generations": 1, "population": len(hints) + 1, "rounds": 20,
+                      "initial_prompts": hints, "seed": 99}
+            out.append({"name": "memo", "label": f"calibration_{s['params']['game']}", "params": params})
+    return out
 
 
 def sft_fidelity(model: Path, num: int = 300, seed: int = 777) -> dict[str, dict[str, float]]:
@@ -62,13 +72,13 @@ def sft_fidelity(model: Path, num: int = 300, seed: int = 777) -> dict[str, dict
     return {k: {"rows": v["rows"], "exact_match": v["exact"] / v["rows"]} for k, v in sorted(out.items())}
 
 
-def _generations(run_dir: Path, arm: str) -> list[dict]:
+def _generations(run_dir: Path, arm: str, game: str) -> list[dict]:
     from rl.tasks.memo_games import first_hint
     rows = [json.loads(x) for x in (run_dir / "stages" / arm / "metrics.jsonl").read_text().splitlines()]
     return [{"generation": r["generation"], "best_eval_win_rate": r["eval"]["baseline"]["win_rate"],
              "best_eval_loss_rate": r["eval"]["baseline"]["loss_rate"], "best_fitness": r["best"]["fitness"],
-             "best_hint": first_hint(r["best"]["prompt"]),
-             "population_hints": [first_hint(c["prompt"]) for c in r["candidates"]],
+             "best_hint": first_hint(r["best"]["prompt"], game),
+             "population_hints": [first_hint(c["prompt"], game) for c in r["candidates"]],
              "memory": r["memory"]["bank"], "replayed_games": r["replayed_games"]} for r in rows]
 
 
@@ -79,20 +89,25 @@ def main() -> None:
     root = Path(__file__).resolve().parents[1]
     recipe = yaml.safe_load((root / RECIPE).read_text())
     first = runs / "sft"
-    calib = {**recipe, "stages": [{"name": "model"}, {"name": "data"}, {"name": "sft"}, _calibration_stage(recipe)]}
+    arms = _arms(recipe)
+    games = {s["label"]: s["params"]["game"] for s in recipe["stages"] if s.get("name") == "memo"}
+    calib = {**recipe, "stages": [{"name": "model"}, {"name": "data"}, {"name": "sft"}, *_calibration_stages(recipe)]}
     (runs / "recipes").mkdir(parents=True, exist_ok=True)
     path = runs / "recipes" / "calibration.yaml"
     path.write_text(yaml.safe_dump(calib, sort_keys=False))
     run_recipe(str(path), list(args.overrides), first, "SFT and calibration")
     model = first / "sft_model"
-    calibration = json.loads((first / "stages" / "calibration" / "metrics.jsonl").read_text().splitlines()[0])
-    hint_rates = {c["prompt"]: c["win_rate"] for c in calibration["candidates"]}
+    hint_rates, games_per_hint = {}, 0
+    for stage in _calibration_stages(recipe):
+        row = json.loads((first / "stages" / stage["label"] / "metrics.jsonl").read_text().splitlines()[0])
+        hint_rates[stage["params"]["game"]] = {c["prompt"]: c["win_rate"] for c in row["candidates"]}
+        games_per_hint = row["games"] // len(row["candidates"])
     fidelity = sft_fidelity(model)
     print(json.dumps({"sft_fidelity": fidelity}), flush=True)
     report = {"recipe": RECIPE, "seeds": args.seeds, "overrides": args.overrides, "sft_model": str(model),
               "sft_fidelity": fidelity,
-              "calibration": {"games_per_hint": calibration["games"] // len(calibration["candidates"]),
-                              "win_rate_vs_baseline": hint_rates}, "per_seed": []}
+              "games": games, "calibration": {"games_per_hint": games_per_hint, "win_rate_vs_baseline": hint_rates},
+              "per_seed": []}
     print(json.dumps({"calibration": hint_rates}), flush=True)
     for seed in args.seeds:
         spec = {**recipe, "seed": seed, "stages": _stages(recipe, seed)}
@@ -101,13 +116,13 @@ def main() -> None:
         out = runs / f"seed{seed}"
         res = run_recipe(str(path), [f"model.path={model}", "sft.enabled=false", *args.overrides], out,
                          f"memo seed {seed}")
-        row = {"seed": seed, "wall_s": res["wall_s"], "arms": {a: _generations(out, a) for a in ARMS}}
+        row = {"seed": seed, "wall_s": res["wall_s"], "arms": {a: _generations(out, a, games[a]) for a in arms}}
         report["per_seed"].append(row)
-        print(json.dumps({"seed": seed, **{a: [g["best_eval_win_rate"] for g in row["arms"][a]] for a in ARMS}}),
+        print(json.dumps({"seed": seed, **{a: [g["best_eval_win_rate"] for g in row["arms"][a]] for a in arms}}),
               flush=True)
-    gens = len(report["per_seed"][0]["arms"][ARMS[0]])
+    gens = len(report["per_seed"][0]["arms"][arms[0]])
     summary = {}
-    for arm in ARMS:
+    for arm in arms:
         curves = [[g["best_eval_win_rate"] for g in r["arms"][arm]] for r in report["per_seed"]]
         finals = [c[-1] for c in curves]
         summary[arm] = {"mean_by_generation": [statistics.mean(c[g] for c in curves) for g in range(gens)],
@@ -126,21 +141,23 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    colors = {"memo": "tab:blue", "memo_no_memory": "tab:orange"}
-    labels = {"memo": "MEMO (memory + replay)", "memo_no_memory": "without memory and replay"}
-    for arm in ARMS:
-        for r in report["per_seed"]:
-            ys = [g["best_eval_win_rate"] for g in r["arms"][arm]]
-            ax.plot(range(len(ys)), ys, color=colors[arm], alpha=0.3, linewidth=1)
-        mean = report["summary"][arm]["mean_by_generation"]
-        ax.plot(range(len(mean)), mean, color=colors[arm], linewidth=2.5, label=f"{labels[arm]} (mean)")
-    best = max(report["calibration"]["win_rate_vs_baseline"].values())
-    ax.axhline(best, color="gray", linestyle="--", linewidth=1, label="best single hint (calibration)")
-    ax.set_xlabel("generation")
-    ax.set_ylabel("best candidate's win rate vs baseline")
-    ax.set_title(f"MEMO on TicTacToe, tiny model ({len(report['per_seed'])} seeds)")
-    ax.legend(fontsize=8)
+    games = sorted(set(report["games"].values()))
+    fig, axes = plt.subplots(1, len(games), figsize=(6.0 * len(games), 4.0), squeeze=False)
+    for ax, game in zip(axes[0], games):
+        for arm in (a for a, g in report["games"].items() if g == game):
+            color = "tab:orange" if arm.endswith("no_memory") else "tab:blue"
+            label = "without memory and replay" if arm.endswith("no_memory") else "MEMO (memory + replay)"
+            for r in report["per_seed"]:
+                ys = [g["best_eval_win_rate"] for g in r["arms"][arm]]
+                ax.plot(range(len(ys)), ys, color=color, alpha=0.3, linewidth=1)
+            mean = report["summary"][arm]["mean_by_generation"]
+            ax.plot(range(len(mean)), mean, color=color, linewidth=2.5, label=f"{label} (mean)")
+        best = max(report["calibration"]["win_rate_vs_baseline"][game].values())
+        ax.axhline(best, color="gray", linestyle="--", linewidth=1, label="best single hint (calibration)")
+        ax.set_xlabel("generation")
+        ax.set_ylabel("best candidate's win rate vs baseline")
+        ax.set_title(f"{game}, tiny model ({len(report['per_seed'])} seeds)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

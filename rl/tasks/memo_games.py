@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rl.memo import BASE_PROMPT
 from rl.registry import register

@@ -228,11 +228,13 @@ class ModelClient:
                     refs[w] = submit(w)
         return [r for part in out for r in part]
 
-    def _revive(self, w: int) -> None:
-        """A restarted worker was rebuilt from the stage's model (the weights MEMO uses): let it generate."""
-        for _ in range(60):
+    def _revive(self, w: int, wait_s: float = 300.0) -> None:
+        """A restarted worker was rebuilt from the stage's model (the weights MEMO uses): let it generate. Waits
+        up to `wait_s` for Ray to bring it back; the retry that follows fails with the worker's error if not."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
             try:
-                ray.get(self.workers[w].accept_initial_weights.remote(), timeout=60)
+                ray.get(self.workers[w].accept_initial_weights.remote(), timeout=max(1.0, deadline - time.monotonic()))
                 return
             except Exception:
                 time.sleep(1.0)

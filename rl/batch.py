@@ -122,6 +122,34 @@ class Batch:
                 out[f.name] = v
         return Batch(**out)
 
+    def trimmed(self) -> Batch:
+        """The same rows without the columns that are padding in every row: leading prompt columns no row
+        uses (one prompt column always stays: the first response token is predicted from it) and response
+        columns past every row's end. A micro-batch of similar lengths then runs at its own width, not the
+        whole batch's; nothing changes but the width (padding is masked and positions count real tokens)."""
+        resp = self.response_mask.bool()
+        if self.response_attn is not None:
+            resp = resp | self.response_attn.bool()
+        used = self.prompt_mask.bool().any(0).nonzero()
+        start = min(int(used[0]) if len(used) else self.prompt_ids.shape[1] - 1, self.prompt_ids.shape[1] - 1)
+        ends = resp.any(0).nonzero()
+        end = int(ends[-1]) + 1 if len(ends) else 1
+        if start == 0 and end == self.response_ids.shape[1]:
+            return self
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor) and f.name in _RIGHT_PADDED:
+                v = v[:, :end]
+            elif isinstance(v, torch.Tensor) and f.name in _LEFT_PADDED:
+                v = v[:, start:]
+            elif f.name == "extras":
+                v = {name: dataclasses.replace(e, value=e.value[:, :end] if e.pad == "right" else
+                                               e.value[:, start:] if e.pad == "left" else e.value)
+                     for name, e in v.items()}
+            out[f.name] = v
+        return Batch(**out)
+
     def split(self, num_chunks: int) -> list[Batch]:
         """Contiguous, near-equal chunks (for data-parallel ranks or micro-batches)."""
         n = len(self)
@@ -271,14 +299,15 @@ def contiguous_plan(num_rows: int, world_size: int, micro_batches: int) -> list[
 
 
 def micro_batches_of(batch: Batch, plan: list[list[list[int]]]) -> list[list[Batch]]:
-    """The `Batch` of every micro-batch of `plan`; an empty one becomes a filler: a row of the batch with
-    its loss mask zeroed, so that its rank still runs the forward and backward the others run."""
+    """The `Batch` of every micro-batch of `plan`, at its own width (`Batch.trimmed`); an empty one becomes a
+    filler: a row of the batch with its loss mask zeroed, so that its rank still runs the forward and
+    backward the others run."""
     out = []
     for bins in plan:
         mbs = []
         for rows in bins:
             if rows:
-                mbs.append(batch.select(rows))
+                mbs.append(batch.select(rows).trimmed())
             else:
                 filler = batch.select([0])
                 filler.response_mask = torch.zeros_like(filler.response_mask)

@@ -183,3 +183,54 @@ def test_utilisation_metrics_by_hand():
     hidden = utilisation(b, {"train": 0.1, "logprobs": 0.01, "generate": 0.001}, 1.04, hardware, cfg, train_passes=1,
                          logprob_passes=1)
     assert hidden["perf/mbu"] == pytest.approx(m["perf/mbu"])
+
+
+def _ragged(prompt_lens, resp_lens, p=6, width=8):
+    """Left-padded prompts and right-padded responses of the given lengths, with every per-token field set."""
+    from rl.batch import Extra
+    n = len(prompt_lens)
+    pm = torch.zeros(n, p, dtype=torch.long)
+    rm = torch.zeros(n, width)
+    for i, (a, b) in enumerate(zip(prompt_lens, resp_lens)):
+        pm[i, p - a:] = 1
+        rm[i, :b] = 1
+    g = torch.Generator().manual_seed(1)
+    b = Batch(prompt_ids=torch.randint(5, 90, (n, p), generator=g) * pm, prompt_mask=pm,
+              response_ids=torch.randint(5, 90, (n, width), generator=g) * rm.long(), response_mask=rm,
+              response_attn=rm.long(), group_id=torch.arange(n), old_logp=-torch.rand(n, width) * rm,
+              advantages=torch.randn(n, width, 3, generator=g), token_step=torch.where(rm.bool(), 0, -1))
+    b.set_extra("weight", torch.rand(n, width), pad="right")
+    b.set_extra("prompt_flag", pm.float(), pad="left")
+    b.set_extra("score", torch.arange(n, dtype=torch.float32))
+    return b
+
+
+def test_a_trimmed_micro_batch_keeps_its_rows_at_its_own_width():
+    from rl.batch import micro_batches_of
+    b = _ragged([2, 3, 6, 1], [3, 2, 8, 1])
+    t = b.select([0, 1, 3]).trimmed()  # the rows with the shorter prompts and responses
+    assert t.prompt_ids.shape == (3, 3) and t.response_ids.shape == (3, 3)
+    assert t.advantages.shape == (3, 3, 3) and t.extras["weight"].value.shape == (3, 3)
+    assert t.extras["prompt_flag"].value.shape == (3, 3) and t.extras["score"].value.tolist() == [0.0, 1.0, 3.0]
+    full = b.select([0, 1, 3])
+    assert torch.equal(t.old_logp, full.old_logp[:, :3]) and torch.equal(t.prompt_ids, full.prompt_ids[:, 3:])
+    # positions of the real tokens are those of the untrimmed rows
+    ti, fi = t.model_inputs(), full.model_inputs()
+    keep = torch.cat([torch.arange(3, 6), torch.arange(6, 9)])
+    assert torch.equal(ti["position_ids"] * ti["attention_mask"], (fi["position_ids"] * fi["attention_mask"])[:, keep])
+    assert b.select([2]).trimmed().response_ids.shape == (1, 8)  # a full-width row keeps its width
+    assert [m.response_ids.shape[1] for m in micro_batches_of(b, [[[2], [0, 1, 3]]])[0]] == [8, 3]
+
+
+def test_trimming_changes_no_logprob(tmp_path):
+    from models.families import response_logprobs
+    from models.tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path, hidden_size=32, num_layers=2, num_heads=2,
+                                                           intermediate_size=64)).eval()
+    b = _ragged([2, 3, 6, 1], [3, 2, 8, 1]).select([0, 1, 3])
+    with torch.no_grad():
+        full, _ = response_logprobs(model, b)
+        cut, _ = response_logprobs(model, b.trimmed())
+    assert cut.shape == (3, 3) and torch.allclose(full[:, :3], cut, atol=1e-5)
+    assert torch.all(full[:, 3:] == 0)

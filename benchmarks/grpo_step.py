@@ -147,15 +147,17 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dt
 
 # looprl's settings for the realistic race, all on 2 cores: colocated roles take turns with 2 threads each
 # (synchronous), or one thread each overlapping (one-step-off); eager attention decodes faster on CPU, and
-# trains faster at these lengths (sdpa's fused CPU kernel has a slow backward; `learner.attn_implementation`).
+# trains faster at these lengths (sdpa's fused CPU kernel has a slow backward: `learner.attn_implementation`);
+# token-budget micro-batches group rows of similar length, each run at its own width (less padding).
 # Packing is off: without flash-attention's varlen kernels a packed row attends through a dense mask.
-EAGER = ["rollout.engine_params.attn_implementation=eager", "learner.attn_implementation=eager"]
+ROLLOUT_EAGER = ["rollout.engine_params.attn_implementation=eager"]
+LEARNER_CPU = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=2048"]
 RACE_LOOPRL = {
-    "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0, extra=EAGER),
-    "bfloat16_sync_learner_sdpa": dict(dtype="bfloat16", threads=2, staleness=0, extra=EAGER[:1]),
-    "bfloat16_sync_vllm": dict(dtype="bfloat16", threads=2, staleness=0, engine="vllm", extra=EAGER[1:]),
-    "bfloat16_one_step_off": dict(dtype="bfloat16", threads=1, staleness=1, extra=EAGER),
-    "float32_sync": dict(dtype="float32", threads=2, staleness=0, extra=EAGER),
+    "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),
+    "bfloat16_sync_previous": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER),
+    "bfloat16_sync_vllm": dict(dtype="bfloat16", threads=2, staleness=0, engine="vllm", extra=LEARNER_CPU),
+    "bfloat16_one_step_off": dict(dtype="bfloat16", threads=1, staleness=1, extra=ROLLOUT_EAGER + LEARNER_CPU),
+    "float32_sync": dict(dtype="float32", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),
 }
 
 

@@ -1,0 +1,93 @@
+"""One learner step of the ~85M model on CPU, by attention kernel and by micro-batching, alternated in one
+process so that every variant sees the same machine.
+
+    python benchmarks/learner_step.py [--rows 128] [--steps 3] [--threads 2] [--dtype bfloat16] [--max-tokens 2048]
+
+Workload: the race's shapes (`benchmarks/grpo_step.py`: the 85M model, prompts of up to 30 tokens, up to 64
+response tokens) with ragged lengths (prompts 18–30, responses 8–64 tokens, uniform: what a rollout of
+sampled answers of different lengths gives), the `ppo_clip` loss, DeepSpeed ZeRO-0 on one rank. Variants:
+`learner.attn_implementation` sdpa or eager, and the rows as one padded micro-batch (`micro_batch_size` =
+rows) or as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width.
+Reports the median step time of each variant (after one warm-up step) and the ratios to sdpa, one micro-batch.
+Results: benchmarks/results/learner_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"hidden_size": 768, "num_layers": 14, "num_heads": 12, "intermediate_size": 1536}
+
+
+def ragged_batch(rows: int, seed: int = 0):
+    import torch
+
+    from rl.batch import Batch
+    g = torch.Generator().manual_seed(seed)
+    P, L = 30, 64
+    plen = torch.randint(18, P + 1, (rows,), generator=g)
+    rlen = torch.randint(8, L + 1, (rows,), generator=g)
+    pm = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
+    rm = (torch.arange(L)[None] < rlen[:, None]).float()
+    return Batch(prompt_ids=torch.randint(5, 100, (rows, P), generator=g) * pm, prompt_mask=pm,
+                 response_ids=torch.randint(5, 100, (rows, L), generator=g) * rm.long(), response_mask=rm,
+                 response_attn=rm.long(), group_id=torch.arange(rows) // 8, advantages=torch.randn(rows, L) * rm)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--max-tokens", type=int, default=2048, help="token budget of the budgeted micro-batches")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/learner_step.json"))
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from cluster.learner import LearnerWorker, free_port
+    from models.tiny import save_tiny
+    from rl.batch import contiguous_plan, micro_batches_of, plan_micro_batches, sequence_tokens
+    batch = ragged_batch(args.rows)
+    params = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(args.rows)}
+    plans = {"one_micro_batch": contiguous_plan(args.rows, 1, 1),
+             "token_budget": plan_micro_batches(sequence_tokens(batch), 1, args.max_tokens)}
+    mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
+    positions = {k: sum(m.prompt_ids.numel() + m.response_ids.numel() for m in v) for k, v in mbs.items()}
+    variants = list(itertools.product(("sdpa", "eager"), plans))
+    times: dict[str, list[float]] = {f"{k}/{b}": [] for k, b in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_tiny(Path(tmp) / "m", max_position_embeddings=128, **SHAPE)
+        worker = LearnerWorker(0, 1, "127.0.0.1", free_port(), str(path), lr=1e-6, dtype=args.dtype,
+                               micro_batch_size=args.rows, threads=args.threads)
+        for step in range(args.steps + 1):
+            for kernel, batching in variants:  # alternated: every variant sees the same machine load
+                worker.engine.module.set_attn_implementation(kernel)
+                t0 = time.perf_counter()
+                worker.train_step(mbs[batching], "ppo_clip", params)
+                dt = time.perf_counter() - t0
+                if step > 0:  # the first step of each variant warms up
+                    times[f"{kernel}/{batching}"].append(dt)
+                print(json.dumps({"step": step, "variant": f"{kernel}/{batching}", "s": round(dt, 3)}), flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["sdpa/one_micro_batch"]
+    report = {"workload": {"rows": args.rows, "real_tokens": sum(sequence_tokens(batch)), "model": SHAPE,
+                           "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
+                           "max_tokens_per_micro_batch": args.max_tokens},
+              "micro_batches": {k: len(v) for k, v in mbs.items()}, "token_positions": positions,
+              "step_s": times, "median_step_s": med, "speedup_vs_sdpa_one_micro_batch": {k: base / v
+                                                                                       for k, v in med.items()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("token_positions", "median_step_s", "speedup_vs_sdpa_one_micro_batch")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -24,8 +24,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level fast tokenizer: one id per character, unknown characters map to <unk>."""
+def build_tiny_tokenizer(added_tokens: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Character-level fast tokenizer: one id per character, unknown characters map to <unk>. `added_tokens`
+    are whole strings with an id each (matched in the text before it is split into characters), so a task
+    whose texts repeat fixed phrases reads them as one token each."""
+    from tokenizers import AddedToken
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
         vocab.setdefault(ch, len(vocab))
@@ -34,6 +37,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    phrases = [t for t in dict.fromkeys(added_tokens or []) if len(t) > 1]
+    if phrases:
+        tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in phrases])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    bos_token="<bos>", unk_token="<unk>", padding_side="left")
     fast.chat_template = CHAT_TEMPLATE
@@ -59,12 +65,13 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128,
     return model
 
 
-def save_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", loops: int = 4, **model_kwargs: int) -> Path:
-    """Build the tiny tokenizer and model (`arch` llama, or ouro: a looped model with `loops` passes)
-    and `save_pretrained` both into `out_dir`."""
+def save_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", loops: int = 4,
+              added_tokens: list[str] | None = None, **model_kwargs: int) -> Path:
+    """Build the tiny tokenizer (with `added_tokens`) and model (`arch` llama, or ouro: a looped model with
+    `loops` passes) and `save_pretrained` both into `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_tokenizer(added_tokens)
     if arch == "ouro":
         from models.ouro import build_tiny_ouro
         model = build_tiny_ouro(tok, seed=seed, total_ut_steps=loops, **model_kwargs)

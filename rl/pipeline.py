@@ -59,7 +59,10 @@ def prepare_model(cfg: DictConfig, out: Path) -> str:
     path = out / "base_model"
     t = cfg.model.tiny
     shutil.rmtree(path, ignore_errors=True)
-    save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, hidden_size=t.hidden_size, num_layers=t.num_layers,
+    added = list(t.added_tokens) + (list(getattr(get("task", cfg.data.synthetic.task), "added_tokens", []))
+                                    if t.task_tokens else [])
+    save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, added_tokens=added, hidden_size=t.hidden_size,
+              num_layers=t.num_layers,
               num_heads=t.num_heads, intermediate_size=t.intermediate_size,
               max_position_embeddings=t.max_position_embeddings)
     return str(path)
@@ -197,7 +200,7 @@ def _rows(ctx: StageContext, split: str, columns: list[str]) -> list[dict]:
 @register("stage", "model")
 class ModelStage(Stage):
     """The base model folder: `model.path`, or a tiny model and tokenizer built in code."""
-    config_keys = ("seed", "model.path", "model.tiny")
+    config_keys = ("seed", "model.path", "model.tiny", "data.synthetic.task")  # the task's phrases may be tokens
     runs_in_driver = True
 
     def input_files(self, cfg: DictConfig) -> list[str | None]:

@@ -221,9 +221,35 @@ def write_memo_task(out_dir: str | Path, games: list[str] | None = None, num_pla
     return {k: str(v) for k, v in paths.items()}
 
 
+def harness_tokens() -> list[str]:
+    """The fixed phrases of the harness's texts (hints, templates, the games' recurring text), each one token
+    of the tiny model's tokenizer (`model.tiny.task_tokens`): a turn reads as some 40-120 tokens instead of
+    300-700 characters."""
+    from rl.memo_stage import MOVE_SUFFIX, STYLES, baseline_prompt
+    phrases = [h for spec in GAMES.values() for h in spec.hints] + [s.format_insight for s in GAMES.values()]
+    phrases += [BASE_PROMPT, *GAMES, *STYLES, baseline_prompt("").rstrip("\n"), "Insights from past games:\n",
+                "Observation: ", f"\n\n{MOVE_SUFFIX}", "\\boxed{", "1. ", "2. ", "3. ", "4. ", "\n\n",
+                # the compact analyzer requests (rl.memo_stage)
+                "Rewrite as a ", " strategy in 1-3 sentences: ", "\nStrategy:", "Invent a new ",
+                " strategy in 1-3 sentences.", "Insights for ", "Write a strategy from these insights in 1-3 sentences.",
+                " prompt: ", "\nGames:\n", "Improve the prompt in 1-3 sentences.", "Combine two ",
+                " strategies in 1-3 sentences.", " agents, best first:\n", " (won ", " of ",
+                "Write 3 insights, one per line.\nInsights:",
+                # the games' own text (TextArena)
+                "Available Moves: ", "---+---+---", " | ", "[GAME] ", "Current Board:", "Your card is: ",
+                "Your available actions are: ", "[Player 0] ", "[Player 1] ", "submitted move: ", "### Starting round ",
+                " out of 5 rounds. ", "Showdown: ", "Current scores: ", "Player 0", "Player 1", " wins pot of ",
+                " chips.", "has folded.", "attempted an invalid move.", "[check]", "[bet]", "[fold]", "[call]"]
+    phrases += [f"'[{i}]'" for i in range(9)]
+    return [p for p in dict.fromkeys(phrases) if len(p) > 1]
+
+
 @register("task", "memo_games")
 def memo_games_task(out_dir: str | Path, *, num_train: int, seed: int, sft_fraction: float = 0.67,
                     **_: Any) -> dict[str, str]:
     """`data.synthetic`: `num_train` SFT rows per game, `sft_fraction` of them player rows, the rest analyzer rows."""
     n_player = int(num_train * sft_fraction)
     return write_memo_task(out_dir, num_player=n_player, num_analyzer=num_train - n_player, seed=seed)
+
+
+memo_games_task.added_tokens = harness_tokens()  # read by the model stage (model.tiny.task_tokens)

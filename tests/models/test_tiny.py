@@ -23,3 +23,30 @@ def test_save_and_reload_offline(tmp_path):
     other = AutoModelForCausalLM.from_pretrained(again)
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)  # seeded: the same tiny model every time
+
+
+def test_added_tokens_are_whole_phrases_and_decode_back():
+    from models.tiny import build_tiny_tokenizer
+    phrases = ["Take the center first, then the corners.", "Observation: "]
+    tok = build_tiny_tokenizer(phrases)
+    text = "Observation: x | Take the center first, then the corners. \\boxed{4}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert pieces[0] == "Observation: " and "Take the center first, then the corners." in pieces
+    assert len(ids) == len(text) - sum(len(p) - 1 for p in phrases) and tok.decode(ids) == text
+    assert len(tok) == len(build_tiny_tokenizer()) + 2
+
+
+def test_the_model_stage_adds_the_synthetic_tasks_phrases(tmp_path):
+    from pathlib import Path
+
+    from rl import config
+    from rl.pipeline import prepare_model
+    from rl.tasks.memo_games import harness_tokens
+    from rollout.base import load_tokenizer
+    root = Path(__file__).resolve().parents[2]
+    cfg = config.load(root / "recipes/memo_tiny.yaml", [f"output_dir={tmp_path}"])
+    tok = load_tokenizer(prepare_model(cfg, tmp_path))
+    assert len(tok) == 101 + len(harness_tokens())
+    hint = "Play the edges first, then the rest."
+    assert tok.convert_ids_to_tokens(tok(hint, add_special_tokens=False)["input_ids"]) == [hint]

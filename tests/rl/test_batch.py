@@ -187,7 +187,6 @@ def test_utilisation_metrics_by_hand():
 
 def _ragged(prompt_lens, resp_lens, p=6, width=8):
     """Left-padded prompts and right-padded responses of the given lengths, with every per-token field set."""
-    from rl.batch import Extra
     n = len(prompt_lens)
     pm = torch.zeros(n, p, dtype=torch.long)
     rm = torch.zeros(n, width)
@@ -223,9 +222,10 @@ def test_a_trimmed_micro_batch_keeps_its_rows_at_its_own_width():
 
 
 def test_trimming_changes_no_logprob(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from models.families import response_logprobs
     from models.tiny import save_tiny
-    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path, hidden_size=32, num_layers=2, num_heads=2,
                                                            intermediate_size=64)).eval()
     b = _ragged([2, 3, 6, 1], [3, 2, 8, 1]).select([0, 1, 3])

@@ -168,10 +168,12 @@ def race(args: argparse.Namespace, work: Path) -> None:
     report: dict = {"workload": {**w, "model": "85m", "beta": 0.0, "steps": args.steps, "cores": 2},
                     "trl": {}, "looprl": {}}
     if args.trl_python:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in args.trl_dtypes:
             report["trl"][dtype] = run_trl(args.trl_python, "85m", args.steps, work, 2, dtype, w)
             print(json.dumps({"trl": dtype, **report["trl"][dtype]}), flush=True)
     for name, c in RACE_LOOPRL.items():
+        if args.race_arms and name not in args.race_arms:
+            continue
         r = run_looprl("85m", args.steps, work / f"race-{name}", c["threads"], c["dtype"], c["staleness"],
                        c.get("engine", "hf"), w, c["extra"])
         report["looprl"][name] = r
@@ -191,6 +193,10 @@ def main() -> None:
     p.add_argument("--workload", choices=["tiny", "realistic"], default="tiny",
                    help="realistic: the equal-core race on 16 prompts x 8 samples x 64 tokens (85M)")
     p.add_argument("--race-out", default=str(ROOT / "benchmarks/results/grpo_race.json"))
+    p.add_argument("--race-arms", nargs="*", default=None, choices=list(RACE_LOOPRL),
+                   help="realistic workload: only these looprl arms (default: all)")
+    p.add_argument("--trl-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                   help="realistic workload: TRL's dtypes")
     p.add_argument("--models", nargs="+", default=["tiny", "85m"], choices=list(MODELS))
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])

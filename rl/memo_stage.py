@@ -61,7 +61,7 @@ from rl.memo import (
     trueskill_env,
 )
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, config_fingerprint_part, files_identity, say
 
 BASELINE = "baseline"
 # Styles of the generation-0 variations (the released code draws from a longer list of the same kind).
@@ -342,7 +342,6 @@ class MemoStage(Stage):
         (out / "games").mkdir(exist_ok=True)
         state_path, metrics_path = out / "state.pkl", out / "metrics.jsonl"
         # what the saved state was made with: the stage's settings, the recipe keys it reads, the player model
-        from rl.stages import config_fingerprint_part, files_identity
         settings = json.dumps([vars(self), config_fingerprint_part(ctx.cfg, self.config_keys),
                                files_identity(ctx.require("policy"))], sort_keys=True, default=str)
         state = pickle.loads(state_path.read_bytes()) if state_path.exists() else None
@@ -395,7 +394,8 @@ class MemoStage(Stage):
             last = gen == self.generations - 1
             before = list(state["memory"])
             if self.memory and not last:
-                state["memory"], malformed = self._update_memory(analyzer, population, games, state, fitness, rng)
+                state["memory"], malformed = self._update_memory(analyzer, population, games, recs, state,
+                                                                  fitness, rng)
                 state["analyzer_malformed"] += malformed
             row["memory"] = {"bank": state["memory"], "added": [x for x in state["memory"] if x not in before],
                              "removed": [x for x in before if x not in state["memory"]],
@@ -518,9 +518,10 @@ class MemoStage(Stage):
         return out
 
     def _update_memory(self, analyzer: ModelClient, population: list[Candidate], games: list[dict[str, Any]],
-                       state: dict[str, Any], fitness: dict[str, float], rng: random.Random) -> tuple[list[str], int]:
-        """The memory after this generation, and 1 when the analyzer's answer changed nothing (malformed)."""
-        recs = records(games)
+                       recs: dict[str, Any], state: dict[str, Any], fitness: dict[str, float],
+                       rng: random.Random) -> tuple[list[str], int]:
+        """The memory after this generation (`recs`: its games' records), and 1 when the analyzer's answer
+        changed nothing (malformed)."""
         ranked = sorted(population, key=lambda c: fitness[c.id], reverse=True)
         agents = [(c.prompt, recs[c.id].wins if c.id in recs else 0, recs[c.id].games if c.id in recs else 0)
                   for c in ranked]

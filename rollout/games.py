@@ -15,7 +15,6 @@ runs past its move budget ends as a failed game, never a hung one.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ def require_textarena() -> Any:
 
 
 def _state_json(state: Any) -> str:
-    return json.dumps(copy.deepcopy(state), sort_keys=True, default=str)
+    return json.dumps(state, sort_keys=True, default=str)  # a snapshot: dumps neither keeps nor changes `state`
 
 
 @dataclass

@@ -70,6 +70,7 @@ class DataConfig:
     prompt_column: str = "prompt"  # column holding the problem text
     answer_column: str = "answer"  # column holding the ground truth passed to rewards
     target_column: str = "target"  # SFT target column
+    metadata_columns: list[str] = field(default_factory=list)  # train/eval columns copied into each sample's metadata, where reward functions and the prompt sampler read them (e.g. the skill category of trainer.prompt_sampler curriculum)
     chat_template: bool = False  # wrap prompts with the tokenizer's chat template
     prompt_prefix: str = ""  # text placed before every prompt; `artifact:NAME`: the text of an earlier stage's artifact file (e.g. artifact:memo_prompt, the prompt and memory MEMO found) and a blank line
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)  # the embedded task
@@ -224,6 +225,7 @@ class DeadlinesConfig:
 class TrainerConfig:
     steps: int = 30  # RL steps (rollout + update)
     prompts_per_step: int = 16  # prompts sampled per step (x rollout.n samples)
+    prompt_sampler: ComponentConfig = field(default_factory=lambda: ComponentConfig("shuffle"))  # which training prompts each step draws (registry kind "sampler"): shuffle (every row once per epoch, seeded) | curriculum (skill categories by inverse validated proficiency, Agentic Proposing; params category_column, floor, ema, initial) | a plugin
     eval_every: int = 0  # evaluate on held-out prompts every N steps (0: only before and after)
     eval_max_prompts: int = 200  # held-out prompts used per evaluation
     checkpoint_every: int = 0  # save a checkpoint every N steps (0: only at the end)

@@ -5,10 +5,12 @@ Errors name the recipe key, the file and, for bad rows, the row number.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 from rl.config import ConfigError
+from rl.registry import register
 
 
 def load_rows(path: str, columns: list[str], key: str) -> list[dict[str, Any]]:
@@ -58,3 +60,39 @@ def format_prompt(text: str, tokenizer: Any, prefix: str = "", chat_template: bo
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
     return text
+
+
+class PromptSampler:
+    """Seeded epoch-wise shuffling of prompt indices; its state is two integers (checkpointed)."""
+
+    def __init__(self, num_rows: int, seed: int):
+        self.num_rows, self.seed = num_rows, seed
+        self.epoch, self.pos = 0, 0
+
+    def _perm(self) -> list[int]:
+        perm = list(range(self.num_rows))
+        random.Random(self.seed * 7919 + self.epoch).shuffle(perm)
+        return perm
+
+    def next(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            perm = self._perm()
+            take = perm[self.pos:self.pos + (k - len(out))]
+            out.extend(take)
+            self.pos += len(take)
+            if self.pos >= self.num_rows:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+@register("sampler", "shuffle")
+def shuffle_sampler(rows: list[dict], seed: int) -> PromptSampler:
+    """`trainer.prompt_sampler: {name: shuffle}` (the default): every row once per epoch, in a seeded order."""
+    return PromptSampler(len(rows), seed)

@@ -129,6 +129,8 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
                               ("rollout.eval_decoding", cfg.rollout.eval_decoding, cfg.rollout.eval_decoding_params)):
         if name is not None:
             check_params("decoding", name, as_container(params), f"{key}_params")
+    check_params("sampler", cfg.trainer.prompt_sampler.name, as_container(cfg.trainer.prompt_sampler.params),
+                 "trainer.prompt_sampler.params", supplied=("rows", "seed"))
     if cfg.rollout.env is not None:
         check_params("env", cfg.rollout.env, as_container(cfg.rollout.env_params), "rollout.env_params")
     for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
@@ -224,7 +226,8 @@ class DataStage(Stage):
         cfg, d = ctx.cfg, ctx.cfg.data
         paths = {k: v for k, v in prepare_data(cfg, ctx.output_dir).items() if v}
         # read every split now: a missing file, column or empty set fails here, before any training
-        columns = {"train": [d.prompt_column, d.answer_column], "eval": [d.prompt_column, d.answer_column],
+        columns = {"train": [d.prompt_column, d.answer_column, *d.metadata_columns],
+                   "eval": [d.prompt_column, d.answer_column, *d.metadata_columns],
                    "sft": [d.prompt_column, d.target_column]}
         for split, path in paths.items():
             if split != "sft" or cfg.sft.enabled:
@@ -262,9 +265,9 @@ class RLStage(Stage):
         cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.output_dir
         d, tc = cfg.data, cfg.trainer
         train_path = ctx.require("train")
-        train_rows = load_rows(train_path, [d.prompt_column, d.answer_column], "data.train_path")
+        train_rows = load_rows(train_path, [d.prompt_column, d.answer_column, *d.metadata_columns], "data.train_path")
         ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
-        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column])
+        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column, *d.metadata_columns])
         policy_path = ctx.require("policy")
         ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
         tokenizer = load_tokenizer(ctx.require("base_model"))
@@ -408,7 +411,7 @@ class EvaluateStage(Stage):
     def run(self, ctx: StageContext) -> dict[str, str]:
         cfg, rt = stage_cfg(ctx), ctx.runtime
         d = cfg.data
-        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column])
+        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column, *d.metadata_columns])
         if not eval_rows:
             return {}
         workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding", "family", "optimizer", "scheduler",
-         "task")
+         "task", "sampler")
 
 _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 
@@ -28,14 +28,15 @@ _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses", "rl.rltt"],
     "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
-               "rewards.reward_model"],
-    "env": ["rollout.envs", "rollout.games"],
+               "rewards.reward_model", "rewards.proposer"],
+    "env": ["rollout.envs", "rollout.games", "rollout.proposer_env"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage"],
     "decoding": ["rollout.decoding"],
-    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games"],
+    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer"],
     "scheduler": ["rl.optim"],
+    "sampler": ["rl.data", "rl.proposer"],
 }
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only
 # torch and transformers); resolved on first use.

@@ -43,36 +43,6 @@ class PendingRollout:
     resubmit: Callable[[], list[Any]]  # the same prompts and seeds again (after a rollout worker died)
 
 
-class PromptSampler:
-    """Seeded epoch-wise shuffling of prompt indices; its state is two integers (checkpointed)."""
-
-    def __init__(self, num_rows: int, seed: int):
-        self.num_rows, self.seed = num_rows, seed
-        self.epoch, self.pos = 0, 0
-
-    def _perm(self) -> list[int]:
-        perm = list(range(self.num_rows))
-        random.Random(self.seed * 7919 + self.epoch).shuffle(perm)
-        return perm
-
-    def next(self, k: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < k:
-            perm = self._perm()
-            take = perm[self.pos:self.pos + (k - len(out))]
-            out.extend(take)
-            self.pos += len(take)
-            if self.pos >= self.num_rows:
-                self.epoch, self.pos = self.epoch + 1, 0
-        return out
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load(self, state: dict[str, int]) -> None:
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-
-
 class RLTrainer:
     def __init__(self, cfg: DictConfig, model_path: str, tokenizer: Any, train_rows: list[dict],
                  placement: Placement, reward_service: Any):
@@ -93,7 +63,8 @@ class RLTrainer:
         self.rewards = reward_service
         self.out = Path(cfg.output_dir)
         self.step_idx = 0
-        self.sampler = PromptSampler(len(train_rows), cfg.seed)
+        ps = cfg.trainer.prompt_sampler
+        self.sampler = get("sampler", ps.name)(train_rows, cfg.seed, **as_container(ps.params))
         a, lc = cfg.algorithm, cfg.learner
         self.need_ref = a.kl_coef > 0
         self.samples_per_update = cfg.trainer.prompts_per_step * cfg.rollout.n // a.mini_batches
@@ -295,6 +266,8 @@ class RLTrainer:
             attach_rewards(batch, self.score(batch), self.tokenizer,
                            failed_leave_loss=self.cfg.reward.failed_samples == "exclude")
             apply_length_shaping(batch, a, cfg.rollout.max_new_tokens)
+            if hasattr(self.sampler, "observe"):  # a sampler that adapts to the scored samples (curriculum)
+                sampler_metrics = self.sampler.observe(batch)
             timing["reward"] += time.perf_counter() - t0
             rounds += 1
             seen += want
@@ -318,6 +291,8 @@ class RLTrainer:
             kept.append(pool.select(list(range((want - have) * n))))
         batch = Batch.concat(kept)
         metrics: dict[str, float] = {"rollout/staleness": float(max(staleness))}
+        if hasattr(self.sampler, "observe"):
+            metrics.update(sampler_metrics)
         if a.dynamic_sampling:
             metrics["sampling/rounds"] = float(rounds)
             metrics["sampling/informative_frac"] = informative_seen / max(1, seen)
@@ -629,7 +604,8 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
         if decoding is not None:
             sampling.update(decoding=decoding, decoding_params=as_container(params))
         sampling.update(sampling_overrides or {})
-        groups, meta = list(range(group_base + lo, group_base + hi)), [{"row": group_base + i} for i in range(lo, hi)]
+        groups = list(range(group_base + lo, group_base + hi))
+        meta = [{"row": group_base + i, **{c: rows[i].get(c) for c in d.metadata_columns}} for i in range(lo, hi)]
         if r.env is not None:  # multi-turn episodes of an environment
             env = {"name": r.env, "params": as_container(r.env_params), "max_turns": r.max_turns,
                    "max_episode_tokens": r.max_episode_tokens, "opponent_path": r.env_opponent_path}
@@ -698,7 +674,7 @@ def episode_metrics(batch: Batch) -> dict[str, float]:
         return {}
     obs = float(batch.observation_mask.sum()) if batch.observation_mask is not None else 0.0
     return {"env/turns_mean": sum(len(t) for t in batch.step_types) / len(batch),
-            "env/failed_turns": float(sum(t.count("failed") for t in batch.step_types)),
+            "env/failed_turns": float(sum(m.get("failed_turns", 0) for m in batch.metadata)),
             "env/observation_token_frac": obs / max(1.0, float(batch.response_attn.sum()))}
 
 

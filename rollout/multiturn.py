@@ -37,7 +37,8 @@ class Episode:
     observation: list[int] = field(default_factory=list)  # 1 on observation tokens
     step: list[int] = field(default_factory=list)  # turn index of action tokens, -1 on observations
     rewards: list[float] = field(default_factory=list)  # one per turn
-    types: list[str] = field(default_factory=list)  # "action" or "failed", one per turn
+    types: list[str] = field(default_factory=list)  # the env's step_type, else "action" or "failed", one per turn
+    failed: int = 0  # failed turns
     done: bool = False
     ended: bool = False  # the environment ended it (not a budget)
     error: str | None = None
@@ -96,10 +97,12 @@ def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[d
                 e.error = f"{type(exc).__name__}: {exc}"
                 e.rewards.append(0.0)
                 e.types.append("failed")
+                e.failed += 1
                 e.done = True
                 continue
             e.rewards.append(float(result.reward))
-            e.types.append("failed" if result.failed else "action")
+            e.types.append(result.step_type or ("failed" if result.failed else "action"))
+            e.failed += int(result.failed)
             if result.done:
                 e.done = e.ended = True
                 continue
@@ -111,6 +114,11 @@ def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[d
             e.step += [-1] * len(obs)
             if len(e.ids) >= max_episode_tokens:
                 e.done = True
+    for e in episodes:
+        finish = getattr(e.env, "finish", None)
+        restated = finish() if finish is not None else None
+        if restated is not None:  # the env restates its turns' rewards now that the episode is over
+            e.rewards[:len(restated)] = [float(r) for r in restated][:len(e.rewards)]
     return _to_batch(episodes, tok, prompts, padded, n, group_ids, rows, metadata)
 
 
@@ -139,7 +147,7 @@ def _to_batch(episodes: list[Episode], tok: Any, prompts: list[str], padded: dic
     answers = [r.get("answer") for r in rows]
     batch = attach_prompt_fields(batch, prompts, n, group_ids, answers, metadata)
     for m, e in zip(batch.metadata, episodes):
-        m.update(env_return=sum(e.rewards), turns=len(e.rewards))
+        m.update(env_return=sum(e.rewards), turns=len(e.rewards), failed_turns=e.failed)
         if e.error is not None:
             m["env_error"] = e.error
     return batch

@@ -1,0 +1,241 @@
+"""Agentic Proposing: the skill library, the symbolic verifier, the proposer environment's step rewards, the
+trajectory reward and the curriculum sampler (spec rl-methods §3)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from rl.proposer import (
+    CurriculumSampler,
+    compose,
+    evaluate,
+    load_skills,
+    majority_valid,
+    parse_block,
+    parse_final,
+    pass_rate,
+    sympy_check,
+)
+from rl.tasks.proposer import SKILLS_PATH
+
+
+def test_the_skill_library_loads_and_composes_problems_with_their_worked_values():
+    skills = load_skills(SKILLS_PATH)
+    assert sorted(skills) == ["add", "mod", "mul", "sub"]
+    rng = random.Random(0)
+    for _ in range(50):
+        chain = [skills[n] for n in rng.sample(sorted(skills), 3)]
+        problem, values = compose(chain, rng)
+        assert evaluate(problem) == values[-1] and len(values) == 3
+        assert all(s.operator in problem for s in chain)
+    # (3+4)*5%6: the value after each skill
+    fixed = random.Random(1)
+    problem, values = compose([skills["add"], skills["mul"], skills["mod"]], fixed)
+    assert values == [eval(problem[:problem.index(")") + 1]), eval(problem[:problem.index("%")]), eval(problem)]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"name": "a", "category": "c", "template": "{x}+{a}", "params": {"a": [1, 2]}}', r"skills.jsonl:2: skill without \['operator'\]"),
+    ('{"name": "a", "category": "c", "template": "{x}+{a}", "params": {"a": [3, 2]}, "operator": "+"}', r":2: params.a must be"),
+    ('{"name": "a", "category": "c", "template": "+{a}", "params": {"a": [1, 2]}, "operator": "+"}', r":2: template .* has no \{x\}"),
+    ('{"name": "a", "category": "c", "template": "{x}+{a}", "params": {"a": [1, 2]}, "operator": "+", "checker": "lean"}', r":2: checker 'lean'"),
+    ('{"name": "add", "category": "c", "template": "{x}+{a}", "params": {"a": [1, 2]}, "operator": "+"}', r":2: skill 'add' is defined twice"),
+    ("not json", r":2: not a JSON object"),
+])
+def test_a_bad_skill_names_the_file_and_line(tmp_path, line, message):
+    path = tmp_path / "skills.jsonl"
+    first = '{"name": "add", "category": "c", "template": "({x}+{a})", "params": {"a": [1, 2]}, "operator": "+"}'
+    path.write_text(first + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_skills(path)
+
+
+def test_the_symbolic_verifier():
+    assert evaluate("((3+4)*5)%6") == 5 and evaluate("(2-9)%4") == 1  # sympy's Mod: the sign of the modulus
+    assert evaluate("7%0") is None and evaluate("7/2") is None  # zero modulus; '/' is not an arithmetic skill
+    assert evaluate("9**9**9") is None  # a power is refused before sympy sees it (no huge numbers)
+    assert evaluate("__import__('os')") is None and evaluate("") is None
+    assert evaluate("999*999*999") is None  # beyond max_abs
+    assert sympy_check("((3+4)*5)%6", "5", ["+", "*", "%"])
+    assert not sympy_check("((3+4)*5)%6", "6", ["+", "*", "%"])  # wrong answer
+    assert not sympy_check("(3+4)*5", "35", ["+", "*", "%"])  # a seed skill is missing
+    assert not sympy_check("(3+4)*5", "thirty-five")
+
+
+def test_blocks_and_finalize_parse():
+    assert parse_block("<python>1+2</python>") == ("python", "1+2")
+    assert parse_block("  <think>answer 3</think>\n") == ("think", "answer 3")
+    assert parse_block("<python>1+2</check>") is None and parse_block("1+2") is None
+    assert parse_block("<python>1</python><python>2</python>") is None  # one block per turn
+    assert parse_final("<final>Problem: (1+2)*3 Answer: 9</final>") == ("(1+2)*3", "9")
+    text = "<final>Problem: 1+1 Answer: 3</final><out>x</out><final>Problem: 2+2 Answer: 4</final>"
+    assert parse_final(text) == ("2+2", "4") and parse_final("Problem: 1 Answer: 1") is None
+
+
+def test_the_ensemble_is_a_strict_majority():
+    assert majority_valid([True, True, False]) and not majority_valid([True, False])
+    assert not majority_valid([]) and majority_valid([True])
+
+
+def _episode(actions):
+    from rollout.proposer_env import AgenticProposerEnv
+    env = AgenticProposerEnv(timeout_s=1.0)
+    env.reset("Skills: add mul\n", {}, None)
+    steps = [env.step(a) for a in actions]
+    return env, steps, env.finish()
+
+
+def test_the_expert_loop_earns_every_step_reward():
+    env, steps, final = _episode(["<python>(3+4)*5</python>", "<check>(3+4)*5=35</check>", "<think>answer 35</think>",
+                                  "<final>Problem: (3+4)*5 Answer: 35</final>"])
+    assert [s.observation for s in steps[:2]] == ["<out>35</out>\n", "<out>ok</out>\n"]
+    assert [s.step_type for s in steps] == ["tool", "tool", "reflection", "final"]
+    assert [s.reward for s in steps] == [1.0, 1.0, 1.0, 0.0] and final == [1.0, 1.0, 1.0, 0.0]
+    assert steps[-1].done and not any(s.done for s in steps[:-1])
+
+
+def test_malformed_errored_hung_and_unused_tool_calls():
+    env, steps, final = _episode(["<python>(3+4)*5</check>", "<check>(3+4)*5</check>", "<python>1/0</python>",
+                                  "<python>\nwhile True:\n    pass\n</python>", "<python>(3+4)*5</python>",
+                                  "<think>answer 30</think>", "<final>Problem: (3+4)*5 Answer: 30</final>"])
+    assert [s.reward for s in steps[:4]] == [-1.0, -1.0, 0.0, 0.0]  # malformed, malformed check, errored, hung
+    assert steps[0].observation == "<out>malformed</out>\n" and steps[2].failed and steps[3].failed
+    assert "time" in steps[3].info["tool_error"].lower()  # the sandbox's time limit ended the loop
+    assert steps[4].reward == 1.0 and final[4] == 0.0  # ran, but its output (35) was never used: 0 in the end
+    assert steps[5].reward == 0.0  # the reflection contradicts the tool (30 vs 35)
+    assert steps[6].done
+
+
+def test_a_reflection_before_any_tool_output_is_not_coherent():
+    _, steps, _ = _episode(["<think>answer 12</think>", "<final>Problem: 3*4 Answer: 12</final>"])
+    assert steps[0].reward == 0.0 and steps[0].step_type == "reflection"
+
+
+def test_the_trajectory_reward_without_judges():
+    from rewards.proposer import agentic_proposer
+    seed = {"skills": ["add", "mul"], "operators": ["+", "*"]}
+    responses = ["<python>(3+4)*5</python><out>35</out>\n<final>Problem: (3+4)*5 Answer: 35</final>",
+                 "<final>Problem: (3+4)*5 Answer: 36</final>",  # wrong answer: invalid
+                 "<final>Problem: 3*5 Answer: 15</final>",  # drops the add skill: invalid
+                 "<python>(3+4)*5</python><out>35</out>\n",  # no Finalize
+                 "<final>Problem: (3+4)*5 Answer: x</final>"]  # badly formed answer
+    out = agentic_proposer([""] * 5, responses, ground_truth=[seed] * 5, judges={}, verifiers=["sympy"], prober=None)
+    assert [o["valid"] for o in out] == [True, False, False, False, False]
+    assert out[0]["score"] == pytest.approx(0.1 + 1.0)  # no prober: rho 0, no difficulty bonus
+    assert [o["score"] for o in out[1:]] == [0.0, 0.0, 0.0, 0.0]
+    assert out[3]["has_final"] == 0.0 and out[4]["format_ok"] == 0.0
+
+
+def test_the_difficulty_bonus_from_the_probers_answers():
+    from rl.advantages import mgpo_trajectory_reward
+    from rl.proposer import last_integer
+    answers = [last_integer(t) for t in ["7 35 \\boxed{35}", "7 30 \\boxed{30}", "35", "7 36 \\boxed{36}"] * 2]
+    rho = pass_rate(answers, "35")
+    assert rho == 0.5 and pass_rate(["35", None, "1", "2"], "35") == 0.25
+    assert mgpo_trajectory_reward(True, True, 0.25) == pytest.approx(0.1 + 1.0 + 0.75)  # spec §3.5 item 2
+    assert mgpo_trajectory_reward(True, True, 0.0) == pytest.approx(1.1)  # unsolvable: no bonus
+
+
+def test_an_invalid_proposal_with_two_working_tool_calls_gets_no_reward_at_all():
+    """Spec §3.5 item 1 through the environment, the reward and the estimator."""
+    from rewards.proposer import agentic_proposer
+    from rl.advantages import compute_mgpo_advantages
+    _, steps, rewards = _episode(["<python>3*5</python>", "<check>(3+4)*5=35</check>", "<think>answer 15</think>",
+                                  "<final>Problem: 3*5 Answer: 15</final>"])
+    assert rewards[:2] == [1.0, 1.0]  # both tool calls ran and their outputs were used
+    good = _episode(["<python>(3+4)*5</python>", "<final>Problem: (3+4)*5 Answer: 35</final>"])[2]
+    scored = agentic_proposer(["", ""], ["<final>Problem: 3*5 Answer: 15</final>",
+                                         "<final>Problem: (3+4)*5 Answer: 35</final>"],
+                              ground_truth=[{"operators": ["+", "*"]}] * 2, judges={}, prober=None)
+    assert scored[0]["score"] == 0.0 and scored[0]["valid"] is False
+    step_rewards, types = [rewards, good], [[s.step_type for s in steps], ["tool", "final"]]
+    token_step = torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
+    valid = torch.tensor([False, True])
+    adv = compute_mgpo_advantages(torch.tensor([0.0, 1.1]), torch.tensor([0, 0]), mask, token_step=token_step,
+                                  step_rewards=step_rewards, step_types=types, valid=valid, lambda_step=0.5)
+    # the tool pool holds the invalid trajectory's zeroed steps (0, 0) and the valid one's (1): its tool
+    # tokens rank below the valid trajectory's tool token, though their raw step rewards were 1
+    assert adv[0, 0] < adv[1, 0] and adv[0, 0] == adv[0, 1]
+    ungated = compute_mgpo_advantages(torch.tensor([0.0, 1.1]), torch.tensor([0, 0]), mask, token_step=token_step,
+                                      step_rewards=step_rewards, step_types=types, valid=torch.tensor([True, True]),
+                                      lambda_step=0.5)
+    assert ungated[0, 0] > adv[0, 0]
+
+
+def test_the_curriculum_draws_weak_categories_more_often():
+    sampler = CurriculumSampler(["a", "a", "b", "b", "b"], seed=0, floor=0.1, ema=0.3)
+    sampler.proficiency.update(a=0.9, b=0.1)
+    probs = sampler.probabilities()
+    assert probs["a"] == pytest.approx(1 / 6) and probs["b"] == pytest.approx(5 / 6)  # 1/(0.9+0.1) : 1/(0.1+0.1)
+    drawn = [i for _ in range(200) for i in sampler.next(10)]
+    share_b = sum(1 for i in drawn if i >= 2) / len(drawn)
+    assert abs(share_b - 5 / 6) < 0.03
+    metrics = sampler.update(["a", "a", "b", None], [True, False, True, True])
+    assert sampler.proficiency["a"] == pytest.approx(0.7 * 0.9 + 0.3 * 0.5)
+    assert sampler.proficiency["b"] == pytest.approx(0.7 * 0.1 + 0.3 * 1.0)
+    assert metrics["curriculum/proficiency/a"] == sampler.proficiency["a"] and "curriculum/prob/b" in metrics
+
+
+def test_the_curriculum_resumes_exactly():
+    from rl.proposer import curriculum_sampler
+    rows = [{"category": c} for c in "aabbbc"]
+    first = curriculum_sampler(rows, 3)
+    first.update(["a", "b"], [True, False])
+    state = json.loads(json.dumps(first.state()))  # what the checkpoint stores
+    again = curriculum_sampler(rows, 3)
+    again.load(state)
+    assert [first.next(5) for _ in range(4)] == [again.next(5) for _ in range(4)]
+    with pytest.raises(ValueError, match="2 training rows have no 'category' column"):
+        curriculum_sampler([{"category": "a"}, {}, {"x": 1}], 0)
+
+
+def test_the_task_writes_every_role_and_split(tmp_path):
+    from rl.tasks.proposer import write_proposer_task
+    paths = write_proposer_task(tmp_path, num_sft=300, num_train=20, num_eval=5, num_solver_eval=10, seed=0)
+    sft = [json.loads(x) for x in open(paths["sft"])]
+    assert {r["role"] for r in sft} == {"proposer", "solver", "verifier"}
+    experts = [r for r in sft if r.get("style") == "expert"]
+    for r in experts:  # an expert trajectory is a valid proposal for its seed
+        problem, answer = parse_final(r["target"])
+        assert sympy_check(problem, answer)
+    train = [json.loads(x) for x in open(paths["train"])]
+    assert all(r["category"] and r["answer"]["operators"] for r in train)
+    for r in (json.loads(x) for x in open(paths["solver_eval"])):
+        assert evaluate(r["prompt"].removeprefix("Solve: ").strip()) == int(r["answer"])
+
+
+@pytest.mark.slow
+def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluster, tmp_path):
+    """Through Ray: SFT, proposer episodes with the sandbox tools, the verifier ensemble (SymPy + a frozen judge)
+    and the frozen prober, MGPO on the step data, the curriculum; the judges' weights never change."""
+    from rl import config
+    from rl.pipeline import run
+    from tests.rl.test_pipeline import ROOT
+    out = tmp_path / "proposer"
+    cfg = config.load(ROOT / "recipes/agentic_proposer_tiny.yaml", [
+        f"output_dir={out}", "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+        "model.tiny.intermediate_size=128", "data.synthetic.num_train=3000", "data.synthetic.num_eval=4",
+        "sft.steps=300", "sft.batch_size=32", "learner.micro_batch_size=16", "trainer.steps=2",
+        "trainer.prompts_per_step=4", "trainer.eval_every=0", "rollout.n=4", "rollout.threads=1",
+        "learner.threads=1", "reward.judges.verifier.threads=1", "reward.judges.prober.threads=1",
+        "reward.judges.verifier.num_cpus=0", "reward.judges.prober.num_cpus=0", "reward.functions=[{name: agentic_proposer, params: {verifiers: [sympy, verifier], prober: prober, k: 4, "
+        "solver_template: 'Solve: {problem}\\n', verifier_template: 'Verify: {problem} = {answer}\\n'}}]",
+        "logging.progress_bar=false", "logging.tensorboard=false"])
+    summary = run(cfg)
+    assert summary["steps"] == 2
+    for name in ("verifier", "prober"):  # frozen: the same weights at the start and the end
+        judge = summary["judges"][name]
+        assert judge["model"].endswith("sft_model") and judge["weights_sha256_start"] == judge["weights_sha256_end"]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert m["env/turns_mean"] >= 1 and "reward/agentic_proposer/has_final" in m
+        assert 0 < m["env/observation_token_frac"] < 1 or m["env/turns_mean"] == 1
+        assert abs(sum(v for k, v in m.items() if k.startswith("curriculum/prob/")) - 1) < 1e-6
+        assert {f"curriculum/proficiency/{c}" for c in ("addition", "subtraction", "multiplication", "modular")} <= set(m)
+        # the validity gate: a step whose proposals are all invalid has no reward at all, so nothing trains
+        assert (m["actor/grad_norm"] > 0) == (m["reward/agentic_proposer/verified"] > 0), m

@@ -6,8 +6,9 @@ and a solver prober estimates how hard it is (`rewards.proposer`); MGPO (`rl.adv
 trains on the trajectory reward and the per-step rewards. Here:
 
 * the skill library as data (`load_skills`): one JSON object per line with `name`, `category`, `template`
-  (`{x}` the problem so far, `{a}` the skill's parameter), `params` (the parameter's integer range),
-  `operator` (what the skill adds to the problem, checked in a proposal) and `checker` (`sympy`);
+  (for a composable skill, `{x}` the problem so far and `{a}` its parameter; otherwise the skill in words),
+  `params` (each parameter's integer range), `operator` (what the skill adds to a problem, which the
+  symbolic verifier looks for), `checker` (`sympy`) and `description` (what the real-scale seeds show);
 * `compose`: a problem drawn from a chain of skills (the expert trajectories of the SFT data);
 * `sympy_check`: the symbolic member of the verifier ensemble (well-posed, uses the seed's skills, the stated
   answer is the problem's value);
@@ -30,7 +31,7 @@ from typing import Any
 
 from rl.registry import register
 
-SKILL_FIELDS = ("name", "category", "template", "params", "operator")
+SKILL_FIELDS = ("name", "category", "template")  # required; params, operator, checker, description optional
 CHECKERS = ("sympy",)
 # the problems the arithmetic skills build: integers, + - * % and parentheses (anything else is refused
 # before sympy sees it, so a proposal cannot make the checker run code or build huge numbers)
@@ -44,12 +45,14 @@ class Skill:
     name: str
     category: str
     template: str
-    params: dict[str, list[int]]
-    operator: str
+    params: dict[str, list[int]] = field(default_factory=dict)
+    operator: str = ""
     checker: str = "sympy"
     description: str = ""
 
     def apply(self, x: str, rng: random.Random) -> str:
+        if "{x}" not in self.template:
+            raise ValueError(f"skill {self.name!r}: template {self.template!r} has no {{x}}, so it does not compose")
         values = {k: rng.randint(int(lo), int(hi)) for k, (lo, hi) in self.params.items()}
         return self.template.format(x=x, **values)
 
@@ -73,15 +76,16 @@ def load_skills(path: str | Path) -> dict[str, Skill]:
             raise ValueError(f"{where}: skill without {missing} (a skill has {list(SKILL_FIELDS)})")
         if row.get("checker", "sympy") not in CHECKERS:
             raise ValueError(f"{where}: checker {row['checker']!r} is not one of {list(CHECKERS)}")
-        for k, bounds in row["params"].items():
+        for k, bounds in row.get("params", {}).items():
             if not (isinstance(bounds, list) and len(bounds) == 2 and all(isinstance(b, int) for b in bounds)
                     and bounds[0] <= bounds[1]):
                 raise ValueError(f"{where}: params.{k} must be [low, high] integers, got {bounds!r}")
-        if "{x}" not in row["template"]:
-            raise ValueError(f"{where}: template {row['template']!r} has no {{x}} (the problem it extends)")
         if row["name"] in skills:
             raise ValueError(f"{where}: skill {row['name']!r} is defined twice")
-        skills[row["name"]] = Skill(**{k: row[k] for k in (*SKILL_FIELDS, "checker", "description") if k in row})
+        unknown = sorted(set(row) - {*SKILL_FIELDS, "params", "operator", "checker", "description"})
+        if unknown:
+            raise ValueError(f"{where}: unknown skill keys {unknown}")
+        skills[row["name"]] = Skill(**row)
     if not skills:
         raise ValueError(f"skill library {path} has no skills")
     return skills
@@ -252,3 +256,35 @@ def curriculum_sampler(rows: list[dict], seed: int, *, category_column: str = "c
                          f"{category_column!r} column (first: row {missing[0]})")
     return CurriculumSampler([str(r[category_column]) for r in rows], seed, floor=floor, ema=ema, initial=initial,
                              metadata_key=category_column)
+
+
+PROPOSER_PROMPT = (
+    "Propose one new math problem, hard but solvable, that combines these skills:\n{skills}\n"
+    "Work in blocks, one per turn: <think>plan or reflect</think>; <python>code</python> runs in a sandbox and "
+    "its output comes back as <out>...</out>; <check>expression = answer</check> has SymPy check the equality. "
+    "Draft the problem, check its answer with the tools, refine it, then finish with "
+    "<final>Problem: ... Answer: ...</final>.")
+
+
+def write_seeds(skills_path: str | Path, out: str | Path, num: int, *, seed: int = 0, per_seed: tuple[int, int] = (2, 3),
+                template: str = PROPOSER_PROMPT) -> str:
+    """Write `num` proposer seeds (JSONL: `prompt`, `category`, `answer` = the seed's skills and operators)
+    drawing `per_seed` skills each from the library; the category is the first skill's."""
+    library = load_skills(skills_path)
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num):
+        chosen = [library[n] for n in rng.sample(sorted(library), min(len(library), rng.randint(*per_seed)))]
+        lines = "\n".join(f"- {s.name} ({s.category}): {s.description or s.template}" for s in chosen)
+        rows.append({"prompt": template.format(skills=lines), "category": chosen[0].category,
+                     "answer": {"skills": [s.name for s in chosen], "operators": [s.operator for s in chosen]}})
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(out)
+
+
+if __name__ == "__main__":  # python -m rl.proposer SKILLS.jsonl OUT.jsonl NUM [SEED]
+    import sys
+    if len(sys.argv) not in (4, 5):
+        sys.exit("usage: python -m rl.proposer SKILLS.jsonl OUT.jsonl NUM [SEED]  (writes proposer seeds)")
+    print(write_seeds(sys.argv[1], sys.argv[2], int(sys.argv[3]), seed=int(sys.argv[4]) if len(sys.argv) == 5 else 0))

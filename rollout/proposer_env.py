@@ -7,8 +7,10 @@ Each turn is one block (rollout.stop should end a turn at its closing tag):
   limits, no network). An expression is printed; a program prints what it prints. The output comes back as
   `<out>...</out>` (an observation: masked from the loss). Step type `tool`: +1 when it ran without error
   and its output was used (it appears in a later block), 0 when it errored, hung or was not used.
-* `<check>problem = answer</check>`: the `check_answer` tool, SymPy's verdict on whether `answer` is the
-  value of `problem`: `<out>ok</out>` or `<out>no</out>`. Step type `tool`: +1 when it ran.
+* `<check>expression = answer</check>`: the `check_answer` tool, SymPy's verdict on whether `answer` equals
+  `expression`: `<out>ok</out>` or `<out>no</out>`. `check: arithmetic` evaluates integer arithmetic in process
+  (the arithmetic skills); `check: sympy` runs `sympy.simplify(expression - answer) == 0` in the Python sandbox
+  (any SymPy expression, about a second a call). Step type `tool`: +1 when it ran, 0 when the sandbox failed.
 * `<think>...</think>`: a reflection (step type `reflection`): 1 when it agrees with the tool outputs (the
   last integer it states is the latest `<python>` output), else 0 [RECONSTRUCTION: the paper scores a
   reflection's coherence by a judge or by agreement with the tool outputs; this is the latter].
@@ -40,9 +42,12 @@ class AgenticProposerEnv(Env):
     `max_value` the values the check tool accepts."""
 
     def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, max_output_chars: int = 80,
-                 max_value: int = 10**6):
+                 max_value: int = 10**6, check: str = "arithmetic"):
+        if check not in ("arithmetic", "sympy"):
+            raise ValueError(f"rollout.env_params.check: arithmetic or sympy, got {check!r}")
         self.timeout_s, self.memory_mb, self.max_output_chars, self.max_value = (timeout_s, memory_mb,
                                                                                   max_output_chars, max_value)
+        self.check = check
 
     def reset(self, prompt: str, row: dict[str, Any], seats: Any) -> str:
         self.blocks: list[str] = []  # each turn's text
@@ -77,9 +82,17 @@ class AgenticProposerEnv(Env):
             if "=" not in body:
                 return self._turn(action, -1.0, "tool", "<out>malformed</out>\n", malformed=True)
             problem, answer = (s.strip() for s in body.rsplit("=", 1))
-            value = evaluate(problem, self.max_value)
-            ok = value is not None and answer.lstrip("-").isdigit() and int(answer) == value
-            return self._turn(action, 1.0, "tool", f"<out>{'ok' if ok else 'no'}</out>\n")
+            if self.check == "arithmetic":
+                value = evaluate(problem, self.max_value)
+                ok = value is not None and answer.lstrip("-").isdigit() and int(answer) == value
+                return self._turn(action, 1.0, "tool", f"<out>{'ok' if ok else 'no'}</out>\n")
+            code = ("import sympy\n"
+                    f"d = sympy.simplify(sympy.sympify({problem!r}) - sympy.sympify({answer!r}))\n"
+                    "print('ok' if d == 0 else 'no')")
+            result = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_chars=8)
+            if not result.ok or result.output.strip() not in ("ok", "no"):
+                return self._turn(action, 0.0, "tool", "<out>error</out>\n", failed=True, tool_error=result.error)
+            return self._turn(action, 1.0, "tool", f"<out>{result.output.strip()}</out>\n")
         if tag == "think":
             said = re.findall(r"-?\d+", body)
             coherent = self.last_value is not None and bool(said) and said[-1] == self.last_value

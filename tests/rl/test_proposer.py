@@ -39,9 +39,9 @@ def test_the_skill_library_loads_and_composes_problems_with_their_worked_values(
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"name": "a", "category": "c", "template": "{x}+{a}", "params": {"a": [1, 2]}}', r"skills.jsonl:2: skill without \['operator'\]"),
+    ('{"name": "a", "template": "{x}+{a}", "params": {"a": [1, 2]}}', r"skills.jsonl:2: skill without \['category'\]"),
     ('{"name": "a", "category": "c", "template": "{x}+{a}", "params": {"a": [3, 2]}, "operator": "+"}', r":2: params.a must be"),
-    ('{"name": "a", "category": "c", "template": "+{a}", "params": {"a": [1, 2]}, "operator": "+"}', r":2: template .* has no \{x\}"),
+    ('{"name": "a", "category": "c", "template": "{x}", "operater": "+"}', r":2: unknown skill keys \['operater'\]"),
     ('{"name": "a", "category": "c", "template": "{x}+{a}", "params": {"a": [1, 2]}, "operator": "+", "checker": "lean"}', r":2: checker 'lean'"),
     ('{"name": "add", "category": "c", "template": "{x}+{a}", "params": {"a": [1, 2]}, "operator": "+"}', r":2: skill 'add' is defined twice"),
     ("not json", r":2: not a JSON object"),
@@ -52,6 +52,14 @@ def test_a_bad_skill_names_the_file_and_line(tmp_path, line, message):
     path.write_text(first + "\n" + line + "\n")
     with pytest.raises(ValueError, match=message):
         load_skills(path)
+
+
+def test_a_skill_in_words_loads_but_does_not_compose(tmp_path):
+    path = tmp_path / "skills.jsonl"
+    path.write_text('{"name": "pigeonhole", "category": "combinatorics", "template": "a pigeonhole argument"}\n')
+    skill = load_skills(path)["pigeonhole"]
+    with pytest.raises(ValueError, match="'pigeonhole': template .* has no \\{x\\}"):
+        compose([skill], random.Random(0))
 
 
 def test_the_symbolic_verifier():
@@ -218,9 +226,9 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
     from tests.rl.test_pipeline import ROOT
     out = tmp_path / "proposer"
     cfg = config.load(ROOT / "recipes/agentic_proposer_tiny.yaml", [
-        f"output_dir={out}", "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
-        "model.tiny.intermediate_size=128", "data.synthetic.num_train=3000", "data.synthetic.num_eval=4",
-        "sft.steps=300", "sft.batch_size=32", "learner.micro_batch_size=16", "trainer.steps=2",
+        f"output_dir={out}", "model.tiny.hidden_size=48", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+        "model.tiny.intermediate_size=96", "data.synthetic.num_train=2000", "data.synthetic.num_eval=4",
+        "sft.steps=200", "sft.batch_size=32", "learner.micro_batch_size=16", "trainer.steps=2",
         "trainer.prompts_per_step=4", "trainer.eval_every=0", "rollout.n=4", "rollout.threads=1",
         "learner.threads=1", "reward.judges.verifier.threads=1", "reward.judges.prober.threads=1",
         "reward.judges.verifier.num_cpus=0", "reward.judges.prober.num_cpus=0", "reward.functions=[{name: agentic_proposer, params: {verifiers: [sympy, verifier], prober: prober, k: 4, "
@@ -239,3 +247,28 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
         assert {f"curriculum/proficiency/{c}" for c in ("addition", "subtraction", "multiplication", "modular")} <= set(m)
         # the validity gate: a step whose proposals are all invalid has no reward at all, so nothing trains
         assert (m["actor/grad_norm"] > 0) == (m["reward/agentic_proposer/verified"] > 0), m
+
+
+def test_verdicts_and_answer_forms_of_the_real_scale_verifiers():
+    from rewards.proposer import answer_parses, final_verdict
+    assert final_verdict("4 35 yes") is True and final_verdict("The steps... **Verdict: No**") is False
+    assert final_verdict("Yes, at first. Verdict: no") is False and final_verdict("I cannot tell") is None
+    assert answer_parses("35") and answer_parses("\\frac{1}{2}") and answer_parses("\\sqrt{2}+1")
+    assert not answer_parses("n/a") and not answer_parses("") and not answer_parses("it depends")
+
+
+def test_the_sympy_check_tool_runs_in_the_sandbox():
+    from rollout.proposer_env import AgenticProposerEnv
+    env = AgenticProposerEnv(timeout_s=20.0, check="sympy")
+    env.reset("", {}, None)
+    assert env.step("<check>binomial(5, 2) + 1 = 11</check>").observation == "<out>ok</out>\n"
+    assert env.step("<check>sqrt(8) = 3</check>").observation == "<out>no</out>\n"
+    broken = env.step("<check>x + = 2</check>")
+    assert broken.observation == "<out>error</out>\n" and broken.failed and broken.reward == 0.0
+
+
+def test_seeds_for_a_skill_library(tmp_path):
+    from rl.proposer import write_seeds
+    rows = [json.loads(x) for x in open(write_seeds(SKILLS_PATH, tmp_path / "seeds.jsonl", 20, seed=1))]
+    assert len(rows) == 20 and all(2 <= len(r["answer"]["skills"]) <= 3 for r in rows)
+    assert all(r["category"] in r["prompt"] and "<final>Problem: ... Answer: ...</final>" in r["prompt"] for r in rows)

@@ -81,6 +81,7 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
             paths["eval"] = d.eval_path or (synth["eval"] if s.num_eval > 0 else None)
         if need_sft:
             paths["sft"] = synth["sft"]
+        paths.update({k: v for k, v in synth.items() if k not in ("train", "eval", "sft")})  # e.g. solver_eval
     return paths
 
 
@@ -230,7 +231,7 @@ class DataStage(Stage):
                    "eval": [d.prompt_column, d.answer_column, *d.metadata_columns],
                    "sft": [d.prompt_column, d.target_column]}
         for split, path in paths.items():
-            if split != "sft" or cfg.sft.enabled:
+            if split in columns and (split != "sft" or cfg.sft.enabled):
                 load_rows(path, columns[split], f"data.{split}_path")
         return paths
 

@@ -233,6 +233,8 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
         "learner.threads=1", "reward.judges.verifier.threads=1", "reward.judges.prober.threads=1",
         "reward.judges.verifier.num_cpus=0", "reward.judges.prober.num_cpus=0", "reward.functions=[{name: agentic_proposer, params: {verifiers: [sympy, verifier], prober: prober, k: 4, "
         "solver_template: 'Solve: {problem}\\n', verifier_template: 'Verify: {problem} = {answer}\\n'}}]",
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: rl}, {name: export}, {name: proposer_solver_sft, "
+        "params: {proposals: 32, k: 4, steps: 4, batch_size: 8, eval_max: 16, max_new_tokens: 16}}]",
         "logging.progress_bar=false", "logging.tensorboard=false"])
     summary = run(cfg)
     assert summary["steps"] == 2
@@ -247,6 +249,17 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
         assert {f"curriculum/proficiency/{c}" for c in ("addition", "subtraction", "multiplication", "modular")} <= set(m)
         # the validity gate: a step whose proposals are all invalid has no reward at all, so nothing trains
         assert (m["actor/grad_norm"] > 0) == (m["reward/agentic_proposer/verified"] > 0), m
+    # the solver stage: the trained proposer's episodes, scored; the valid ones with a verified solution train
+    # the solver, which is evaluated before and after on the task's held-out solver set
+    report = summary["proposer_solver_sft"]
+    episodes = [json.loads(x) for x in (out / "stages" / "proposer_solver_sft" / "proposals.jsonl").read_text().splitlines()]
+    assert report["proposals"] == len(episodes) == 32
+    assert report["valid_frac"] == sum(e["valid"] for e in episodes) / 32
+    sft_set = [json.loads(x) for x in (out / "stages" / "proposer_solver_sft" / "solver_sft_set.jsonl").read_text().splitlines()]
+    assert report["sft_rows"] == len(sft_set) and report["sft_rows"] + report["unsolved"] == report["distinct_valid"]
+    for row in sft_set:  # a verified solution: the answer it ends with is the problem's value
+        assert evaluate(row["prompt"].removeprefix("Solve: ").strip()) == int(row["answer"])
+    assert 0 <= report["solver_accuracy_before"] <= 1 and 0 <= report["solver_accuracy_after"] <= 1
 
 
 def test_verdicts_and_answer_forms_of_the_real_scale_verifiers():
@@ -272,3 +285,14 @@ def test_seeds_for_a_skill_library(tmp_path):
     rows = [json.loads(x) for x in open(write_seeds(SKILLS_PATH, tmp_path / "seeds.jsonl", 20, seed=1))]
     assert len(rows) == 20 and all(2 <= len(r["answer"]["skills"]) <= 3 for r in rows)
     assert all(r["category"] in r["prompt"] and "<final>Problem: ... Answer: ...</final>" in r["prompt"] for r in rows)
+
+
+def test_rejection_sampling_keeps_the_first_solution_that_reaches_the_verified_answer():
+    from rl.proposer_stage import verified_solutions
+    problems = {"(3+4)*5": "35", "9%4": "1", "2*3": "6"}
+    said = ["7 30 \\boxed{30}", "7 35 \\boxed{35}", "7 35 \\boxed{35} again",  # the second is kept
+            "1", "3", "2",  # a bare integer counts: the first
+            "5 \\boxed{5}", "7", "x"]  # none reaches 6
+    rows, unsolved = verified_solutions(problems, said, 3, "Solve: {problem}\n")
+    assert unsolved == 1 and [r["prompt"] for r in rows] == ["Solve: (3+4)*5\n", "Solve: 9%4\n"]
+    assert [r["target"] for r in rows] == ["7 35 \\boxed{35}", "1"] and [r["answer"] for r in rows] == ["35", "1"]

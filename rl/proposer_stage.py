@@ -10,7 +10,8 @@ Proposing, spec rl-methods §3.2 item 7: solvers are trained by SFT on synthesiz
    samples `k` solutions and the first whose answer equals the verified one is the SFT target (a problem
    without one is dropped and counted).
 4. The solver (`solver`: a model folder, or null for the model the RL stage started from) is fine-tuned on
-   those rows through the learner (`steps`, `batch_size`, `lr`; `steps` null: one pass) and both it and the
+   those rows (at most `max_rows`, so that proposers are compared on the same number of problems) through
+   the learner (`steps`, `batch_size`, `lr`; `steps` null: one pass) and both it and the
    solver before fine-tuning are evaluated greedily on `eval_data` (a JSONL of `prompt` / `answer` rows, or
    the synthetic task's `solver_eval` split) by a frozen engine actor (`eval_num_gpus` GPUs).
 
@@ -39,13 +40,15 @@ class ProposerSolverSFT(Stage):
     def __init__(self, proposals: int = 256, seeds: str = "eval", solutions: str = "prober", k: int = 8,
                  solver: str | None = None, steps: int | None = None, batch_size: int = 32, lr: float = 1e-3,
                  eval_data: str | None = None, eval_max: int = 200, max_new_tokens: int = 64,
-                 solver_template: str = "Solve: {problem}\n", eval_num_gpus: float = 0.0, seed: int = 0):
+                 solver_template: str = "Solve: {problem}\n", eval_num_gpus: float = 0.0, max_rows: int | None = None,
+                 seed: int = 0):
         if seeds not in ("eval", "train"):
             raise ValueError(f"seeds must be eval or train, got {seeds!r}")
         self.proposals, self.seeds, self.solutions, self.k = proposals, seeds, solutions, k
         self.solver, self.steps, self.batch_size, self.lr = solver, steps, batch_size, lr
         self.eval_data, self.eval_max, self.max_new_tokens = eval_data, eval_max, max_new_tokens
         self.solver_template, self.eval_num_gpus, self.seed = solver_template, eval_num_gpus, seed
+        self.max_rows = max_rows
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         from omegaconf import OmegaConf
@@ -92,6 +95,7 @@ class ProposerSolverSFT(Stage):
                 problems[final[0]] = final[1]
         (out / "proposals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
         sft_rows, unsolved = self._solutions(rt.judges[self.solutions], problems)
+        sft_rows = sft_rows[:self.max_rows]  # the same number of problems for every proposer compared
         set_path = out / "solver_sft_set.jsonl"
         set_path.write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
         say(f"{ctx.name}: {len(episodes)} proposals, {len(problems)} distinct valid problems, "

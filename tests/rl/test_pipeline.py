@@ -311,6 +311,7 @@ def test_rltt_on_a_looped_model_under_zero3_with_checkpointing_and_learned_loop_
     assert max(abs(a - b) for a, b in zip(resumed, weights[1])) < max(abs(a - 1 / 3) for a in weights[1])
 
 
+@pytest.mark.extended  # the GPU suite's test_colocated_roles_take_turns_on_the_gpu runs the swap where it matters
 @pytest.mark.slow
 def test_colocated_phase_swapping_leaves_the_run_unchanged(ray_cluster, tmp_path):
     # On CPU the engines' sleep is a no-op, while DeepSpeed really offloads and reloads the ZeRO-2 states

@@ -228,7 +228,7 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
     cfg = config.load(ROOT / "recipes/agentic_proposer_tiny.yaml", [
         f"output_dir={out}", "model.tiny.hidden_size=48", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=96", "data.synthetic.num_train=2000", "data.synthetic.num_eval=4",
-        "sft.steps=200", "sft.batch_size=32", "learner.micro_batch_size=16", "trainer.steps=2",
+        "sft.steps=120", "sft.batch_size=32", "learner.micro_batch_size=16", "trainer.steps=2",
         "trainer.prompts_per_step=4", "trainer.eval_every=0", "rollout.n=4", "rollout.threads=1",
         "learner.threads=1", "reward.judges.verifier.threads=1", "reward.judges.prober.threads=1",
         "reward.judges.verifier.num_cpus=0", "reward.judges.prober.num_cpus=0", "reward.functions=[{name: agentic_proposer, params: {verifiers: [sympy, verifier], prober: prober, k: 4, "

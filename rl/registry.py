@@ -34,7 +34,7 @@ _BUILTIN_MODULES = {
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage"],
     "decoding": ["rollout.decoding"],
-    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer"],
+    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer", "rl.tasks.monoscale"],
     "scheduler": ["rl.optim"],
     "sampler": ["rl.data", "rl.proposer"],
 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from rl.monoscale import (
-    NOT_PREFERRED,
     AgentCard,
     MemoryEntry,
     MemoryHistory,
@@ -23,20 +22,11 @@ from rl.monoscale import (
     routing_change_rate,
     trust_region_update,
 )
+from rl.tasks.monoscale import teacher_route
 
 
 def follow_memory(tasks, memory, cards):
-    out = []
-    for t in tasks:
-        use = [e.agent for e in memory.entries if e.when == t.kind and e.prefer and e.agent in {c.name for c in cards}]
-        avoid = {e.agent for e in memory.entries if e.when == t.kind and not e.prefer}
-        if use:
-            out.append(use[-1])
-            continue
-        open_cards = [c for c in cards if c.name not in avoid and NOT_PREFERRED not in c.description]
-        claims = [c for c in open_cards if t.kind in c.description.split()]
-        out.append(claims[-1].name if claims else open_cards[0].name)
-    return out
+    return [teacher_route(t, memory, cards) for t in tasks]
 
 
 CARDS = [AgentCard("a", "a generalist agent"), AgentCard("b", "a specialist for x")]

@@ -24,7 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
-from recipe_runs import run_recipe, seed_sweep_parser, window_mean
+from recipe_runs import run_recipe, seed_sweep_parser, window_mean, write_report
 
 RECIPE = "recipes/agentic_proposer_tiny.yaml"
 ARMS = {"mgpo": 0.5, "grpo": 0.0}
@@ -75,10 +75,7 @@ def main() -> None:
                                  "solver": v["solver"]["solver_accuracy_after"]} for a, v in row["arms"].items()}}),
               flush=True)
     report["summary"] = summarize(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    _plot(report, Path(args.out).with_suffix(".png"))
-    print(json.dumps(report["summary"], indent=1))
+    write_report(report, args.out, _plot)
 
 
 def summarize(report: dict) -> dict:

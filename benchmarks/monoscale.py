@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from recipe_runs import run_recipe, seed_sweep_parser
+from recipe_runs import run_recipe, seed_sweep_parser, write_report
 
 RECIPE = "recipes/monoscale_tiny.yaml"
 MODES = ("monoscale", "naive", "fixed")
@@ -60,10 +60,7 @@ def main() -> None:
         report["per_seed"].append(row)
         print(json.dumps({"seed": seed, **{m: [round(j, 3) for j in row["model"][m]["j"]] for m in MODES}}), flush=True)
     report["summary"] = summarize(report)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    _plot(report, Path(args.out).with_suffix(".png"))
-    print(json.dumps(report["summary"], indent=1))
+    write_report(report, args.out, _plot)
 
 
 def summarize(report: dict) -> dict:

@@ -63,3 +63,12 @@ def held_out_report(per_seed: list[dict], models: list[str], measures, pairs: li
             "paired": {f"{a}_vs_{b}": {k: paired_comparison(pooled[a][k], pooled[b][k]) for k in measures}
                        for a, b in pairs}}
 
+
+
+def write_report(report: dict, out: str, plot) -> None:
+    """Write `report` as JSON to `out`, its figure (`plot(report, path)`) beside it as PNG, and print its summary."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    plot(report, path.with_suffix(".png"))
+    print(json.dumps(report["summary"], indent=1))

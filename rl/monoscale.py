@@ -283,11 +283,10 @@ class LMRouter:
 
     def __call__(self, tasks: list[Task], memory: RouterMemory, cards: list[AgentCard]) -> list[str]:
         said = self.generate([router_prompt(t, memory, cards) for t in tasks])
-        names = sorted((c.name for c in cards), key=len, reverse=True)  # agent10 before agent1
         out = []
         for text in said:
-            found = [(text.find(n), n) for n in names if n in text]
-            out.append(min(found)[1] if found else "")
+            found = [(text.find(c.name), -len(c.name), c.name) for c in cards if c.name in text]
+            out.append(min(found)[2] if found else "")  # the earliest; at one position the longest (agent10, not agent1)
         return out
 
 

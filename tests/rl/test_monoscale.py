@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rl.monoscale import (
+    NOT_PREFERRED,
     AgentCard,
     MemoryEntry,
     MemoryHistory,
@@ -101,3 +102,33 @@ def test_monoscale_j_does_not_fall_while_naive_growth_often_does(tmp_path):
     assert sum(m for m, _ in finals) / 100 > sum(f for _, f in finals) / 100 + 0.05  # the grown pool helps
     logged = (tmp_path / "0" / "updates.jsonl").read_text().splitlines()
     assert len(logged) == 7  # one decision per joining agent, accepted or not
+
+
+def test_the_lm_router_reads_the_first_agent_name_it_says():
+    from rl.monoscale import LMRouter, router_prompt
+    cards = [AgentCard(f"agent{i}", "a generalist agent") for i in range(11)]
+    said = iter([["agent10, then agent1", "I would pick agent3", "nobody"]])
+    router = LMRouter(lambda prompts: next(said))
+    tasks = [Task("t1", "type0"), Task("t2", "type1"), Task("t3", "type2")]
+    assert router(tasks, RouterMemory(), cards) == ["agent10", "agent3", ""]
+    prompt = router_prompt(tasks[0], RouterMemory().extended([MemoryEntry("agent3", "type0")]), cards[:2])
+    assert prompt == ("Agents:\n- agent0: a generalist agent\n- agent1: a generalist agent\nMemory:\n"
+                      "- use agent3 for type0\nTask (type0): \nAgent:")
+
+
+def test_the_router_task_teaches_reading_the_context():
+    from rl.tasks.monoscale import random_context, router_rows
+    rows = router_rows(300, 0)
+    targets = {r["target"] for r in rows}
+    assert len(targets) >= 8  # the answer depends on the context, not on a fixed favourite
+    import random as _random
+    rng = _random.Random(1)
+    for _ in range(200):
+        cards, memory = random_context(rng)
+        task = Task("t", rng.choice([f"type{i}" for i in range(6)]))
+        choice = teacher_route(task, memory, cards)
+        uses = [e.agent for e in memory.entries if e.when == task.kind and e.prefer]
+        if uses:
+            assert choice == uses[-1]  # a use entry for the task's type wins, the newest one
+        else:
+            assert NOT_PREFERRED not in next(c.description for c in cards if c.name == choice) or choice == cards[0].name

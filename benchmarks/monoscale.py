@@ -34,7 +34,8 @@ def main() -> None:
     p.add_argument("--delta", type=float, default=0.2, help="trust region: routing-change rate on replay tasks")
     args = p.parse_args()
     runs = Path(args.runs_dir)
-    run_recipe(RECIPE, list(args.overrides), runs / "sft", "router SFT")
+    run_recipe(RECIPE, ["stages=[{name: model}, {name: data}, {name: sft}]", *args.overrides], runs / "sft",
+               "router SFT")
     engine = HFEngine(str(runs / "sft" / "sft_model"), attn_implementation="eager")
 
     def generate(prompts: list[str]) -> list[str]:

@@ -132,3 +132,32 @@ def test_the_router_task_teaches_reading_the_context():
             assert choice == uses[-1]  # a use entry for the task's type wins, the newest one
         else:
             assert NOT_PREFERRED not in next(c.description for c in cards if c.name == choice) or choice == cards[0].name
+
+
+@pytest.mark.slow
+def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ray_cluster, tmp_path):
+    """Through Ray: the tiny recipe's SFT (shortened) teaches the router, the stage serves it from a frozen engine
+    actor and grows the simulated pool under every mode, logging one memory decision per joining agent."""
+    import json
+
+    from rl import config
+    from rl.pipeline import run
+    from tests.rl.test_pipeline import ROOT
+    out = tmp_path / "ms"
+    cfg = config.load(ROOT / "recipes/monoscale_tiny.yaml", [
+        f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+        "model.tiny.intermediate_size=64", "data.synthetic.num_train=300", "data.synthetic.num_eval=10",
+        "sft.steps=20", "sft.batch_size=16", "learner.micro_batch_size=16", "learner.threads=1",
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: monoscale, params: {final: 6, test_size: 40, "
+        "replay_size: 16, n_familiarization: 8}}]", "logging.progress_bar=false", "logging.tensorboard=false"])
+    summary = run(cfg)
+    assert {m: len(js) for m, js in summary["monoscale"].items()} == {"monoscale": 4, "naive": 4, "fixed": 4}
+    stage = out / "stages" / "monoscale"
+    report = json.loads((stage / "report.json").read_text())
+    updates = [json.loads(x) for x in (stage / "memory" / "updates.jsonl").read_text().splitlines()]
+    assert len(updates) == 3 == len(report["runs"]["monoscale"]["updates"])  # agents 4, 5 and 6 joined
+    for u in updates:
+        assert not u["accepted"] or u["change_rate"] <= 0.2
+    accepted = [u for u in updates if u["accepted"]]
+    assert len(list((stage / "memory").glob("memory_v*.json"))) == len(accepted)
+    assert (stage / "router_memory.json").read_text() == report["runs"]["monoscale"]["memory"]

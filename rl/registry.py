@@ -29,7 +29,7 @@ _BUILTIN_MODULES = {
     "loss": ["rl.losses", "rl.rltt"],
     "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
                "rewards.reward_model", "rewards.proposer"],
-    "env": ["rollout.envs", "rollout.games", "rollout.proposer_env"],
+    "env": ["rollout.envs", "rollout.games", "rollout.proposer_env", "rollout.router_env"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage"],

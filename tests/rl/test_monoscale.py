@@ -161,3 +161,46 @@ def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ra
     accepted = [u for u in updates if u["accepted"]]
     assert len(list((stage / "memory").glob("memory_v*.json"))) == len(accepted)
     assert (stage / "router_memory.json").read_text() == report["runs"]["monoscale"]["memory"]
+
+
+def _pool(tmp_path):
+    import json
+    pool = tmp_path / "pool.json"
+    pool.write_text(json.dumps([
+        {"name": "agent1", "description": "a generalist agent", "kind": "python", "code": "print(-1)"},
+        {"name": "agent10", "description": "a specialist for sums", "kind": "python", "code": "print(eval(TASK))"}]))
+    return pool
+
+
+def test_the_router_env_runs_the_named_agent_and_judges_its_answer(tmp_path):
+    from rollout.router_env import AgentRouterEnv
+    memory = tmp_path / "memory.json"
+    memory.write_text(RouterMemory().extended([MemoryEntry("agent10", "sum")]).to_json())
+    env = AgentRouterEnv(str(_pool(tmp_path)), str(memory))
+    row = {"subtasks": [{"text": "2+3", "kind": "sum", "answer": "5"}, {"text": "4+4", "kind": "sum", "answer": "8"},
+                        {"text": "1+1", "kind": "sum", "answer": "2"}]}
+    first = env.reset("ignored", row, None)
+    assert first.endswith("Memory:\n- use agent10 for sum\nTask (sum): 2+3\nAgent:")
+    right = env.step(" agent10")
+    assert right.reward == 1.0 and right.info == {"agent": "agent10", "answer": "5"} and not right.done
+    assert right.observation.endswith("Task (sum): 4+4\nAgent:") and right.step_type == "route"
+    wrong = env.step("agent1")  # the generalist answers -1
+    assert wrong.reward == 0.0 and wrong.info["agent"] == "agent1"
+    nobody = env.step("I do not know")
+    assert nobody.reward == 0.0 and nobody.info["agent"] is None and nobody.done
+
+
+@pytest.mark.parametrize("agents, message", [
+    ([], "non-empty JSON list"),
+    ([{"name": "a", "kind": "python", "code": "print(1)"}], r"agent 0 has no \['description'\]"),
+    ([{"name": "a", "description": "d", "kind": "api"}], r"agent 0 \(a\): kind must be model or python"),
+    ([{"name": "a", "description": "d", "kind": "python"}], r"agent 0 \(a\): a python agent needs 'code'"),
+])
+def test_a_bad_agent_pool_names_the_file_and_agent(tmp_path, agents, message):
+    import json
+
+    from rollout.router_env import load_pool
+    path = tmp_path / "pool.json"
+    path.write_text(json.dumps(agents))
+    with pytest.raises(ValueError, match=message):
+        load_pool(path)

@@ -138,3 +138,25 @@ def test_another_seat_is_played_by_the_policy_and_not_trained_on(engine):
         assert obs.any() and engine.tokenizer.decode(b.response_ids[i, :n][obs]).endswith("|")
     with pytest.raises(ValueError, match="frozen needs rollout.env_opponent_path"):
         Seats(engine).ask("1+1=", "frozen")
+
+
+def test_the_router_env_asks_a_model_agent_through_its_seat_and_runs_in_the_episode_loop(engine, tmp_path):
+    import json
+
+    from rollout.router_env import AgentRouterEnv
+    pool = tmp_path / "pool.json"
+    pool.write_text(json.dumps([
+        {"name": "agent0", "description": "a model", "kind": "model", "system_prompt": "Add:", "seat": "policy"},
+        {"name": "agent1", "description": "a solver", "kind": "python", "code": "print(eval(TASK))"}]))
+    env = AgentRouterEnv(str(pool), max_new_tokens=4)
+    env.reset("", {"subtasks": [{"text": "1+2", "answer": "3"}, {"text": "2+2", "answer": "4"}]}, Seats(engine))
+    expected = Seats(engine).ask("Add:\n1+2", "policy", max_new_tokens=4).strip()  # greedy: the same answer
+    by_model = env.step("agent0")
+    assert by_model.info == {"agent": "agent0", "answer": expected} and by_model.reward == float(expected == "3")
+    assert env.step("agent1").reward == 1.0
+    rows = [{"subtasks": [{"text": "1+2", "kind": "sum", "answer": "3"}, {"text": "5+2", "kind": "sum", "answer": "7"}]}]
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=1)
+    b = run_episodes(engine, lambda: AgentRouterEnv(str(pool), max_new_tokens=4), ["route"], rows, sp, max_turns=4,
+                     max_episode_tokens=400, seats=Seats(engine))
+    assert all(t == ["route", "route"] for t in b.step_types) and [m["turns"] for m in b.metadata] == [2, 2]
+    assert (b.observation_mask.sum(dim=1) > 0).all()  # the second subtask's routing prompt came back as observation

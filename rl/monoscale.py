@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -246,11 +247,17 @@ class OnboardingResult:
 
 def onboard(memory: RouterMemory, new: AgentCard, pool_cards: list[AgentCard], route: Route, outcome: Outcome,
             replay: list[Task], kinds: list[str], rng: random.Random, *, n_familiarization: int = 16,
-            delta: float = 0.2, tolerance: float = 0.0, margin: float = 0.1) -> OnboardingResult:
+            delta: float = 0.2, tolerance: float = 0.0, margin: float = 0.1, familiarize: Callable | None = None,
+            distill: Callable | None = None) -> OnboardingResult:
     """One onboarding round for `new` joining `pool_cards` (see the module docstring). Half the familiarization
     tasks are explored (each routed to the new agent once and to the incumbent, the router's choice without the
-    new agent, once); the other half with the replay tasks is the validation set of the trust-region test."""
-    tasks = familiarization_tasks(new, kinds, 2 * n_familiarization, rng, start_id=rng.randrange(10**9))
+    new agent, once); the other half with the replay tasks is the validation set of the trust-region test.
+    `familiarize(card, kinds, n, rng)` writes the tasks (default `familiarization_tasks`) and
+    `distill(evidence, new_agent, incumbents)` the candidate entries (default `distill_evidence`; `LMDistiller`
+    asks a model)."""
+    familiarize = familiarize or (lambda card, ks, n, r: familiarization_tasks(card, ks, n, r,
+                                                                               start_id=r.randrange(10**9)))
+    tasks = familiarize(new, kinds, 2 * n_familiarization, rng)
     explore, held = tasks[:n_familiarization], tasks[n_familiarization:]
     incumbents_choice = route(explore, memory, pool_cards)
     evidence = []
@@ -259,7 +266,8 @@ def onboard(memory: RouterMemory, new: AgentCard, pool_cards: list[AgentCard], r
     incumbent_of = {}
     for task, incumbent in zip(explore, incumbents_choice):
         incumbent_of.setdefault(task.kind, incumbent)
-    candidates = distill_evidence(evidence, new.name, incumbent_of, margin=margin)
+    candidates = (distill(evidence, new.name, incumbent_of) if distill is not None else
+                  distill_evidence(evidence, new.name, incumbent_of, margin=margin))
     cards = [*pool_cards, new]
     updated, record = trust_region_update(memory, candidates, route, outcome, cards, held + replay, replay,
                                           delta=delta, tolerance=tolerance, agent=new.name)
@@ -328,3 +336,60 @@ def grow_pool(mode: str, route: Route, pool: SimulatedPool, cards: list[AgentCar
         j, _ = success(route, pool.outcome, test, memory, shown)
         js.append(j)
     return {"mode": mode, "j": js, "updates": records, "memory": memory.to_json()}
+
+
+_ENTRY = re.compile(r"^-?\s*(?P<verb>use|avoid) (?P<agent>\S+) for (?P<when>[^;]+?)\s*(?:;|$)(?P<rest>.*)$")
+
+
+def parse_memory_lines(text: str, agents: set[str]) -> list[MemoryEntry]:
+    """Memory entries from a model's lines in `MemoryEntry.line()` form (`use A for T; fails when ...; format: ...;
+    reliability R`, or `avoid ...`); a line that does not parse, or names an agent outside `agents`, is dropped."""
+    out = []
+    for line in text.splitlines():
+        m = _ENTRY.match(line.strip())
+        if not m or m.group("agent") not in agents:
+            continue
+        fields = {"failure_modes": "", "interface": "", "reliability": None}
+        for part in (p.strip() for p in m.group("rest").split(";")):
+            if part.startswith("fails when "):
+                fields["failure_modes"] = part[len("fails when "):]
+            elif part.startswith("format: "):
+                fields["interface"] = part[len("format: "):]
+            elif part.startswith("reliability "):
+                try:
+                    fields["reliability"] = float(part.split()[1])
+                except (IndexError, ValueError):
+                    pass
+        out.append(MemoryEntry(m.group("agent"), m.group("when").strip(), prefer=m.group("verb") == "use", **fields))
+    return out
+
+
+DISTILL_PROMPT = ("Evidence about agent {agent} (task type: its successes / tries; the incumbent's):\n{evidence}\n"
+                  "Write router memory entries, one per line, as '- use AGENT for TYPE; reliability R' or "
+                  "'- avoid AGENT for TYPE; fails when ...'.\nEntries:\n")
+
+
+class LMDistiller:
+    """The distillation step by a language model (`generate(prompts) -> texts`, e.g. a judge group): it reads the
+    forced-exploration evidence, summarised per task type, and writes entries that `parse_memory_lines` reads;
+    they are ordered by the evidence behind their type, strongest first."""
+
+    def __init__(self, generate: Callable[[list[str]], list[str]]):
+        self.generate = generate
+
+    def __call__(self, evidence: list[tuple[Task, str, float]], new_agent: str,
+                 incumbents: dict[str, str]) -> list[MemoryEntry]:
+        counts: dict[str, dict[str, list[float]]] = {}
+        for task, agent, score in evidence:
+            counts.setdefault(task.kind, {}).setdefault(agent, []).append(score)
+        lines = []
+        for kind, by_agent in sorted(counts.items()):
+            new = by_agent.get(new_agent, [])
+            old = by_agent.get(incumbents.get(kind, ""), [])
+            lines.append(f"{kind}: {int(sum(new))}/{len(new)}; {incumbents.get(kind, 'none')} "
+                         f"{int(sum(old))}/{len(old)}")
+        (text,) = self.generate([DISTILL_PROMPT.format(agent=new_agent, evidence="\n".join(lines))])
+        entries = parse_memory_lines(text, {new_agent, *incumbents.values()})
+        tries = {kind: sum(len(v) for v in by_agent.values()) for kind, by_agent in counts.items()}
+        return sorted((MemoryEntry(**{**asdict(e), "evidence": tries.get(e.when, 0)}) for e in entries),
+                      key=lambda e: -e.evidence)

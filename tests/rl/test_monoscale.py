@@ -204,3 +204,23 @@ def test_a_bad_agent_pool_names_the_file_and_agent(tmp_path, agents, message):
     path.write_text(json.dumps(agents))
     with pytest.raises(ValueError, match=message):
         load_pool(path)
+
+
+def test_memory_lines_round_trip_and_the_lm_distiller_reads_a_models_entries():
+    from rl.monoscale import LMDistiller, parse_memory_lines
+    entries = [MemoryEntry("agent4", "type2", reliability=0.85),
+               MemoryEntry("agent4", "type5", failure_modes="type5 tasks (10% success)", reliability=0.1, prefer=False),
+               MemoryEntry("agent0", "type1", interface="JSON in")]
+    text = RouterMemory().extended(entries).text() + "\n- use agent99 for type0\nnot an entry"
+    assert parse_memory_lines(text, {"agent0", "agent4"}) == entries  # unknown agents and prose are dropped
+    asked = []
+
+    def canned_reply(prompts):  # a fixed model answer: this checks the prompt and the parsing
+        asked.extend(prompts)
+        return ["- use agent4 for type2; reliability 0.9\n- avoid agent4 for type5; fails when always"]
+    tasks = [Task(f"t{i}", "type2") for i in range(3)] + [Task("u", "type5")]
+    evidence = [(t, "agent4", 1.0) for t in tasks[:3]] + [(t, "agent0", 0.0) for t in tasks[:3]]
+    evidence += [(tasks[3], "agent4", 0.0), (tasks[3], "agent0", 1.0)]
+    out = LMDistiller(canned_reply)(evidence, "agent4", {"type2": "agent0", "type5": "agent0"})
+    assert "type2: 3/3; agent0 0/3\ntype5: 0/1; agent0 1/1" in asked[0]
+    assert [(e.when, e.prefer, e.evidence) for e in out] == [("type2", True, 6), ("type5", False, 2)]

@@ -310,8 +310,8 @@ def shown_cards(cards: list[AgentCard], memory: RouterMemory, trusted: set[str])
 
 def grow_pool(mode: str, route: Route, pool: SimulatedPool, cards: list[AgentCard], kinds: list[str], *,
               start: int = 3, seed: int = 0, test_size: int = 300, replay_size: int = 48, n_familiarization: int = 16,
-              delta: float = 0.2, tolerance: float = 0.0,
-              history: MemoryHistory | None = None) -> dict[str, Any]:
+              delta: float = 0.2, tolerance: float = 0.0, history: MemoryHistory | None = None,
+              distill: Callable | None = None) -> dict[str, Any]:
     """J on a held-out task set after each onboarding round as the pool grows from `start` agents to all of
     `cards`: `monoscale` (memory updates in the trust region, new agents not preferred until accepted), `naive`
     (every new card shown as written, no memory: the router's cold start) or `fixed` (the starting pool only)."""
@@ -328,7 +328,8 @@ def grow_pool(mode: str, route: Route, pool: SimulatedPool, cards: list[AgentCar
         if mode == "monoscale" and k > start:
             result = onboard(memory, cards[k - 1], cards[:k - 1],
                              lambda t, m, c: route(t, m, shown_cards(c, m, trusted)), pool.outcome, replay, kinds,
-                             rng, n_familiarization=n_familiarization, delta=delta, tolerance=tolerance)
+                             rng, n_familiarization=n_familiarization, delta=delta, tolerance=tolerance,
+                             distill=distill)
             memory = result.memory
             history.record(k - start, memory, result.update)
             records.append(asdict(result.update))

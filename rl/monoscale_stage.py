@@ -2,7 +2,9 @@
 memory updates (`rl.monoscale`), beside naive growth and the fixed pool, on the same cluster as training.
 
 The router is a language model served by a frozen engine actor: a `reward.judges` entry named by `router`, or
-(null) the run's current policy (the `policy` artifact, e.g. a router taught by the SFT stage). The pool is the
+(null) the run's current policy (the `policy` artifact, e.g. a router taught by the SFT stage). `distiller`
+names a judge group that writes the candidate memory entries from the evidence (`rl.monoscale.LMDistiller`);
+null distills them from the success counts (`distill_evidence`). The pool is the
 labelled simulated pool of `rl.monoscale.make_growing_pool` (`pool_seed`, `kinds`, `start`, `final`,
 `unreliable_share`): agents with a success probability per task type, outcomes drawn deterministically.
 Artifacts: `router_memory` (the final memory, JSON), `monoscale_report` (J per round and mode, every update);
@@ -17,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rl.monoscale import LMRouter, MemoryHistory, grow_pool, make_growing_pool
+from rl.monoscale import LMDistiller, LMRouter, MemoryHistory, grow_pool, make_growing_pool
 from rl.registry import register
 from rl.stages import Stage, StageContext, StageError, say
 
@@ -27,7 +29,7 @@ class MonoScaleStage(Stage):
     config_keys = ("seed", "model", "reward.judges")
     runs_in_driver = True
 
-    def __init__(self, router: str | None = None, modes: list[str] = ("monoscale", "naive", "fixed"),
+    def __init__(self, router: str | None = None, distiller: str | None = None, modes: list[str] = ("monoscale", "naive", "fixed"),
                  pool_seed: int = 0, kinds: int = 6, start: int = 3, final: int = 10, unreliable_share: float = 0.3,
                  delta: float = 0.2, tolerance: float = 0.0, n_familiarization: int = 16, test_size: int = 300,
                  replay_size: int = 48, max_new_tokens: int = 3, seed: int = 0):
@@ -36,7 +38,8 @@ class MonoScaleStage(Stage):
             raise ValueError(f"modes: {unknown} are not monoscale, naive or fixed")
         if not 0 < start < final:
             raise ValueError(f"start ({start}) and final ({final}) must satisfy 0 < start < final")
-        self.router, self.modes, self.max_new_tokens, self.seed = router, list(modes), max_new_tokens, seed
+        self.router, self.distiller, self.modes = router, distiller, list(modes)
+        self.max_new_tokens, self.seed = max_new_tokens, seed
         self.pool = {"seed": pool_seed, "kinds": kinds, "start": start, "final": final,
                      "unreliable_share": unreliable_share}
         self.grow = {"start": start, "delta": delta, "tolerance": tolerance, "n_familiarization": n_familiarization,
@@ -51,26 +54,35 @@ class MonoScaleStage(Stage):
         cfg, out = ctx.cfg, ctx.stage_dir
         shutil.rmtree(out / "memory", ignore_errors=True)  # a re-run logs its own decisions only
         out.mkdir(parents=True, exist_ok=True)
-        if self.router is not None and self.router not in cfg.reward.judges:
-            raise StageError(f"stage {ctx.name!r}: router {self.router!r} names no reward.judges entry "
-                             f"(known: {list(cfg.reward.judges)})")
+        for role, name in (("router", self.router), ("distiller", self.distiller)):
+            if name is not None and name not in cfg.reward.judges:
+                raise StageError(f"stage {ctx.name!r}: {role} {name!r} names no reward.judges entry "
+                                 f"(known: {list(cfg.reward.judges)})")
         jc = (as_container(cfg.reward.judges[self.router]) if self.router else
               {**asdict(JudgeConfig()), "engine_params": as_container(cfg.rollout.engine_params),
                "engine": cfg.rollout.engine, "dtype": cfg.model.dtype, "threads": cfg.rollout.threads, "num_cpus": 0})
         jc.update(temperature=0.0, max_new_tokens=self.max_new_tokens, chat_template=bool(jc.get("chat_template")))
         policy = ctx.require("policy")
         client = start_judges({"router": jc}, jc.get("model_path") or policy, env=actor_env())["router"]
+        clients = [client]
         try:
+            distill = None
+            if self.distiller is not None:
+                writer = start_judges({"distiller": as_container(cfg.reward.judges[self.distiller])}, policy,
+                                      env=actor_env())["distiller"]
+                clients.append(writer)
+                distill = LMDistiller(lambda prompts: writer.generate(prompts))
             router = LMRouter(lambda prompts: client.generate(prompts))
             pool, cards, kinds = make_growing_pool(**self.pool)
             report: dict[str, Any] = {"pool": pool.probs, "cards": [asdict(c) for c in cards], "runs": {}}
             for mode in self.modes:
                 history = MemoryHistory(out / "memory" if mode == "monoscale" else None)
-                result = grow_pool(mode, router, pool, cards, kinds, seed=self.seed, history=history, **self.grow)
+                result = grow_pool(mode, router, pool, cards, kinds, seed=self.seed, history=history, distill=distill,
+                                   **self.grow)
                 report["runs"][mode] = result
                 say(f"{ctx.name}: {mode}: J by round {[round(j, 3) for j in result['j']]}")
         finally:
-            for w in client.workers:
+            for w in (w for c in clients for w in c.workers):
                 ray.kill(w)
         (out / "report.json").write_text(json.dumps(report, indent=2))
         memory = report["runs"].get("monoscale", next(iter(report["runs"].values())))["memory"]

@@ -311,7 +311,7 @@ def shown_cards(cards: list[AgentCard], memory: RouterMemory, trusted: set[str])
 def grow_pool(mode: str, route: Route, pool: SimulatedPool, cards: list[AgentCard], kinds: list[str], *,
               start: int = 3, seed: int = 0, test_size: int = 300, replay_size: int = 48, n_familiarization: int = 16,
               delta: float = 0.2, tolerance: float = 0.0, history: MemoryHistory | None = None,
-              distill: Callable | None = None) -> dict[str, Any]:
+              distill: Callable | None = None, familiarize: Callable | None = None) -> dict[str, Any]:
     """J on a held-out task set after each onboarding round as the pool grows from `start` agents to all of
     `cards`: `monoscale` (memory updates in the trust region, new agents not preferred until accepted), `naive`
     (every new card shown as written, no memory: the router's cold start) or `fixed` (the starting pool only)."""
@@ -329,7 +329,7 @@ def grow_pool(mode: str, route: Route, pool: SimulatedPool, cards: list[AgentCar
             result = onboard(memory, cards[k - 1], cards[:k - 1],
                              lambda t, m, c: route(t, m, shown_cards(c, m, trusted)), pool.outcome, replay, kinds,
                              rng, n_familiarization=n_familiarization, delta=delta, tolerance=tolerance,
-                             distill=distill)
+                             distill=distill, familiarize=familiarize)
             memory = result.memory
             history.record(k - start, memory, result.update)
             records.append(asdict(result.update))
@@ -394,3 +394,29 @@ class LMDistiller:
         tries = {kind: sum(len(v) for v in by_agent.values()) for kind, by_agent in counts.items()}
         return sorted((MemoryEntry(**{**asdict(e), "evidence": tries.get(e.when, 0)}) for e in entries),
                       key=lambda e: -e.evidence)
+
+
+FAMILIARIZE_PROMPT = ("A new agent joins the pool: {name}: {description}\nTasks the pool sees:\n{samples}\n"
+                      "Write {n} tasks to learn when to use it, some it should handle and some the other agents own, "
+                      "one per line as 'TYPE: task'.\nTasks:\n")
+
+
+class LMFamiliarizer:
+    """Agent-conditioned familiarization tasks written by a language model (`generate(prompts) -> texts`) from the
+    new agent's card and `samples` of the task distribution; a line `TYPE: task` with a known type is a task, other
+    lines are dropped (when the model writes fewer than asked, the round has fewer tasks)."""
+
+    def __init__(self, generate: Callable[[list[str]], list[str]], samples: list[Task]):
+        self.generate, self.samples = generate, samples
+
+    def __call__(self, card: AgentCard, kinds: list[str], n: int, rng: random.Random) -> list[Task]:
+        shown = rng.sample(self.samples, min(len(self.samples), 8))
+        (text,) = self.generate([FAMILIARIZE_PROMPT.format(
+            name=card.name, description=card.description, n=n,
+            samples="\n".join(f"{t.kind}: {t.text}" for t in shown))])
+        out = []
+        for line in text.splitlines():
+            kind, sep, body = line.partition(":")
+            if sep and kind.strip() in kinds and body.strip():
+                out.append(Task(f"fam-{card.name}-{rng.randrange(10**9)}", kind.strip(), body.strip()))
+        return out[:n]

@@ -4,7 +4,9 @@ memory updates (`rl.monoscale`), beside naive growth and the fixed pool, on the 
 The router is a language model served by a frozen engine actor: a `reward.judges` entry named by `router`, or
 (null) the run's current policy (the `policy` artifact, e.g. a router taught by the SFT stage). `distiller`
 names a judge group that writes the candidate memory entries from the evidence (`rl.monoscale.LMDistiller`);
-null distills them from the success counts (`distill_evidence`). The pool is the
+null distills them from the success counts (`distill_evidence`). `familiarizer` names a judge group that writes
+each new agent's familiarization tasks from its card and samples of the task distribution
+(`rl.monoscale.LMFamiliarizer`); null draws them from the types the card claims (`familiarization_tasks`). The pool is the
 labelled simulated pool of `rl.monoscale.make_growing_pool` (`pool_seed`, `kinds`, `start`, `final`,
 `unreliable_share`): agents with a success probability per task type, outcomes drawn deterministically.
 Artifacts: `router_memory` (the final memory, JSON), `monoscale_report` (J per round and mode, every update);
@@ -19,7 +21,15 @@ from typing import Any
 
 import ray
 
-from rl.monoscale import LMDistiller, LMRouter, MemoryHistory, grow_pool, make_growing_pool
+from rl.monoscale import (
+    LMDistiller,
+    LMFamiliarizer,
+    LMRouter,
+    MemoryHistory,
+    Task,
+    grow_pool,
+    make_growing_pool,
+)
 from rl.registry import register
 from rl.stages import Stage, StageContext, StageError, say
 
@@ -29,7 +39,7 @@ class MonoScaleStage(Stage):
     config_keys = ("seed", "model", "reward.judges")
     runs_in_driver = True
 
-    def __init__(self, router: str | None = None, distiller: str | None = None, modes: list[str] = ("monoscale", "naive", "fixed"),
+    def __init__(self, router: str | None = None, distiller: str | None = None, familiarizer: str | None = None, modes: list[str] = ("monoscale", "naive", "fixed"),
                  pool_seed: int = 0, kinds: int = 6, start: int = 3, final: int = 10, unreliable_share: float = 0.3,
                  delta: float = 0.2, tolerance: float = 0.0, n_familiarization: int = 16, test_size: int = 300,
                  replay_size: int = 48, max_new_tokens: int = 3, seed: int = 0):
@@ -38,7 +48,7 @@ class MonoScaleStage(Stage):
             raise ValueError(f"modes: {unknown} are not monoscale, naive or fixed")
         if not 0 < start < final:
             raise ValueError(f"start ({start}) and final ({final}) must satisfy 0 < start < final")
-        self.router, self.distiller, self.modes = router, distiller, list(modes)
+        self.router, self.distiller, self.familiarizer, self.modes = router, distiller, familiarizer, list(modes)
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.pool = {"seed": pool_seed, "kinds": kinds, "start": start, "final": final,
                      "unreliable_share": unreliable_share}
@@ -54,7 +64,7 @@ class MonoScaleStage(Stage):
         cfg, out = ctx.cfg, ctx.stage_dir
         shutil.rmtree(out / "memory", ignore_errors=True)  # a re-run logs its own decisions only
         out.mkdir(parents=True, exist_ok=True)
-        for role, name in (("router", self.router), ("distiller", self.distiller)):
+        for role, name in (("router", self.router), ("distiller", self.distiller), ("familiarizer", self.familiarizer)):
             if name is not None and name not in cfg.reward.judges:
                 raise StageError(f"stage {ctx.name!r}: {role} {name!r} names no reward.judges entry "
                                  f"(known: {list(cfg.reward.judges)})")
@@ -66,19 +76,22 @@ class MonoScaleStage(Stage):
         client = start_judges({"router": jc}, jc.get("model_path") or policy, env=actor_env())["router"]
         clients = [client]
         try:
-            distill = None
-            if self.distiller is not None:
-                writer = start_judges({"distiller": as_container(cfg.reward.judges[self.distiller])}, policy,
-                                      env=actor_env())["distiller"]
-                clients.append(writer)
-                distill = LMDistiller(lambda prompts: writer.generate(prompts))
+            helpers = {}
+            for role, name in (("distiller", self.distiller), ("familiarizer", self.familiarizer)):
+                if name is not None:
+                    helpers[role] = start_judges({role: as_container(cfg.reward.judges[name])}, policy,
+                                                 env=actor_env())[role]
+                    clients.append(helpers[role])
             router = LMRouter(lambda prompts: client.generate(prompts))
             pool, cards, kinds = make_growing_pool(**self.pool)
+            distill = LMDistiller(helpers["distiller"].generate) if "distiller" in helpers else None
+            samples = [Task(f"sample-{i}", kinds[i % len(kinds)]) for i in range(2 * len(kinds))]
+            familiarize = LMFamiliarizer(helpers["familiarizer"].generate, samples) if "familiarizer" in helpers else None
             report: dict[str, Any] = {"pool": pool.probs, "cards": [asdict(c) for c in cards], "runs": {}}
             for mode in self.modes:
                 history = MemoryHistory(out / "memory" if mode == "monoscale" else None)
                 result = grow_pool(mode, router, pool, cards, kinds, seed=self.seed, history=history, distill=distill,
-                                   **self.grow)
+                                   familiarize=familiarize, **self.grow)
                 report["runs"][mode] = result
                 say(f"{ctx.name}: {mode}: J by round {[round(j, 3) for j in result['j']]}")
         finally:

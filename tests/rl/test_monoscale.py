@@ -148,8 +148,13 @@ def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ra
         f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=64", "data.synthetic.num_train=300", "data.synthetic.num_eval=10",
         "sft.steps=20", "sft.batch_size=16", "learner.micro_batch_size=16", "learner.threads=1",
+        # the distillation and the familiarization tasks written by a model too (the taught router's weights serve
+        # as that model: its lines rarely parse, which the round must survive)
+        "reward.judges={writer: {threads: 1, num_cpus: 0, max_new_tokens: 24}}",
         "stages=[{name: model}, {name: data}, {name: sft}, {name: monoscale, params: {final: 6, test_size: 40, "
-        "replay_size: 16, n_familiarization: 8}}]", "logging.progress_bar=false", "logging.tensorboard=false"])
+        "replay_size: 16, n_familiarization: 8}}, {name: monoscale, label: written, params: {final: 5, test_size: 20, "
+        "replay_size: 8, n_familiarization: 4, modes: [monoscale], distiller: writer, familiarizer: writer}}]",
+        "logging.progress_bar=false", "logging.tensorboard=false"])
     summary = run(cfg)
     assert {m: len(js) for m, js in summary["monoscale"].items()} == {"monoscale": 4, "naive": 4, "fixed": 4}
     stage = out / "stages" / "monoscale"
@@ -161,6 +166,7 @@ def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ra
     accepted = [u for u in updates if u["accepted"]]
     assert len(list((stage / "memory").glob("memory_v*.json"))) == len(accepted)
     assert (stage / "router_memory.json").read_text() == report["runs"]["monoscale"]["memory"]
+    assert len(summary["written"]["monoscale"]) == 3  # two rounds with model-written tasks and entries
 
 
 def _pool(tmp_path):
@@ -224,3 +230,19 @@ def test_memory_lines_round_trip_and_the_lm_distiller_reads_a_models_entries():
     out = LMDistiller(canned_reply)(evidence, "agent4", {"type2": "agent0", "type5": "agent0"})
     assert "type2: 3/3; agent0 0/3\ntype5: 0/1; agent0 1/1" in asked[0]
     assert [(e.when, e.prefer, e.evidence) for e in out] == [("type2", True, 6), ("type5", False, 2)]
+
+
+def test_the_lm_familiarizer_reads_typed_task_lines():
+    import random as _random
+
+    from rl.monoscale import LMFamiliarizer
+    asked = []
+
+    def canned_reply(prompts):  # a fixed model answer: this checks the prompt and the parsing
+        asked.extend(prompts)
+        return ["type2: sum the column\nnonsense line\ntype9: unknown type\ntype0: route this elsewhere\ntype2: more"]
+    samples = [Task(f"s{i}", "type1", f"sample {i}") for i in range(3)]
+    tasks = LMFamiliarizer(canned_reply, samples)(AgentCard("agent4", "a specialist for type2"),
+                                                   ["type0", "type1", "type2"], 2, _random.Random(0))
+    assert [(t.kind, t.text) for t in tasks] == [("type2", "sum the column"), ("type0", "route this elsewhere")]
+    assert "agent4: a specialist for type2" in asked[0] and "type1: sample 0" in asked[0] and "Write 2 tasks" in asked[0]

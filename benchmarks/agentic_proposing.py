@@ -109,7 +109,7 @@ def _plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"mgpo": "tab:blue", "grpo": "tab:orange"}
     for ax, key, label in ((axes[0], "verified", "share of valid problems"),
-                           (axes[1], "in_band", "valid problems in the 0.125 <= rho <= 0.875 band")):
+                           (axes[1], "in_band", "valid problems with 0.125 <= rho <= 0.875")):
         for arm in ARMS:
             for r in report["per_seed"]:
                 ys = r["arms"][arm]["curves"][key]

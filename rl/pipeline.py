@@ -195,6 +195,11 @@ def stage_cfg(ctx: StageContext) -> DictConfig:
     return OmegaConf.merge(ctx.cfg, {"data": {"prompt_prefix": f"{text}\n\n"}})
 
 
+def prompt_row_columns(d: DictConfig) -> list[str]:
+    """The columns of a train/eval row: the prompt, the answer and `data.metadata_columns`."""
+    return [d.prompt_column, d.answer_column, *d.metadata_columns]
+
+
 def _rows(ctx: StageContext, split: str, columns: list[str]) -> list[dict]:
     path = ctx.artifact(split)
     return load_rows(path, columns, f"data.{split}_path") if path else []
@@ -227,8 +232,7 @@ class DataStage(Stage):
         cfg, d = ctx.cfg, ctx.cfg.data
         paths = {k: v for k, v in prepare_data(cfg, ctx.output_dir).items() if v}
         # read every split now: a missing file, column or empty set fails here, before any training
-        columns = {"train": [d.prompt_column, d.answer_column, *d.metadata_columns],
-                   "eval": [d.prompt_column, d.answer_column, *d.metadata_columns],
+        columns = {"train": prompt_row_columns(d), "eval": prompt_row_columns(d),
                    "sft": [d.prompt_column, d.target_column]}
         for split, path in paths.items():
             if split in columns and (split != "sft" or cfg.sft.enabled):
@@ -266,9 +270,9 @@ class RLStage(Stage):
         cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.output_dir
         d, tc = cfg.data, cfg.trainer
         train_path = ctx.require("train")
-        train_rows = load_rows(train_path, [d.prompt_column, d.answer_column, *d.metadata_columns], "data.train_path")
+        train_rows = load_rows(train_path, prompt_row_columns(d), "data.train_path")
         ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
-        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column, *d.metadata_columns])
+        eval_rows = _rows(ctx, "eval", prompt_row_columns(d))
         policy_path = ctx.require("policy")
         ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
         tokenizer = load_tokenizer(ctx.require("base_model"))
@@ -412,7 +416,7 @@ class EvaluateStage(Stage):
     def run(self, ctx: StageContext) -> dict[str, str]:
         cfg, rt = stage_cfg(ctx), ctx.runtime
         d = cfg.data
-        eval_rows = _rows(ctx, "eval", [d.prompt_column, d.answer_column, *d.metadata_columns])
+        eval_rows = _rows(ctx, "eval", prompt_row_columns(d))
         if not eval_rows:
             return {}
         workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)

@@ -54,7 +54,7 @@ class ProposerSolverSFT(Stage):
         from omegaconf import OmegaConf
 
         from rl.data import load_rows
-        from rl.pipeline import _sft_stage, _start_judges, stage_cfg
+        from rl.pipeline import _sft_stage, _start_judges, prompt_row_columns, stage_cfg
         from rl.trainer import generate, make_rollout_workers, reward_items
         from rollout.base import load_tokenizer
         cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.stage_dir
@@ -73,8 +73,7 @@ class ProposerSolverSFT(Stage):
             raise StageError(f"stage {ctx.name!r}: solutions {self.solutions!r} names no reward.judges entry "
                              f"(known: {sorted(rt.judges)})")
         d = cfg.data
-        seeds = load_rows(ctx.require(self.seeds), [d.prompt_column, d.answer_column, *d.metadata_columns],
-                          f"stage {ctx.name} seeds")
+        seeds = load_rows(ctx.require(self.seeds), prompt_row_columns(d), f"stage {ctx.name} seeds")
         rows = [seeds[i % len(seeds)] for i in range(self.proposals)]
         tok = load_tokenizer(ctx.require("base_model"))
         workers = make_rollout_workers(cfg, proposer, rt.placement)

@@ -249,6 +249,7 @@ class RLTrainer:
         dropped: list[Batch] = []
         have, rounds, seen, informative_seen = 0, 0, 0, 0
         staleness: list[int] = []
+        sampler_metrics: dict[str, float] = {}  # the prompt sampler's, after its last observed batch
         timing["generate"] = timing["reward"] = 0.0
         while have < want and rounds < (a.max_sampling_rounds if a.dynamic_sampling else 1):
             t0 = time.perf_counter()
@@ -267,7 +268,7 @@ class RLTrainer:
                            failed_leave_loss=self.cfg.reward.failed_samples == "exclude")
             apply_length_shaping(batch, a, cfg.rollout.max_new_tokens)
             if hasattr(self.sampler, "observe"):  # a sampler that adapts to the scored samples (curriculum)
-                sampler_metrics = self.sampler.observe(batch)
+                sampler_metrics.update(self.sampler.observe(batch))
             timing["reward"] += time.perf_counter() - t0
             rounds += 1
             seen += want
@@ -291,8 +292,7 @@ class RLTrainer:
             kept.append(pool.select(list(range((want - have) * n))))
         batch = Batch.concat(kept)
         metrics: dict[str, float] = {"rollout/staleness": float(max(staleness))}
-        if hasattr(self.sampler, "observe"):
-            metrics.update(sampler_metrics)
+        metrics.update(sampler_metrics)
         if a.dynamic_sampling:
             metrics["sampling/rounds"] = float(rounds)
             metrics["sampling/informative_frac"] = informative_seen / max(1, seen)

@@ -291,11 +291,14 @@ class LMRouter:
 
     def __call__(self, tasks: list[Task], memory: RouterMemory, cards: list[AgentCard]) -> list[str]:
         said = self.generate([router_prompt(t, memory, cards) for t in tasks])
-        out = []
-        for text in said:
-            found = [(text.find(c.name), -len(c.name), c.name) for c in cards if c.name in text]
-            out.append(min(found)[2] if found else "")  # the earliest; at one position the longest (agent10, not agent1)
-        return out
+        return [first_agent_named(text, [c.name for c in cards]) or "" for text in said]
+
+
+def first_agent_named(text: str, names: list[str]) -> str | None:
+    """The agent a router's answer names: the earliest name in it; at one position the longest (agent10, not
+    agent1); None when it names none."""
+    found = [(text.find(n), -len(n), n) for n in names if n in text]
+    return min(found)[2] if found else None
 
 
 NOT_PREFERRED = " (registered, not preferred)"

@@ -60,7 +60,8 @@ class MonoScaleStage(Stage):
 
         from cluster.ray_utils import actor_env
         from rewards.judges import start_judges
-        from rl.config import JudgeConfig, as_container
+        from rl.config import as_container
+        from rl.pipeline import engine_actor_config
         cfg, out = ctx.cfg, ctx.stage_dir
         shutil.rmtree(out / "memory", ignore_errors=True)  # a re-run logs its own decisions only
         out.mkdir(parents=True, exist_ok=True)
@@ -69,8 +70,7 @@ class MonoScaleStage(Stage):
                 raise StageError(f"stage {ctx.name!r}: {role} {name!r} names no reward.judges entry "
                                  f"(known: {list(cfg.reward.judges)})")
         jc = (as_container(cfg.reward.judges[self.router]) if self.router else
-              {**asdict(JudgeConfig()), "engine_params": as_container(cfg.rollout.engine_params),
-               "engine": cfg.rollout.engine, "dtype": cfg.model.dtype, "threads": cfg.rollout.threads, "num_cpus": 0})
+              engine_actor_config(cfg))
         jc.update(temperature=0.0, max_new_tokens=self.max_new_tokens, chat_template=bool(jc.get("chat_template")))
         policy = ctx.require("policy")
         client = start_judges({"router": jc}, jc.get("model_path") or policy, env=actor_env())["router"]

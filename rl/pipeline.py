@@ -507,6 +507,16 @@ def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
     return summary
 
 
+def engine_actor_config(cfg: DictConfig, **overrides: Any) -> dict[str, Any]:
+    """A judge-group config (`rewards.judges.start_judges`) that serves a model the way the rollout engines do
+    (engine, its params, dtype, threads), for stages that run a frozen model of their own."""
+    from dataclasses import asdict
+
+    from rl.config import JudgeConfig
+    return {**asdict(JudgeConfig()), "engine": cfg.rollout.engine, "engine_params": as_container(cfg.rollout.engine_params),
+            "dtype": cfg.model.dtype, "threads": cfg.rollout.threads, "num_cpus": 0, **overrides}
+
+
 def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summary: dict,
                   artifact: Any = None) -> dict[str, Any]:
     """Start `reward.judges` (null model paths: the initial policy; `artifact:NAME`: an earlier stage's

@@ -142,14 +142,11 @@ class ProposerSolverSFT(Stage):
 
     def _accuracy(self, cfg: Any, model: str, rows: list[dict]) -> float:
         """Greedy exact-answer accuracy of `model` on `rows`, from a frozen engine actor."""
-        from dataclasses import asdict
-
         from cluster.ray_utils import actor_env
         from rewards.judges import start_judges
-        from rl.config import JudgeConfig, as_container
-        jc = {**asdict(JudgeConfig()), "engine": cfg.rollout.engine, "engine_params": as_container(cfg.rollout.engine_params),
-              "threads": cfg.rollout.threads, "dtype": cfg.model.dtype, "max_new_tokens": self.max_new_tokens,
-              "num_cpus": 0, "num_gpus": self.eval_num_gpus, "chat_template": bool(cfg.data.chat_template)}
+        from rl.pipeline import engine_actor_config
+        jc = engine_actor_config(cfg, max_new_tokens=self.max_new_tokens, num_gpus=self.eval_num_gpus,
+                                 chat_template=bool(cfg.data.chat_template))
         client = start_judges({"solver": jc}, model, env=actor_env())["solver"]
         try:
             said = client.generate([r["prompt"] for r in rows])

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rl.monoscale import AgentCard, MemoryEntry, RouterMemory, Task, router_prompt
+from rl.monoscale import AgentCard, MemoryEntry, RouterMemory, Task, first_agent_named, router_prompt
 from rl.registry import register
 from rollout.envs import Env, EnvStep
 from rollout.tools import run_python
@@ -79,8 +79,7 @@ class AgentRouterEnv(Env):
 
     def step(self, action: str) -> EnvStep:
         sub = self.subtasks[self.turn]
-        found = [(action.find(c.name), -len(c.name), c.name) for c in self.cards if c.name in action]
-        name = min(found)[2] if found else None
+        name = first_agent_named(action, list(self.agents))
         said = self._run(self.agents[name], sub["text"]) if name else ""
         truth = str(sub.get("answer", "")).strip()
         ok = bool(truth) and (said == truth if self.judge == "exact" else truth in said)

@@ -2,7 +2,8 @@
 
 `build_tiny_tokenizer()` is a character-level tokenizer (the `tokenizers` library's WordLevel
 model over single characters) wrapped in `PreTrainedTokenizerFast`, with pad/eos/bos set, left
-padding for generation and a chat template. `build_tiny_model()` is a small `LlamaForCausalLM`.
+padding for generation and a chat template (assistant turns end with EOS; system, user and tool turns are
+all input after `<|user|>`). `build_tiny_model()` is a small `LlamaForCausalLM`.
 `save_tiny(dir)` writes both in HF format, loadable with `from_pretrained`.
 """
 
@@ -18,7 +19,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>"]
 CHARACTERS = string.digits + string.ascii_letters + " \n+-*/=,.:;!?()[]{}\\<>_^'\"#%&|$@~"
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% for m in messages %}{% if m['role'] != 'assistant' %}<|user|>{{ m['content'] }}"
     "{% else %}<|assistant|>{{ m['content'] }}<eos>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

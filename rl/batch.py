@@ -318,13 +318,28 @@ def micro_batches_of(batch: Batch, plan: list[list[list[int]]]) -> list[list[Bat
 
 def make_sft_batch(tokenizer: Any, prompts: list[str], targets: list[str]) -> Batch:
     """Prompt (left-padded) + target + EOS (right-padded); the loss covers target and EOS."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    tgt = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in targets]
-    width = max(len(t) for t in tgt)
-    resp = torch.full((len(tgt), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(tgt), width))
-    for i, t in enumerate(tgt):
-        resp[i, :len(t)] = torch.tensor(t)
-        mask[i, :len(t)] = 1.0
-    return Batch(prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], response_ids=resp,
-                 response_mask=mask, response_attn=mask.long(), group_id=torch.arange(len(tgt)))
+    from rl.sft_data import prompt_response_example
+    return batch_of_examples([prompt_response_example(tokenizer, p, t) for p, t in zip(prompts, targets)],
+                             tokenizer.pad_token_id)
+
+
+def batch_of_examples(examples: list[Any], pad_id: int) -> Batch:
+    """`rl.sft_data.SFTExample`s as one batch: prompts left-padded, responses right-padded; `response_mask` is
+    each example's loss mask, `response_attn` covers all its response tokens (later user turns are read, not
+    trained)."""
+    n, p_width = len(examples), max(len(e.prompt_ids) for e in examples)
+    width = max(len(e.response_ids) for e in examples)
+    prompt = torch.full((n, p_width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, p_width), dtype=torch.long)
+    resp = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width))
+    attn = torch.zeros((n, width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        if e.prompt_ids:
+            prompt[i, p_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
+            prompt_mask[i, p_width - len(e.prompt_ids):] = 1
+        resp[i, :len(e.response_ids)] = torch.tensor(e.response_ids)
+        mask[i, :len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.float)
+        attn[i, :len(e.response_ids)] = 1
+    return Batch(prompt_ids=prompt, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask,
+                 response_attn=attn, group_id=torch.arange(n))

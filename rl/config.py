@@ -86,6 +86,16 @@ class SFTConfig:
     weight_decay: float = 0.0  # weight decay passed to learner.optimizer
     loop_readouts: str = "final"  # looped models: final (the NLL of the last loop's readout, what is served) | all (the NLL averaged over every loop's readout, so early exits are trained too)
     scheduler: ComponentConfig = field(default_factory=lambda: ComponentConfig("cosine"))  # SFT learning-rate schedule (registry kind "scheduler"): cosine (decay to params.min_lr_ratio, default 0.1, of lr) | constant
+    epochs: float = 0.0  # > 0: train this many passes over the SFT rows (steps = ceil(epochs * rows / batch_size)), instead of `steps`
+    format: str = "auto"  # row format of data.sft_path: auto (messages when the file has sft.messages_column) | prompt_response (data.prompt_column + data.target_column) | messages
+    messages_column: str = "messages"  # chat rows: a list of {role, content} (system | user | assistant | tool) rendered with the tokenizer's chat template; the loss covers the assistant turns only
+    max_length: int = 0  # > 0: a row longer than this many tokens after templating is a bad row
+    bad_rows: str = "error"  # error: the first bad row (missing role, empty content, no assistant turn, too long) stops the stage with a message naming the row | drop: skip bad rows and count them by reason (summary sft_dropped_rows)
+    eval_path: str | None = None  # held-out SFT rows (same format) whose loss is logged as sft/eval_loss
+    eval_fraction: float = 0.0  # without eval_path: hold out this share of the SFT rows (seeded) for sft/eval_loss
+    eval_every: int = 0  # steps between held-out loss evaluations (0: only after the last step)
+    save_every: int = 0  # steps between SFT checkpoints in output_dir/sft_checkpoints (resume: auto continues from the newest)
+    keep_checkpoints: int = 1  # SFT checkpoints kept on disk
 
 @dataclass
 class RolloutConfig:
@@ -453,6 +463,10 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.reward.failed_samples in ("exclude", "train"), "reward.failed_samples", "must be exclude or train")
     need(cfg.trainer.select_mode in ("max", "min"), "trainer.select_mode", "must be max or min")
     need(cfg.sft.loop_readouts in ("final", "all"), "sft.loop_readouts", "must be final or all")
+    need(cfg.sft.format in ("auto", "prompt_response", "messages"), "sft.format",
+         f"must be auto, prompt_response or messages, got {cfg.sft.format!r}")
+    need(cfg.sft.bad_rows in ("error", "drop"), "sft.bad_rows", f"must be error or drop, got {cfg.sft.bad_rows!r}")
+    need(0.0 <= cfg.sft.eval_fraction < 1.0, "sft.eval_fraction", f"must be in [0, 1), got {cfg.sft.eval_fraction}")
     need(cfg.trainer.select_by is None or cfg.trainer.select_by.startswith("eval/"), "trainer.select_by",
          "must name a held-out metric (eval/accuracy or eval/reward/<label>), not a training one")
     need(cfg.rollout.eval_runs >= 1, "rollout.eval_runs", "must be >= 1")

@@ -13,8 +13,9 @@ from rl.config import ConfigError
 from rl.registry import register
 
 
-def load_rows(path: str, columns: list[str], key: str) -> list[dict[str, Any]]:
-    """Load `path` and return rows restricted to `columns` (all must exist, the set must be non-empty)."""
+def open_dataset(path: str, key: str) -> Any:
+    """The `datasets.Dataset` at `path` (JSONL/JSON/Parquet/CSV or a `load_from_disk` folder), non-empty; errors
+    name the recipe `key`."""
     import datasets
 
     p = Path(path)
@@ -39,12 +40,19 @@ def load_rows(path: str, columns: list[str], key: str) -> list[dict[str, Any]]:
         raise
     except Exception as exc:
         raise ConfigError(f"{key}: cannot read dataset {path!r}: {type(exc).__name__}: {exc}") from None
+    if len(ds) == 0:
+        raise ConfigError(f"{key}: dataset {path!r} is empty")
+    return ds
+
+
+def load_rows(path: str, columns: list[str], key: str, dataset: Any = None) -> list[dict[str, Any]]:
+    """Load `path` (or use its already opened `dataset`) and return rows restricted to `columns` (all must
+    exist, the set must be non-empty)."""
+    ds = dataset if dataset is not None else open_dataset(path, key)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ConfigError(f"{key}: dataset {path!r} has no column(s) {missing}; "
                           f"its columns are {ds.column_names}")
-    if len(ds) == 0:
-        raise ConfigError(f"{key}: dataset {path!r} is empty")
     rows = ds.select_columns(columns).to_list()
     for i, row in enumerate(rows):
         for c in columns:

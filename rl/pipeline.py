@@ -11,6 +11,7 @@ can load the exported policy; both read the same weights, so the order changes n
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import sys
@@ -26,10 +27,11 @@ from cluster.learner import LearnerFailed
 from cluster.ray_utils import actor_env, init_ray, make_placement
 from rewards.service import RewardService, RewardSpec
 from rl.config import ConfigError, as_container, to_yaml
-from rl.data import format_prompt, load_rows
+from rl.data import load_rows
 from rl.evaluate import evaluate
 from rl.registry import check_params, get, register
 from rl.sft import run_sft
+from rl.sft_data import load_sft_rows, sft_examples
 from rl.stages import Stage, StageContext, StageError, make_stage, run_stages, say
 from rl.tracking import MetricsLogger
 from rl.trainer import (
@@ -232,32 +234,62 @@ class DataStage(Stage):
         cfg, d = ctx.cfg, ctx.cfg.data
         paths = {k: v for k, v in prepare_data(cfg, ctx.output_dir).items() if v}
         # read every split now: a missing file, column or empty set fails here, before any training
-        columns = {"train": prompt_row_columns(d), "eval": prompt_row_columns(d),
-                   "sft": [d.prompt_column, d.target_column]}
         for split, path in paths.items():
-            if split in columns and (split != "sft" or cfg.sft.enabled):
-                load_rows(path, columns[split], f"data.{split}_path")
+            if split in ("train", "eval"):
+                load_rows(path, prompt_row_columns(d), f"data.{split}_path")
+            elif split == "sft" and cfg.sft.enabled:
+                load_sft_rows(path, "data.sft_path", cfg.sft, d)
         return paths
 
 
 @register("stage", "sft")
 class SFTStage(Stage):
-    """Supervised warm-up of the policy on the learner group (`sft`; nothing when `sft.enabled` is false)."""
+    """Supervised fine-tuning of the policy on the learner group (`sft`; nothing when `sft.enabled` is false), on
+    `data.sft_path` (prompt/response or chat rows, `rl.sft_data`) or the synthetic task's SFT split; held-out loss
+    on `sft.eval_path` or an `sft.eval_fraction` of the rows; checkpoints every `sft.save_every` steps, from which
+    `resume: auto` continues."""
     config_keys = ("seed", "model", "sft", "data", "learner.world_size", "learner.zero_stage",
-                   "learner.micro_batch_size", "learner.grad_clip", "learner.optimizer")
+                   "learner.micro_batch_size", "learner.grad_clip", "learner.optimizer", "learner.pack_sequences",
+                   "learner.max_tokens_per_micro_batch")
     runs_in_driver = True
+
+    def input_files(self, cfg: DictConfig) -> list[str | None]:
+        return [cfg.sft.eval_path]
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         cfg = stage_cfg(ctx)
         if not cfg.sft.enabled:
             return {}
-        d = cfg.data
-        rows = _rows(ctx, "sft", [d.prompt_column, d.target_column])
+        s = cfg.sft
+        path = ctx.artifact("sft")
+        if path is None:
+            raise ConfigError("sft.enabled: no SFT data (set data.sft_path, or a data.synthetic task with an SFT split)")
         base = ctx.require("policy")
+        tokenizer = load_tokenizer(base)
+        examples, dropped = sft_examples(tokenizer, path, "data.sft_path", s, cfg.data)
+        if s.eval_path:
+            held_out, _ = sft_examples(tokenizer, s.eval_path, "sft.eval_path", s, cfg.data)
+        else:
+            examples, held_out = split_held_out(examples, s.eval_fraction, cfg.seed)
+        if dropped:
+            say(f"sft: dropped {sum(dropped.values())} bad rows of {path} ({dropped})")
         out_path = str(ctx.output_dir / "sft_model")
         shutil.rmtree(out_path, ignore_errors=True)
-        ctx.summary.update(_sft_stage(cfg, base, out_path, load_tokenizer(base), rows, ctx.runtime.placement))
+        summary = _sft_stage(cfg, base, out_path, tokenizer, examples, ctx.runtime.placement, eval_examples=held_out,
+                             fingerprint=ctx.fingerprint)
+        ctx.summary.update(summary, sft_rows=len(examples), sft_eval_rows=len(held_out), sft_dropped_rows=dropped)
         return {"policy": out_path}
+
+
+def split_held_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """A seeded held-out share `fraction` of `examples` (at least one when `fraction > 0`; at least one stays)."""
+    if fraction <= 0:
+        return examples, []
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n = min(len(examples) - 1, max(1, round(fraction * len(examples))))
+    held = set(order[:n])
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
 
 
 @register("stage", "rl")
@@ -441,7 +473,8 @@ class EvaluateStage(Stage):
         record.write_text(json.dumps(after))
         before = ctx.output_dir / "eval_before.json"
         before_acc = f"before RL {json.loads(before.read_text())['accuracy']:.3f} -> " if before.exists() else ""
-        say(f"held-out accuracy: {before_acc}after RL {after['accuracy']:.3f}")
+        trained = "after RL" if ctx.artifact("checkpoint") is not None else "of the policy"
+        say(f"held-out accuracy: {before_acc}{trained} {after['accuracy']:.3f}")
         return {"report": str(record)}
 
     def protocol(self, ctx: StageContext, workers: list[Any], tokenizer: Any, rows: list[dict]) -> dict[str, Any]:
@@ -541,20 +574,25 @@ def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summar
     return clients
 
 
-def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, rows: list[dict],
-               placement: Any) -> dict[str, float]:
-    s, lc, d = cfg.sft, cfg.learner, cfg.data
-    say(f"sft: {s.steps} steps, batch {s.batch_size}, lr {s.lr}")
+def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, examples: list, placement: Any,
+               eval_examples: list | None = None, fingerprint: str = "") -> dict[str, float]:
+    """`sft` on tokenized `examples` (`rl.sft_data`) from `model_path`, saved as an HF model at `out_path`;
+    `sft.save_every` checkpoints in `output_dir/sft_checkpoints` (tagged with the stage `fingerprint`), from
+    which `resume: auto` continues a run of the same stage."""
+    s, lc = cfg.sft, cfg.learner
+    steps = max(1, math.ceil(s.epochs * len(examples) / s.batch_size)) if s.epochs > 0 else s.steps
+    say(f"sft: {steps} steps, batch {s.batch_size}, lr {s.lr}, {len(examples)} sequences"
+        + (f", {len(eval_examples)} held out" if eval_examples else ""))
     grad_accum = max(1, -(-s.batch_size // (lc.world_size * lc.micro_batch_size)))
     group = make_learner_group(cfg, model_path, placement, lr=s.lr, weight_decay=s.weight_decay,
                                micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),
                                grad_accum=grad_accum, scheduler=s.scheduler, warmup_steps=s.warmup_steps,
-                               total_steps=s.steps)
+                               total_steps=steps)
     out = Path(out_path)
     log_path = Path(cfg.output_dir) / "sft_metrics.jsonl"
-    log_path.unlink(missing_ok=True)
+    ckpt_root = Path(cfg.output_dir) / "sft_checkpoints"
     from tqdm import tqdm
-    bar = tqdm(total=s.steps, desc="sft", file=sys.stderr, mininterval=2.0, disable=not cfg.logging.progress_bar)
+    bar = tqdm(total=steps, desc="sft", file=sys.stderr, mininterval=2.0, disable=not cfg.logging.progress_bar)
 
     def log(step: int, m: dict) -> None:
         with log_path.open("a") as f:
@@ -562,17 +600,45 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
         bar.set_postfix({"loss": f"{m['sft/loss']:.3f}"}, refresh=False)
         bar.update(1)
 
+    def save(step: int, state: dict) -> None:
+        ckpt = ckpt_root / f"step_{step}"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        group.save_checkpoint(str(ckpt), state)
+        (ckpt / "sft_state.json").write_text(json.dumps({**state, "fingerprint": fingerprint}))
+        (ckpt / "COMPLETE").write_text("")
+        done = sorted((p for p in ckpt_root.glob("step_*") if (p / "COMPLETE").exists()),
+                      key=lambda p: int(p.name.split("_")[1]))
+        for old in done[:-max(1, s.keep_checkpoints)]:
+            shutil.rmtree(old, ignore_errors=True)
+
     t0 = time.perf_counter()
     try:
-        hist = run_sft(group, tokenizer, rows, prompt_key=d.prompt_column, target_key=d.target_column,
-                       steps=s.steps, batch_size=s.batch_size, grad_accum=grad_accum, seed=cfg.seed,
-                       format_prompt=lambda p: format_prompt(p, tokenizer, d.prompt_prefix, d.chat_template),
-                       log=log, loop_readouts=s.loop_readouts)
+        resume = None
+        ckpt = latest_checkpoint(cfg.output_dir, "sft_checkpoints") if cfg.resume == "auto" else None
+        if ckpt is not None and json.loads((ckpt / "sft_state.json").read_text())["fingerprint"] != fingerprint:
+            say(f"sft: {ckpt} was written by a different SFT stage (recipe or data); starting over")
+        elif ckpt is not None:
+            resume = group.load_checkpoint(str(ckpt))
+            _truncate_metrics(log_path, int(resume["step"]))
+            bar.update(int(resume["step"]))
+            say(f"sft: resumed from {ckpt} at step {resume['step']}")
+        if resume is None:
+            log_path.unlink(missing_ok=True)
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+        hist = run_sft(group, examples, pad_id=tokenizer.pad_token_id, steps=steps, batch_size=s.batch_size,
+                       grad_accum=grad_accum, seed=cfg.seed, log=log, loop_readouts=s.loop_readouts,
+                       eval_examples=eval_examples, eval_every=s.eval_every, save=save, save_every=s.save_every,
+                       resume=resume)
         bar.close()
         group.save_hf(str(out), tokenizer_path=model_path)
     finally:
         group.shutdown()
-    return {"sft_final_loss": hist[-1]["sft/loss"], "sft_wall_s": time.perf_counter() - t0}
+    summary = {"sft_steps": steps, "sft_wall_s": time.perf_counter() - t0}
+    if hist:
+        summary["sft_final_loss"] = hist[-1]["sft/loss"]
+        if "sft/eval_loss" in hist[-1]:
+            summary["sft_eval_loss"] = hist[-1]["sft/eval_loss"]
+    return summary
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

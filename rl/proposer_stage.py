@@ -55,6 +55,7 @@ class ProposerSolverSFT(Stage):
 
         from rl.data import load_rows
         from rl.pipeline import _sft_stage, _start_judges, prompt_row_columns, stage_cfg
+        from rl.sft_data import prompt_response_example
         from rl.trainer import generate, make_rollout_workers, reward_items
         from rollout.base import load_tokenizer
         cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.stage_dir
@@ -110,9 +111,8 @@ class ProposerSolverSFT(Stage):
             sft_cfg = OmegaConf.merge(cfg, {"output_dir": str(out), "data": {"prompt_prefix": "", "chat_template": False},
                                             "sft": {"steps": steps, "batch_size": self.batch_size, "lr": self.lr,
                                                     "warmup_steps": min(cfg.sft.warmup_steps, steps // 10)}})
-            report["sft"] = _sft_stage(sft_cfg, solver, str(solver_out), tok,
-                                       [{d.prompt_column: r["prompt"], d.target_column: r["target"]} for r in sft_rows],
-                                       rt.placement)
+            examples = [prompt_response_example(tok, r["prompt"], r["target"]) for r in sft_rows]
+            report["sft"] = _sft_stage(sft_cfg, solver, str(solver_out), tok, examples, rt.placement)
             report["solver_accuracy_after"] = self._accuracy(cfg, str(solver_out), eval_rows)
         else:
             say(f"{ctx.name}: no verified problem to train on; the solver stays as it was")

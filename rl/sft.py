@@ -1,34 +1,59 @@
-"""Supervised warm-up stage: token-mean NLL of target tokens, trained on the DeepSpeed learner group."""
+"""Supervised fine-tuning: token-mean NLL of the trained tokens (global count), on the DeepSpeed learner group.
+
+The loop reads on one screen: draw a batch of tokenized examples (`rl.sft_data`) in a seeded epoch-wise order,
+take one optimizer step, now and then measure the held-out loss and write a checkpoint. The order's state is two
+integers, so a resumed run draws exactly the batches the uninterrupted one would have.
+"""
 
 from __future__ import annotations
 
-import random
 import time
+from collections.abc import Callable
 from typing import Any
 
-from rl.batch import Batch, make_sft_batch  # noqa: F401  (the SFT batch layout; re-exported)
+from rl.batch import Batch, batch_of_examples, make_sft_batch  # noqa: F401  (the SFT batch layout; re-exported)
+from rl.data import PromptSampler
+from rl.sft_data import SFTExample
 
 
-def run_sft(learners: Any, tokenizer: Any, rows: list[dict], *, prompt_key: str, target_key: str,
-            steps: int, batch_size: int, grad_accum: int, seed: int,
-            format_prompt: Any, log: Any = None, loop_readouts: str = "final") -> list[dict]:
-    """`steps` optimizer steps over shuffled `rows`; returns per-step metrics."""
-    rng = random.Random(seed)
-    order: list[int] = []
+def eval_loss(learners: Any, examples: list[SFTExample], pad_id: int, batch_size: int) -> float:
+    """Token-mean NLL of the trained tokens of `examples` under the current weights (forward only)."""
+    total, count = 0.0, 0.0
+    for i in range(0, len(examples), batch_size):
+        batch = batch_of_examples(examples[i:i + batch_size], pad_id)
+        logp = learners.compute_logprobs(batch)
+        mask = batch.response_mask
+        total -= float((logp[:, :mask.shape[1]] * mask).sum())
+        count += float(mask.sum())
+    return total / max(count, 1.0)
+
+
+def run_sft(learners: Any, examples: list[SFTExample], *, pad_id: int, steps: int, batch_size: int,
+            grad_accum: int, seed: int, log: Callable[[int, dict], None] | None = None,
+            loop_readouts: str = "final", eval_examples: list[SFTExample] | None = None, eval_every: int = 0,
+            save: Callable[[int, dict], None] | None = None, save_every: int = 0,
+            resume: dict | None = None) -> list[dict]:
+    """Optimizer steps `resume["step"] + 1 .. steps` over `examples` (from the start without `resume`, a saved
+    `{"step", "sampler"}` state); returns their metrics. `save(step, state)` is called every `save_every` steps
+    before the last; `sft/eval_loss` is measured every `eval_every` steps and after the last."""
+    sampler = PromptSampler(len(examples), seed)
+    start = 0
+    if resume is not None:
+        start = int(resume["step"])
+        sampler.load(resume["sampler"])
     history = []
-    for step in range(1, steps + 1):
-        if len(order) < batch_size:
-            perm = list(range(len(rows)))
-            rng.shuffle(perm)
-            order.extend(perm)
-        idx, order = order[:batch_size], order[batch_size:]
-        batch = make_sft_batch(tokenizer, [format_prompt(rows[i][prompt_key]) for i in idx],
-                               [str(rows[i][target_key]) for i in idx])
+    for step in range(start + 1, steps + 1):
+        batch = batch_of_examples([examples[i] for i in sampler.next(batch_size)], pad_id)
         t0 = time.perf_counter()
-        metrics = learners.sft_step(batch, grad_accum, loop_readouts)
-        metrics = {"sft/loss": metrics["loss"], "sft/grad_norm": metrics["grad_norm"], "sft/lr": metrics["lr"],
-                   "sft/step_s": time.perf_counter() - t0}
+        out = learners.sft_step(batch, grad_accum, loop_readouts)
+        metrics = {"sft/loss": out["loss"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
+                   "sft/step_s": time.perf_counter() - t0, "sft/tokens": float(batch.response_mask.sum()),
+                   "sft/epoch": sampler.epoch + sampler.pos / len(examples)}
+        if eval_examples and (step == steps or (eval_every and step % eval_every == 0)):
+            metrics["sft/eval_loss"] = eval_loss(learners, eval_examples, pad_id, batch_size)
         history.append(metrics)
         if log is not None:
             log(step, metrics)
+        if save is not None and save_every and step % save_every == 0 and step < steps:
+            save(step, {"step": step, "sampler": sampler.state()})
     return history

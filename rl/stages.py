@@ -44,6 +44,7 @@ class StageContext:
     artifacts: dict[str, dict[str, str]]  # artifacts of the stages before this one, by stage name, in order
     summary: dict[str, Any] = field(default_factory=dict)  # what this stage adds to summary.json
     runtime: Any = None  # the driver's shared services (driver stages only)
+    fingerprint: str = ""  # this stage's fingerprint (a checkpoint it writes is resumed only under the same one)
 
     @property
     def output_dir(self) -> Path:
@@ -195,7 +196,7 @@ def run_stages(cfg: DictConfig, runtime: Any, only: str | None = None) -> dict[s
             summary["stages"][name] = {"artifacts": record["artifacts"], "wall_s": record["wall_s"], "reused": True}
             continue
         _record_path(cfg, name).unlink(missing_ok=True)
-        ctx = StageContext(cfg, name, dict(artifacts))
+        ctx = StageContext(cfg, name, dict(artifacts), fingerprint=fp)
         t0 = time.perf_counter()
         if getattr(stage, "runs_in_driver", False):
             ctx.runtime = runtime

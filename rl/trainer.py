@@ -830,8 +830,9 @@ def _group_frac(batch: Batch, pred) -> float:
     return sum(bool(pred(batch.rewards[batch.group_id == g])) for g in ids) / max(1, len(ids))
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    root = Path(output_dir) / "checkpoints"
+def latest_checkpoint(output_dir: str | Path, folder: str = "checkpoints") -> Path | None:
+    """The newest complete `step_N` checkpoint in `output_dir/folder`."""
+    root = Path(output_dir) / folder
     done = [p for p in root.glob("step_*") if (p / "COMPLETE").exists()] if root.exists() else []
     return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
 

@@ -80,3 +80,37 @@ def arithmetic_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_f
     """`data.synthetic` as it is: the a+b*c= task with its wrong-order SFT targets."""
     return write_synthetic_task(out_dir, num_train=num_train, num_eval=num_eval, sft_fraction=sft_fraction,
                                 wrong_order_fraction=wrong_order_fraction, seed=seed)
+
+
+def chat_rows(problems: list[tuple[int, int, int]], rng: random.Random, wrong_order_fraction: float,
+              max_turns: int = 3) -> list[dict[str, Any]]:
+    """SFT conversations over `problems`: 1 to `max_turns` user questions in a row, each answered by the
+    assistant with its work (the wrong order of operations for a `wrong_order_fraction` share)."""
+    rows, i = [], 0
+    while i < len(problems):
+        messages = []
+        for a, b, c in problems[i:i + rng.randint(1, max_turns)]:
+            ask = prompt_of(a, b, c) if not messages else f"and {prompt_of(a, b, c)}"
+            wrong = rng.random() < wrong_order_fraction
+            messages += [{"role": "user", "content": ask},
+                         {"role": "assistant", "content": (wrong_order_target if wrong else correct_target)(a, b, c)}]
+            i += 1
+        rows.append({"messages": messages})
+    return rows
+
+
+@register("task", "arithmetic_chat")
+def arithmetic_chat_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float,
+                         wrong_order_fraction: float, seed: int, **_: Any) -> dict[str, str]:
+    """The a+b*c= task with chat SFT data: `sft.jsonl` holds multi-turn conversations (a `messages` column, as a
+    user's chat export would), RL and held-out rows are single prompts (`data.chat_template: true`)."""
+    paths = write_synthetic_task(out_dir, num_train=num_train, num_eval=num_eval, sft_fraction=sft_fraction,
+                                 wrong_order_fraction=wrong_order_fraction, seed=seed)
+    rng = random.Random(seed + 1)
+    problems = []
+    for line in Path(paths["sft"]).read_text().splitlines():
+        a, rest = json.loads(line)["prompt"].rstrip("=").split("+")
+        b, c = rest.split("*")
+        problems.append((int(a), int(b), int(c)))
+    Path(paths["sft"]).write_text("".join(json.dumps(r) + "\n" for r in chat_rows(problems, rng, wrong_order_fraction)))
+    return paths

@@ -180,6 +180,31 @@ def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1
     return _scatter(logp, rows, cols, batch), (_scatter(entropy, rows, cols, batch) if entropy is not None else None)
 
 
+@torch.no_grad()
+def sequence_embeddings(model: torch.nn.Module, batch: Any, tokens: str = "response"
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the mean of the decoder's last hidden state over its trained response tokens
+    (`response_mask`; `tokens="all"`: over every real token) `[N, d]`, and the `[N, L]` logprobs of its response
+    tokens (from the same forward, projected chunk by chunk)."""
+    module = _unwrap(model)
+    device = _device(module)
+    inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
+    h = _last_hidden(model, inputs).float()
+    P = batch.prompt_ids.shape[1]
+    mask = batch.response_mask.to(device)
+    if tokens == "all":
+        attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
+        mask = torch.cat([batch.prompt_mask, attn], dim=1).to(device).float()
+        pooled = (h * mask[..., None]).sum(1)
+    else:
+        pooled = (h[:, P:] * mask[..., None]).sum(1)
+    emb = pooled / mask.sum(1, keepdim=True).clamp(min=1)
+    rows, cols = response_positions(batch)
+    logp, _ = chunked_token_stats(output_head(module), h[rows.to(device), (P - 1 + cols).to(device)],
+                                  batch.response_ids[rows, cols].to(device))
+    return emb.cpu(), _scatter(logp, rows, cols, batch).cpu()
+
+
 def _scatter(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, batch: Any) -> torch.Tensor:
     out = values.new_zeros(batch.response_ids.shape)
     return out.index_put((rows.to(values.device), cols.to(values.device)), values)

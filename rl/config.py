@@ -96,6 +96,7 @@ class SFTConfig:
     eval_every: int = 0  # steps between held-out loss evaluations (0: only after the last step)
     save_every: int = 0  # steps between SFT checkpoints in output_dir/sft_checkpoints (resume: auto continues from the newest)
     keep_checkpoints: int = 1  # SFT checkpoints kept on disk
+    sampler: str = "auto"  # order of the SFT rows: shuffle (seeded, every epoch) | sequential (the file's order) | auto (sequential when an ordering stage such as order_ep wrote the SFT data, else shuffle)
 
 @dataclass
 class RolloutConfig:
@@ -465,6 +466,8 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.sft.loop_readouts in ("final", "all"), "sft.loop_readouts", "must be final or all")
     need(cfg.sft.format in ("auto", "prompt_response", "messages"), "sft.format",
          f"must be auto, prompt_response or messages, got {cfg.sft.format!r}")
+    need(cfg.sft.sampler in ("auto", "shuffle", "sequential"), "sft.sampler",
+         f"must be auto, shuffle or sequential, got {cfg.sft.sampler!r}")
     need(cfg.sft.bad_rows in ("error", "drop"), "sft.bad_rows", f"must be error or drop, got {cfg.sft.bad_rows!r}")
     need(0.0 <= cfg.sft.eval_fraction < 1.0, "sft.eval_fraction", f"must be in [0, 1), got {cfg.sft.eval_fraction}")
     need(cfg.trainer.select_by is None or cfg.trainer.select_by.startswith("eval/"), "trainer.select_by",

@@ -71,15 +71,17 @@ def format_prompt(text: str, tokenizer: Any, prefix: str = "", chat_template: bo
 
 
 class PromptSampler:
-    """Seeded epoch-wise shuffling of prompt indices; its state is two integers (checkpointed)."""
+    """Seeded epoch-wise shuffling of prompt indices (`shuffle=False`: the file's order every epoch, for data an
+    ordering stage arranged); its state is two integers (checkpointed)."""
 
-    def __init__(self, num_rows: int, seed: int):
-        self.num_rows, self.seed = num_rows, seed
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
         self.epoch, self.pos = 0, 0
 
     def _perm(self) -> list[int]:
         perm = list(range(self.num_rows))
-        random.Random(self.seed * 7919 + self.epoch).shuffle(perm)
+        if self.shuffle:
+            random.Random(self.seed * 7919 + self.epoch).shuffle(perm)
         return perm
 
     def next(self, k: int) -> list[int]:

@@ -275,9 +275,13 @@ class SFTStage(Stage):
             say(f"sft: dropped {sum(dropped.values())} bad rows of {path} ({dropped})")
         out_path = str(ctx.output_dir / "sft_model")
         shutil.rmtree(out_path, ignore_errors=True)
+        ordered = s.sampler == "sequential" or (s.sampler == "auto" and ctx.artifact("sft_ordering") is not None)
+        if ordered:
+            say("sft: the rows are drawn in their order (sequential sampler)")
         summary = _sft_stage(cfg, base, out_path, tokenizer, examples, ctx.runtime.placement, eval_examples=held_out,
-                             fingerprint=ctx.fingerprint)
-        ctx.summary.update(summary, sft_rows=len(examples), sft_eval_rows=len(held_out), sft_dropped_rows=dropped)
+                             fingerprint=ctx.fingerprint, shuffle=not ordered)
+        ctx.summary.update(summary, sft_rows=len(examples), sft_eval_rows=len(held_out), sft_dropped_rows=dropped,
+                           sft_sampler="sequential" if ordered else "shuffle")
         return {"policy": out_path}
 
 
@@ -575,7 +579,7 @@ def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summar
 
 
 def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, examples: list, placement: Any,
-               eval_examples: list | None = None, fingerprint: str = "") -> dict[str, float]:
+               eval_examples: list | None = None, fingerprint: str = "", shuffle: bool = True) -> dict[str, float]:
     """`sft` on tokenized `examples` (`rl.sft_data`) from `model_path`, saved as an HF model at `out_path`;
     `sft.save_every` checkpoints in `output_dir/sft_checkpoints` (tagged with the stage `fingerprint`), from
     which `resume: auto` continues a run of the same stage."""
@@ -628,7 +632,7 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
         hist = run_sft(group, examples, pad_id=tokenizer.pad_token_id, steps=steps, batch_size=s.batch_size,
                        grad_accum=grad_accum, seed=cfg.seed, log=log, loop_readouts=s.loop_readouts,
                        eval_examples=eval_examples, eval_every=s.eval_every, save=save, save_every=s.save_every,
-                       resume=resume)
+                       resume=resume, shuffle=shuffle)
         bar.close()
         group.save_hf(str(out), tokenizer_path=model_path)
     finally:

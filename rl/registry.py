@@ -32,9 +32,11 @@ _BUILTIN_MODULES = {
     "env": ["rollout.envs", "rollout.games", "rollout.proposer_env", "rollout.router_env"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],
-    "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage"],
+    "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage",
+              "rl.ep_order_stage"],
     "decoding": ["rollout.decoding"],
-    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer", "rl.tasks.monoscale"],
+    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer", "rl.tasks.monoscale",
+             "rl.tasks.domains"],
     "scheduler": ["rl.optim"],
     "sampler": ["rl.data", "rl.proposer"],
 }

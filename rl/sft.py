@@ -32,11 +32,12 @@ def run_sft(learners: Any, examples: list[SFTExample], *, pad_id: int, steps: in
             grad_accum: int, seed: int, log: Callable[[int, dict], None] | None = None,
             loop_readouts: str = "final", eval_examples: list[SFTExample] | None = None, eval_every: int = 0,
             save: Callable[[int, dict], None] | None = None, save_every: int = 0,
-            resume: dict | None = None) -> list[dict]:
+            resume: dict | None = None, shuffle: bool = True) -> list[dict]:
     """Optimizer steps `resume["step"] + 1 .. steps` over `examples` (from the start without `resume`, a saved
     `{"step", "sampler"}` state); returns their metrics. `save(step, state)` is called every `save_every` steps
-    before the last; `sft/eval_loss` is measured every `eval_every` steps and after the last."""
-    sampler = PromptSampler(len(examples), seed)
+    before the last; `sft/eval_loss` is measured every `eval_every` steps and after the last. `shuffle=False` draws
+    the examples in their order (data an ordering stage arranged)."""
+    sampler = PromptSampler(len(examples), seed, shuffle)
     start = 0
     if resume is not None:
         start = int(resume["step"])

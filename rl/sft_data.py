@@ -32,6 +32,7 @@ class SFTExample:
     prompt_ids: list[int]
     response_ids: list[int]
     loss_mask: list[int]
+    row: int = -1  # its row in the source file (bad rows dropped before it do not shift it)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -133,6 +134,7 @@ def tokenize_sft_rows(tokenizer: Any, rows: list[dict], *, source: str, messages
                 raise ConfigError(f"{source} row {i}: {bad} (sft.bad_rows: drop skips such rows)") from None
             dropped[bad.reason] += 1
             continue
+        ex.row = i
         examples.append(ex)
     if not examples:
         raise ConfigError(f"{source}: no usable row ({dict(dropped)} dropped)")

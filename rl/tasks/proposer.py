@@ -17,13 +17,13 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 from rl.proposer import Skill, compose, load_skills
 from rl.registry import register
+from rl.tasks import write_splits
 
 SKILLS_PATH = Path(__file__).resolve().parents[2] / "recipes" / "skills" / "arithmetic.jsonl"
 STYLES = {"expert": 0.55, "no_tool": 0.2, "drop_skill": 0.1, "unused_tool": 0.15}
@@ -105,12 +105,7 @@ def write_proposer_task(out_dir: str | Path, *, num_sft: int = 6000, num_train: 
     for _ in range(num_solver_eval):
         problem, values = compose(_seed(library, rng), rng)
         splits["solver_eval"].append({"prompt": solver_prompt(problem), "answer": str(values[-1])})
-    paths = {}
-    for name, rows in splits.items():
-        path = out / f"proposer_{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        paths[name] = str(path)
-    return paths
+    return write_splits(out, splits, prefix="proposer_")
 
 
 def harness_tokens(skills_path: str | Path = SKILLS_PATH) -> list[str]:

@@ -91,7 +91,7 @@ class SFTConfig:
     messages_column: str = "messages"  # chat rows: a list of {role, content} (system | user | assistant | tool) rendered with the tokenizer's chat template; the loss covers the assistant turns only
     max_length: int = 0  # > 0: a row longer than this many tokens after templating is a bad row
     bad_rows: str = "error"  # error: the first bad row (missing role, empty content, no assistant turn, too long) stops the stage with a message naming the row | drop: skip bad rows and count them by reason (summary sft_dropped_rows)
-    eval_path: str | None = None  # held-out SFT rows (same format) whose loss is logged as sft/eval_loss
+    eval_path: str | None = None  # held-out SFT rows (same format) whose loss is logged as sft/eval_loss; null: the synthetic task's sft_val split if it has one
     eval_fraction: float = 0.0  # without eval_path: hold out this share of the SFT rows (seeded) for sft/eval_loss
     eval_every: int = 0  # steps between held-out loss evaluations (0: only after the last step)
     save_every: int = 0  # steps between SFT checkpoints in output_dir/sft_checkpoints (resume: auto continues from the newest)

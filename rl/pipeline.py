@@ -267,8 +267,9 @@ class SFTStage(Stage):
         base = ctx.require("policy")
         tokenizer = load_tokenizer(base)
         examples, dropped = sft_examples(tokenizer, path, "data.sft_path", s, cfg.data)
-        if s.eval_path:
-            held_out, _ = sft_examples(tokenizer, s.eval_path, "sft.eval_path", s, cfg.data)
+        held_path = s.eval_path or ctx.artifact("sft_val")
+        if held_path:
+            held_out, _ = sft_examples(tokenizer, held_path, "sft.eval_path", s, cfg.data)
         else:
             examples, held_out = split_held_out(examples, s.eval_fraction, cfg.seed)
         if dropped:
@@ -594,6 +595,7 @@ def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, 
                                total_steps=steps)
     out = Path(out_path)
     log_path = Path(cfg.output_dir) / "sft_metrics.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     ckpt_root = Path(cfg.output_dir) / "sft_checkpoints"
     from tqdm import tqdm
     bar = tqdm(total=steps, desc="sft", file=sys.stderr, mininterval=2.0, disable=not cfg.logging.progress_bar)

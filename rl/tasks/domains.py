@@ -62,3 +62,25 @@ def string_domains_task(out_dir: str | Path, *, num_train: int, num_eval: int, s
     n_sft = int(num_train * sft_fraction)
     splits = {"sft": rows[:n_sft], "train": rows[n_sft:num_train], "eval": rows[num_train:]}
     return write_splits(out_dir, splits)
+
+
+def corrupt(row: dict[str, str], rng: random.Random) -> dict[str, Any]:
+    """The row with its target replaced by random letters (a corrupted sample of the pool)."""
+    noise = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 14)))
+    return {**row, "target": noise, "answer": noise, "clean": False}
+
+
+@register("task", "noisy_domains")
+def noisy_domains_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float, seed: int,
+                       corrupt_fraction: float = 0.5, **_: Any) -> dict[str, str]:
+    """A data-selection pool: `sft.jsonl` holds `sft_fraction` of `num_train` string_domains rows, a
+    `corrupt_fraction` of them with random targets (column `clean`); `sft_val.jsonl` holds `num_eval` clean rows
+    with targets (the validation set of the selection); `train.jsonl` and `eval.jsonl` are clean prompts."""
+    rng = random.Random(seed)
+    rows = domain_rows(num_train + 2 * num_eval, rng)
+    rng.shuffle(rows)
+    n_sft = int(num_train * sft_fraction)
+    pool = [corrupt(r, rng) if rng.random() < corrupt_fraction else {**r, "clean": True} for r in rows[:n_sft]]
+    splits = {"sft": pool, "train": rows[n_sft:num_train], "eval": rows[num_train:num_train + num_eval],
+              "sft_val": rows[num_train + num_eval:]}
+    return write_splits(out_dir, splits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -75,6 +76,22 @@ class Placement:
 
     def remove(self) -> None:
         remove_placement_group(self.group)
+
+
+def bundle_options(placement: Placement | None, index: int, num_gpus: float = 0.0, num_cpus: float = 0.0
+                   ) -> dict[str, Any]:
+    """Ray options that run an actor or task in the run's learner bundle `index` (modulo their count), taking
+    `num_gpus` of its device: how a stage's helper actors use the reserved resources while no learner holds
+    them (outside the placement group a GPU request could never be met on a node it fills)."""
+    opts: dict[str, Any] = {"num_cpus": num_cpus}
+    if num_gpus:
+        opts["num_gpus"] = num_gpus
+    if placement is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        bundles = placement.learner_bundles
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement.group, placement_group_bundle_index=bundles[index % len(bundles)])
+    return opts
 
 
 def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollout_cpus: float,

@@ -9,7 +9,8 @@
 3. Per round (the pool in `rounds` shards, as data arrives in the paper): the proxy is reset to its warm-up, a
    score model is built on its backbone, `outer_steps` bilevel steps run on `world_size` data-parallel Ray
    actors (gloo/NCCL, the softmax over the global batch of `batch_size` rows), then the shard is scored and its
-   top `ratio` kept.
+   top `ratio` kept. The ranks and the target actor run in the run's learner bundles (no learner holds them
+   during this stage): `num_gpus_per_rank` + `target_num_gpus` must fit one device.
 
 Artifacts: `sft` (the selected rows, JSONL, for the SFT stage that follows), `bliss_scores` (Parquet: row, round,
 score), `bliss_selection` (JSON: selected rows per round, the bilevel metrics).
@@ -136,6 +137,7 @@ class BlissStage(Stage):
         from omegaconf import OmegaConf
 
         from cluster.learner import free_port
+        from cluster.ray_utils import bundle_options
         from rl.batch import batch_of_examples
         from rl.pipeline import _sft_stage, stage_cfg
         from rl.sft_data import load_sft_rows, sft_examples
@@ -172,11 +174,13 @@ class BlissStage(Stage):
                                                   "sft": {"steps": self.target_warmup_steps}}), base,
                        str(target_path), tok, pool, ctx.runtime.placement)
             base = produced["policy"] = str(target_path)
-        target = ray.remote(TargetLogprobs).options(num_cpus=0, num_gpus=self.target_num_gpus).remote(
+        placement = ctx.runtime.placement  # rank r in learner bundle r, the target beside rank 0
+        target = ray.remote(TargetLogprobs).options(**bundle_options(placement, 0, self.target_num_gpus)).remote(
             base, cfg.model.dtype, cfg.model.trust_remote_code)
         port = free_port()
-        workers = [ray.remote(BlissWorker).options(num_cpus=0, num_gpus=self.num_gpus_per_rank).remote(
-            r, self.world_size, "127.0.0.1", port, self.hyper, cfg.learner.threads) for r in range(self.world_size)]
+        addr = "127.0.0.1" if self.world_size == 1 else ray.util.get_node_ip_address()
+        workers = [ray.remote(BlissWorker).options(**bundle_options(placement, r, self.num_gpus_per_rank)).remote(
+            r, self.world_size, addr, port, self.hyper, cfg.learner.threads) for r in range(self.world_size)]
         per_rank = self.batch_size // self.world_size
         scores = torch.zeros(len(pool))
         shards = [list(range(len(pool)))[r::self.rounds] for r in range(self.rounds)]

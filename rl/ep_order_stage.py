@@ -86,6 +86,7 @@ class EPOrderStage(Stage):
         import ray
         from omegaconf import OmegaConf
 
+        from cluster.ray_utils import bundle_options
         from rl.pipeline import _sft_stage, stage_cfg
         from rl.sft_data import load_sft_rows, sft_examples
         from rollout.base import load_tokenizer
@@ -112,7 +113,7 @@ class EPOrderStage(Stage):
                           ctx.runtime.placement)
 
         # 2. embed every row (a Ray task beside the cluster's actors)
-        task = ray.remote(embed_examples).options(num_cpus=1, num_gpus=self.embed_num_gpus)
+        task = ray.remote(embed_examples).options(**bundle_options(ctx.runtime.placement, 0, self.embed_num_gpus))
         emb, losses = ray.get(task.remote(str(warm_path), examples, tokenizer.pad_token_id, self.embed_batch_size,
                                           self.embed_tokens, cfg.model.dtype, cfg.model.trust_remote_code))
 

@@ -1,5 +1,6 @@
 """BLISS (shared/specs/stages.md §3): the implicit hypergradient against finite differences on a quadratic lower
-level, the softmax Jacobian against autograd, and one outer step split over two ranks equal to one rank."""
+level, the softmax Jacobian against autograd, and one outer step split over two ranks equal to one rank (the
+`select_bliss` stage runs end to end in tests/rl/test_data_stages.py)."""
 
 import copy
 import os
@@ -146,40 +147,3 @@ def test_an_outer_step_over_two_ranks_equals_one_rank_on_the_whole_batch(tmp_pat
     proxy0, score0, _, _, _ = _setup()
     assert any(not torch.allclose(proxy0.state_dict()[k], v) for k, v in ref_proxy.items())
     assert any(not torch.allclose(copy.deepcopy(score0).state_dict()[k], v) for k, v in ref_score.items())
-
-
-@pytest.mark.slow
-def test_select_bliss_stage_scores_the_pool_and_the_sft_stage_trains_on_the_selection(ray_cluster, tmp_path):
-    """Through Ray: proxy and target warm-ups on the learner group, the target's log-probabilities from a frozen
-    actor, two data-parallel bilevel ranks; scores for every pool row in Parquet, the top 20% written as the SFT
-    data that the next stage reads."""
-    import json
-
-    import pandas as pd
-
-    from rl import config
-    from rl.pipeline import run
-    from tests.rl.test_pipeline import ROOT, TINY
-    out = tmp_path / "run"
-    stages = ("stages=[{name: model}, {name: data}, {name: select_bliss, params: {ratio: 0.2, rounds: 2, "
-              "outer_steps: 3, batch_size: 8, val_batch_size: 2, inner_steps: 2, z_loops: 2, lr: 1e-3, "
-              "score_lr: 1e-3, gamma: 0.01, proxy: {hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
-              "intermediate_size: 64}, proxy_warmup_steps: 2, target_warmup_steps: 2, world_size: 2}}, {name: sft}]")
-    summary = run(config.load(ROOT / "recipes/bliss_select_sft_tiny.yaml", [
-        f"output_dir={out}", *TINY, "data.synthetic.num_train=200", "data.synthetic.num_eval=10", "sft.steps=2",
-        "sft.batch_size=8", stages]))
-    pool = [json.loads(x) for x in (out / "data" / "sft.jsonl").read_text().splitlines()]
-    scores = pd.read_parquet(out / "stages" / "select_bliss" / "bliss_scores.parquet")
-    assert sorted(scores["row"]) == list(range(len(pool))) and scores["score"].between(0, 1).all()
-    assert set(scores["round"]) == {0, 1}
-    report = json.loads((out / "stages" / "select_bliss" / "bliss_selection.json").read_text())
-    per_round = report["selected_per_round"]
-    for rnd, chosen in enumerate(per_round):  # each round keeps the top 20% of its shard
-        shard = scores[scores["round"] == rnd].sort_values(["score", "row"], ascending=[False, True])
-        assert sorted(chosen) == sorted(shard["row"][:len(shard) // 5])
-    assert len(report["history"]) == 6 and all(h["z_norm"] > 0 for h in report["history"])
-    selected = [json.loads(x) for x in (out / "stages" / "select_bliss" / "sft_selected.jsonl").read_text().splitlines()]
-    assert selected == [{"prompt": pool[i]["prompt"], "target": pool[i]["target"]} for i in sorted(sum(per_round, []))]
-    # the SFT stage trained the warmed-up target on the selection, its held-out loss on the clean split
-    assert summary["sft_rows"] == len(selected) and summary["sft_eval_rows"] == 10
-    assert summary["stages"]["select_bliss"]["artifacts"]["policy"].endswith("target")

@@ -274,12 +274,16 @@ def onboard(memory: RouterMemory, new: AgentCard, pool_cards: list[AgentCard], r
     return OnboardingResult(updated, record, [(t.id, t.kind, a, s) for t, a, s in evidence])
 
 
-ROUTER_PROMPT = "Agents:\n{cards}\nMemory:\n{memory}\nTask ({kind}): {text}\nAgent:"
+# The task comes first, so that a causal router reads the memory and the cards knowing what they are for.
+ROUTER_PROMPT = "Task ({kind}): {text}\nMemory:\n{memory}\nAgents:\n{cards}\nAgent:"
 
 
 def router_prompt(task: Task, memory: RouterMemory, cards: list[AgentCard]) -> str:
+    """The router's prompt: the task, the memory entries about its type (retrieved by `when`; all of them for a
+    task of no type) and the agent cards."""
     lines = "\n".join(f"- {c.name}: {c.description}" for c in cards)
-    return ROUTER_PROMPT.format(cards=lines, memory=memory.text() or "(empty)", kind=task.kind, text=task.text)
+    relevant = RouterMemory(tuple(e for e in memory.entries if not task.kind or e.when == task.kind))
+    return ROUTER_PROMPT.format(cards=lines, memory=relevant.text() or "(empty)", kind=task.kind, text=task.text)
 
 
 class LMRouter:

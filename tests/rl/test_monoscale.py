@@ -111,9 +111,11 @@ def test_the_lm_router_reads_the_first_agent_name_it_says():
     router = LMRouter(lambda prompts: next(said))
     tasks = [Task("t1", "type0"), Task("t2", "type1"), Task("t3", "type2")]
     assert router(tasks, RouterMemory(), cards) == ["agent10", "agent3", ""]
-    prompt = router_prompt(tasks[0], RouterMemory().extended([MemoryEntry("agent3", "type0")]), cards[:2])
-    assert prompt == ("Agents:\n- agent0: a generalist agent\n- agent1: a generalist agent\nMemory:\n"
-                      "- use agent3 for type0\nTask (type0): \nAgent:")
+    memory = RouterMemory().extended([MemoryEntry("agent3", "type0"), MemoryEntry("agent1", "type1", prefer=False)])
+    prompt = router_prompt(tasks[0], memory, cards[:2])
+    assert prompt == ("Task (type0): \nMemory:\n- use agent3 for type0\nAgents:\n- agent0: a generalist agent\n"
+                      "- agent1: a generalist agent\nAgent:")  # only the entries about the task's type
+    assert "avoid agent1 for type1" in router_prompt(Task("t4", ""), memory, cards[:2])  # no type: all of them
 
 
 def test_the_router_task_teaches_reading_the_context():
@@ -186,10 +188,10 @@ def test_the_router_env_runs_the_named_agent_and_judges_its_answer(tmp_path):
     row = {"subtasks": [{"text": "2+3", "kind": "sum", "answer": "5"}, {"text": "4+4", "kind": "sum", "answer": "8"},
                         {"text": "1+1", "kind": "sum", "answer": "2"}]}
     first = env.reset("ignored", row, None)
-    assert first.endswith("Memory:\n- use agent10 for sum\nTask (sum): 2+3\nAgent:")
+    assert first.startswith("Task (sum): 2+3\nMemory:\n- use agent10 for sum\nAgents:") and first.endswith("\nAgent:")
     right = env.step(" agent10")
     assert right.reward == 1.0 and right.info == {"agent": "agent10", "answer": "5"} and not right.done
-    assert right.observation.endswith("Task (sum): 4+4\nAgent:") and right.step_type == "route"
+    assert "Task (sum): 4+4\nMemory:" in right.observation and right.step_type == "route"
     wrong = env.step("agent1")  # the generalist answers -1
     assert wrong.reward == 0.0 and wrong.info["agent"] == "agent1"
     nobody = env.step("I do not know")

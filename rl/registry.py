@@ -28,7 +28,7 @@ _BUILTIN_MODULES = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses", "rl.rltt"],
     "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
-               "rewards.reward_model", "rewards.proposer"],
+               "rewards.reward_model", "rewards.proposer", "rewards.match"],
     "env": ["rollout.envs", "rollout.games", "rollout.proposer_env", "rollout.router_env"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],

@@ -34,3 +34,14 @@ def test_digit_credit_by_hand():
     assert digit_credit_reward("q", "123", ground_truth="123") == 0.0  # not boxed
     assert digit_credit_reward("q", "\\boxed{x}", ground_truth="123") == 0.0
     assert digit_credit_reward("q", "\\boxed{1}", ground_truth=None) is None
+
+
+def test_exact_match_reward():
+    from rewards.match import exact_match_reward
+    assert exact_match_reward("rev:abc=", " cba\n", ground_truth="cba") == 1.0
+    assert exact_match_reward("rev:abc=", "cba\nmore text", ground_truth="cba") == 1.0  # the first line counts
+    assert exact_match_reward("rev:abc=", "cba\nmore text", ground_truth="cba", first_line=False) == 0.0
+    assert exact_match_reward("q", "CBA", ground_truth="cba") == 0.0
+    assert exact_match_reward("q", "CBA", ground_truth="cba", ignore_case=True) == 1.0
+    assert exact_match_reward("q", "cb", ground_truth="cba") == 0.0
+    assert exact_match_reward("q", "cba", ground_truth=None) is None

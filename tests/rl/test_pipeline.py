@@ -101,6 +101,7 @@ def test_ppo_with_a_critic_trains_both_and_resumes_exactly(ray_cluster, tmp_path
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
+@pytest.mark.extended  # the SFT stage's run, resume and re-run on change: tests/rl/test_sft_data.py
 @pytest.mark.slow
 def test_sft_warm_up_stage_lowers_its_loss_and_is_reused(ray_cluster, tmp_path):
     args = ["sft.enabled=true", "sft.steps=30", "sft.batch_size=16", "sft.warmup_steps=2", "sft.lr=5e-3",

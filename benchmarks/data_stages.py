@@ -220,6 +220,8 @@ def main() -> None:
             print(json.dumps({"seed": seed, **{a: {"jump": v["boundary_jump"], "final": v["final_eval_loss"]}
                                                for a, v in row["ep"]["arms"].items()}}), flush=True)
         report["per_seed"].append(row)
+        # kept after every seed: a stopped sweep loses no finished seed (its finished stages are reused on rerun)
+        Path(args.out).with_suffix(".partial.json").write_text(json.dumps(report, indent=2))
     report["summary"] = summarize(report) if args.only is None else {}
     write_report(report, args.out, _plot if args.only is None else lambda r, p: None)
 

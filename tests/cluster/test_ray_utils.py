@@ -22,3 +22,24 @@ def test_actors_start_with_thread_and_malloc_settings(ray_cluster):
         assert seen.get(key) == env[key], key
     assert int(env["MALLOC_MMAP_THRESHOLD_"]) <= 32 << 20  # glibc rejects larger thresholds on 64-bit
     ray.kill(probe)
+
+
+def test_bundle_options_place_a_helper_actor_in_a_learner_bundle(ray_cluster):
+    """A stage's helper actor runs inside the run's placement group, in the learner bundle asked for (modulo the
+    bundles), so it uses the reserved resources instead of waiting for resources the group holds."""
+    from ray.util import placement_group_table
+
+    from cluster.ray_utils import bundle_options, make_placement
+    assert bundle_options(None, 3, num_gpus=0.5) == {"num_cpus": 0.0, "num_gpus": 0.5}
+    placement = make_placement(2, 1, learner_cpus=0.25, rollout_cpus=0.25, mode="split")
+    try:
+        opts = bundle_options(placement, 3)  # 3 % 2 learner bundles -> bundle 1
+        assert opts["scheduling_strategy"].placement_group_bundle_index == placement.learner_bundles[1]
+
+        @ray.remote
+        def where() -> str:
+            return ray.get_runtime_context().get_placement_group_id()
+        assert ray.get(where.options(**opts).remote()) == placement.group.id.hex()
+        assert placement_group_table(placement.group)["state"] == "CREATED"
+    finally:
+        placement.remove()

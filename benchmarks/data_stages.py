@@ -9,7 +9,7 @@ stage warms up the target and a smaller proxy on random pool rows, runs the bile
 top 20%; the warmed-up target is then fine-tuned, same budget, on (a) that selection, (b) a random 20%, (c) the
 20% of lowest loss under the warmed-up proxy. Recorded: the AUROC of the scores for clean vs corrupted rows, the
 clean share of each selection, each arm's held-out loss curve on clean rows, and the steps BLISS takes to reach
-the random arm's final held-out loss (the paper's headline, 1.7x fewer steps at 1B scale, in small).
+the random arm's best held-out loss (the paper's headline, 1.7x fewer steps at 1B scale, in small).
 
 EP-Order (`recipes/ep_order_sft_tiny.yaml`, six string-transformation domains): one SFT epoch from the same base
 model in (a) the EP order (clusters chained by centroid proximity, mixed transition regions), (b) the same
@@ -89,12 +89,15 @@ def bliss_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
                            f"sft.eval_path={val}", "stages=[{name: model}, {name: data}, {name: sft}]"],
                    base / arm, f"{arm} seed {seed}")
         curves[arm] = _eval_curve(base / arm)
-    final_random = curves["random"][-1][1]
-    reach = steps_to_reach(curves["bliss"], final_random)
+    # 400 rows overfit within the budget: the held-out loss has a minimum, and the speed-up is measured to the
+    # random arm's best loss (the steps it took to reach it over the steps BLISS needs)
+    best = {a: min(c, key=lambda x: x[1]) for a, c in curves.items()}
+    reach = steps_to_reach(curves["bliss"], best["random"][1])
     return {"auroc": roc_auc_score(clean, scores), "clean_share": {a: sum(clean[i] for i in p) / len(p)
                                                                     for a, p in picks.items()},
             "eval_curves": curves, "final_eval_loss": {a: c[-1][1] for a, c in curves.items()},
-            "bliss_steps_to_random_final": reach, "speedup": (curves["random"][-1][0] / reach) if reach else None}
+            "best_eval_loss": {a: b[1] for a, b in best.items()}, "best_step": {a: b[0] for a, b in best.items()},
+            "bliss_steps_to_random_best": reach, "speedup": (best["random"][0] / reach) if reach else None}
 
 
 def boundary_jump(losses: list[float], boundaries: list[int], window: int) -> float:
@@ -165,6 +168,7 @@ def summarize(report: dict) -> dict:
         "bliss": {"auroc": [x["auroc"] for x in b],
                   "clean_share": {a: [x["clean_share"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
                   "final_eval_loss": {a: [x["final_eval_loss"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
+                  "best_eval_loss": {a: [x["best_eval_loss"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
                   "speedup": [x["speedup"] for x in b], "speedup_mean": mean(x["speedup"] for x in b)},
         "ep_order": {a: {"boundary_jump": [x["arms"][a]["boundary_jump"] for x in e],
                          "final_eval_loss": [x["arms"][a]["final_eval_loss"] for x in e],

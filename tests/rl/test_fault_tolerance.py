@@ -123,6 +123,7 @@ def test_killed_driver_resumes_to_the_metrics_of_an_uninterrupted_run(ray_cluste
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
+@pytest.mark.extended  # hang detection runs in CI with the stuck learner; this is its rollout-side variant
 def test_a_stuck_rollout_worker_is_killed_restarted_and_its_rollout_regenerated(ray_cluster, tmp_path):
     engine = tmp_path / "stuck_engine.py"
     engine.write_text(STUCK_ENGINE.format(marker=str(tmp_path / "worker_was_stuck")))

@@ -59,7 +59,7 @@ class Collective:
 
 def global_softmax(scores: torch.Tensor, collective: Collective) -> torch.Tensor:
     """This rank's share of `softmax` over the scores of every rank (differentiable in the local scores)."""
-    everything, mine = collective.gather(scores.detach())
+    everything, _ = collective.gather(scores.detach())
     log_z = torch.logsumexp(everything, 0)
     return torch.exp(scores - log_z)
 

@@ -140,7 +140,7 @@ class BlissStage(Stage):
         from cluster.ray_utils import bundle_options
         from rl.batch import batch_of_examples
         from rl.pipeline import _sft_stage, stage_cfg
-        from rl.sft_data import load_sft_rows, sft_examples
+        from rl.sft_data import sft_examples, sft_rows_and_examples
         from rollout.base import load_tokenizer
         cfg = stage_cfg(ctx)
         pool_path = ctx.artifact("sft")
@@ -150,8 +150,7 @@ class BlissStage(Stage):
                              f"sft.eval_path or a synthetic task's sft_val split)")
         base = ctx.require("policy")
         tok = load_tokenizer(base)
-        pool, dropped = sft_examples(tok, pool_path, "data.sft_path", cfg.sft, cfg.data)
-        rows, _ = load_sft_rows(pool_path, "data.sft_path", cfg.sft, cfg.data)
+        rows, pool, dropped = sft_rows_and_examples(tok, pool_path, "data.sft_path", cfg.sft, cfg.data)
         val, _ = sft_examples(tok, val_path, f"{ctx.name} validation set", cfg.sft, cfg.data)
         out, seed, pad = ctx.stage_dir, cfg.seed, tok.pad_token_id
         rng = random.Random(seed)

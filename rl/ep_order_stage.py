@@ -88,7 +88,7 @@ class EPOrderStage(Stage):
 
         from cluster.ray_utils import bundle_options
         from rl.pipeline import _sft_stage, stage_cfg
-        from rl.sft_data import load_sft_rows, sft_examples
+        from rl.sft_data import sft_rows_and_examples
         from rollout.base import load_tokenizer
         cfg = stage_cfg(ctx)
         path = ctx.artifact("sft")
@@ -96,8 +96,7 @@ class EPOrderStage(Stage):
             raise StageError(f"{ctx.name}: no SFT data to order (set data.sft_path or a synthetic task with an SFT split)")
         base = ctx.require("policy")
         tokenizer = load_tokenizer(base)
-        examples, dropped = sft_examples(tokenizer, path, "data.sft_path", cfg.sft, cfg.data)
-        rows, _ = load_sft_rows(path, "data.sft_path", cfg.sft, cfg.data)
+        rows, examples, dropped = sft_rows_and_examples(tokenizer, path, "data.sft_path", cfg.sft, cfg.data)
         out = ctx.stage_dir
         seed = cfg.seed
 

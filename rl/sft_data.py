@@ -152,10 +152,19 @@ def load_sft_rows(path: str, key: str, sft: Any, data: Any) -> tuple[list[dict],
     return load_rows(path, [data.prompt_column, data.target_column], key, dataset=ds), None
 
 
-def sft_examples(tokenizer: Any, path: str, key: str, sft: Any, data: Any) -> tuple[list[SFTExample], dict[str, int]]:
-    """`load_sft_rows` tokenized by `tokenize_sft_rows` under the recipe's `sft` and `data` settings."""
+def sft_rows_and_examples(tokenizer: Any, path: str, key: str, sft: Any, data: Any
+                          ) -> tuple[list[dict], list[SFTExample], dict[str, int]]:
+    """The rows of an SFT file (`load_sft_rows`), read once, and their examples and dropped-row counts
+    (`tokenize_sft_rows`) under the recipe's `sft` and `data` settings; `SFTExample.row` indexes `rows`."""
     rows, messages_column = load_sft_rows(path, key, sft, data)
-    return tokenize_sft_rows(tokenizer, rows, source=f"{key} {path!r}", messages_column=messages_column,
-                             prompt_column=data.prompt_column, target_column=data.target_column,
-                             prompt_prefix=data.prompt_prefix, chat_template=data.chat_template,
-                             max_length=sft.max_length, bad_rows=sft.bad_rows)
+    examples, dropped = tokenize_sft_rows(tokenizer, rows, source=f"{key} {path!r}", messages_column=messages_column,
+                                          prompt_column=data.prompt_column, target_column=data.target_column,
+                                          prompt_prefix=data.prompt_prefix, chat_template=data.chat_template,
+                                          max_length=sft.max_length, bad_rows=sft.bad_rows)
+    return rows, examples, dropped
+
+
+def sft_examples(tokenizer: Any, path: str, key: str, sft: Any, data: Any) -> tuple[list[SFTExample], dict[str, int]]:
+    """`sft_rows_and_examples` without the rows."""
+    _, examples, dropped = sft_rows_and_examples(tokenizer, path, key, sft, data)
+    return examples, dropped

@@ -56,18 +56,14 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
         assert summary["steps"] == 2
         assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 2
 
-        # looprl's own submit: streams the job's logs and returns its exit code
+        # looprl's own submit streams the job's log and returns its exit code: a recipe that fails on the
+        # cluster (an unimportable reward plugin) fails the command, with the job's error in its output
         looprl = [sys.executable, "-m", "rl.cli", "submit", "recipes/quickstart.yaml", "--address", address]
-        ok = subprocess.run([*looprl, f"output_dir={tmp_path / 'via-looprl'}", "trainer.steps=1", *TINY_RUN],
-                            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert ok.returncode == 0, (ok.stdout[-3000:], ok.stderr[-3000:])
-        assert "held-out accuracy" in ok.stdout and "succeeded" in ok.stdout  # the job's log came through
-        assert json.loads((tmp_path / "via-looprl" / "summary.json").read_text())["steps"] == 1
-        # a recipe that fails on the cluster (an unimportable reward plugin) fails the command
         bad = subprocess.run([*looprl, f"output_dir={tmp_path / 'bad'}", "trainer.steps=1", *TINY_RUN,
                               "reward.functions=[{name: 'no_such_module:fn'}]"],
                              env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert bad.returncode != 0 and "no_such_module" in bad.stdout + bad.stderr
+        assert "failed" in bad.stdout  # the job's final status, printed once its log has ended
     finally:
         _stop_head(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)

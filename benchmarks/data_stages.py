@@ -17,6 +17,11 @@ clusters as pure blocks in a random order, (c) a full shuffle. Recorded: the tra
 boundaries (mean loss of the first `--window` steps of a segment minus the last `--window` of the one before),
 the held-out loss after the epoch on the domains of the first two clusters (forgetting), and the final held-out
 loss. These are hypotheses of the reconstruction, not claims of a paper.
+
+The chain (`recipes/data_chain_tiny.yaml`): select_bliss → order_ep → SFT → GRPO → evaluate in one recipe, against
+the same recipe with the selection replaced by a random 20% of the same pool (same warmed-up target, same
+ordering stage, SFT and RL budgets). Recorded: greedy held-out exact-match accuracy after SFT (before RL) and
+after RL, and the clean share of each selection.
 """
 
 from __future__ import annotations
@@ -30,10 +35,21 @@ from recipe_runs import run_recipe, seed_sweep_parser, write_report
 
 BLISS = "recipes/bliss_select_sft_tiny.yaml"
 EP = "recipes/ep_order_sft_tiny.yaml"
+CHAIN = "recipes/data_chain_tiny.yaml"
 
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def _write_rows(path: Path, rows: list[dict]) -> Path:
+    """Write `rows` as JSONL unless the file already holds exactly them: a rerun keeps the file's modification
+    time, so the stages that read it are reused instead of run again."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
 
 def _eval_curve(out: Path) -> list[tuple[int, float]]:
@@ -82,9 +98,8 @@ def bliss_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
     target, val = stage / "target", base / "bliss" / "data" / "sft_val.jsonl"
     curves = {"bliss": _eval_curve(base / "bliss")}
     for arm in ("random", "proxy_loss"):
-        subset = base / f"{arm}.jsonl"
-        subset.write_text("".join(json.dumps({"prompt": pool[i]["prompt"], "target": pool[i]["target"]}) + "\n"
-                                  for i in picks[arm]))
+        subset = _write_rows(base / f"{arm}.jsonl", [{"prompt": pool[i]["prompt"], "target": pool[i]["target"]}
+                                                       for i in picks[arm]])
         run_recipe(BLISS, [f"seed={seed}", data_seed, *overrides, f"model.path={target}", f"data.sft_path={subset}",
                            f"sft.eval_path={val}", "stages=[{name: model}, {name: data}, {name: sft}]"],
                    base / arm, f"{arm} seed {seed}")
@@ -124,10 +139,8 @@ def ep_seed(seed: int, runs: Path, window: int, overrides: list[str]) -> dict:
     clusters = sorted(set(labels))
     random.Random(seed).shuffle(clusters)
     blocks = [i for c in clusters for i in range(len(rows)) if labels[i] == c]
-    blocks_path = base / "cluster_blocks.jsonl"
-    blocks_path.parent.mkdir(parents=True, exist_ok=True)
-    blocks_path.write_text("".join(json.dumps({"prompt": rows[i]["prompt"], "target": rows[i]["target"]}) + "\n"
-                                   for i in blocks))
+    blocks_path = _write_rows(base / "cluster_blocks.jsonl",
+                              [{"prompt": rows[i]["prompt"], "target": rows[i]["target"]} for i in blocks])
     arms = {"ep_order": (ep, [report["path"][j] for j in range(len(report["path"]))],
                          [s["start"] for s in report["segments"][1:]])}
     shared = [*common, *overrides, "stages=[{name: model}, {name: data}, {name: sft}]"]  # the arms' own stages win
@@ -158,13 +171,40 @@ def ep_seed(seed: int, runs: Path, window: int, overrides: list[str]) -> dict:
     return out
 
 
+def chain_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
+    """The whole chain with BLISS's selection, and the same chain on a random 20% of the pool."""
+    import yaml
+    base = runs / f"seed{seed}" / "chain"
+    common = [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *overrides]
+    bliss = run_recipe(CHAIN, common, base / "bliss", f"chain with BLISS seed {seed}")
+    pool = _jsonl(base / "bliss" / "data" / "sft.jsonl")
+    stage = base / "bliss" / "stages" / "select_bliss"
+    chosen = {"bliss": sorted(sum(json.loads((stage / "bliss_selection.json").read_text())["selected_per_round"], [])),
+              "random": sorted(random.Random(seed).sample(range(len(pool)), len(pool) // 5))}
+    subset = _write_rows(base / "random.jsonl", [{"prompt": pool[i]["prompt"], "target": pool[i]["target"]}
+                                                 for i in chosen["random"]])
+    # the recipe's own stages without the selection: ordering, SFT, RL and evaluation as in the BLISS arm
+    recipe_stages = yaml.safe_load((Path(__file__).resolve().parents[1] / CHAIN).read_text())["stages"]
+    stages = [st for st in recipe_stages if st["name"] != "select_bliss"]
+    rand = run_recipe(CHAIN, [*common, f"model.path={stage / 'target'}", f"data.sft_path={subset}",
+                              f"stages={json.dumps(stages)}"], base / "random", f"chain with random 20% seed {seed}")
+    return {arm: {"accuracy_after_sft": r["accuracy_before_rl"], "accuracy_after_rl": r["accuracy_after_rl"],
+                  "sft_final_loss": r.get("sft_final_loss"),
+                  "clean_share": sum(bool(pool[i]["clean"]) for i in chosen[arm]) / len(chosen[arm]),
+                  "reward_curve": [m["reward/mean"] for m in r["metrics"]]}
+            for arm, r in (("bliss", bliss), ("random", rand))}
+
+
 def summarize(report: dict) -> dict:
     def mean(values):
         values = [v for v in values if v is not None]
         return statistics.mean(values) if values else None
     b = [r["bliss"] for r in report["per_seed"]]
     e = [r["ep"] for r in report["per_seed"]]
+    c = [r["chain"] for r in report["per_seed"]]
     return {
+        "chain": {a: {k: [x[a][k] for x in c] for k in ("accuracy_after_sft", "accuracy_after_rl", "clean_share")}
+                  for a in ("bliss", "random")},
         "bliss": {"auroc": [x["auroc"] for x in b],
                   "clean_share": {a: [x["clean_share"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
                   "final_eval_loss": {a: [x["final_eval_loss"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
@@ -182,7 +222,7 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, chain) = plt.subplots(1, 3, figsize=(16, 4))
     colors = {"bliss": "tab:blue", "random": "tab:gray", "proxy_loss": "tab:orange",
               "ep_order": "tab:blue", "cluster_blocks": "tab:red", "shuffle": "tab:gray"}
     for i, r in enumerate(report["per_seed"]):
@@ -202,6 +242,14 @@ def _plot(report: dict, path: Path) -> None:
     right.set_ylabel("training loss")
     right.set_title(f"EP-Order (seed {report['per_seed'][0]['seed']}), cluster boundaries")
     right.legend(fontsize=8)
+    for i, r in enumerate(report["per_seed"]):
+        for arm, color in (("bliss", "tab:blue"), ("random", "tab:gray")):
+            chain.plot(range(1, len(r["chain"][arm]["reward_curve"]) + 1), r["chain"][arm]["reward_curve"],
+                       color=color, alpha=0.6, label=f"{arm} 20%" if i == 0 else None)
+    chain.set_xlabel("GRPO step")
+    chain.set_ylabel("mean reward (exact match)")
+    chain.set_title("select → order → SFT → RL: reward during RL")
+    chain.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -209,10 +257,10 @@ def _plot(report: dict, path: Path) -> None:
 def main() -> None:
     p = seed_sweep_parser("data_stages", [0, 1, 2], "recipe overrides applied to every run")
     p.add_argument("--window", type=int, default=5, help="steps on each side of a cluster boundary")
-    p.add_argument("--only", choices=["bliss", "ep"], default=None, help="run one of the two studies")
+    p.add_argument("--only", choices=["bliss", "ep", "chain"], default=None, help="run one of the three studies")
     args = p.parse_args()
     runs = Path(args.runs_dir)
-    report = {"recipes": [BLISS, EP], "seeds": args.seeds, "per_seed": []}
+    report = {"recipes": [BLISS, EP, CHAIN], "seeds": args.seeds, "per_seed": []}
     for seed in args.seeds:
         row = {"seed": seed}
         if args.only in (None, "bliss"):
@@ -223,9 +271,15 @@ def main() -> None:
             row["ep"] = ep_seed(seed, runs, args.window, args.overrides)
             print(json.dumps({"seed": seed, **{a: {"jump": v["boundary_jump"], "final": v["final_eval_loss"]}
                                                for a, v in row["ep"]["arms"].items()}}), flush=True)
+        if args.only in (None, "chain"):
+            row["chain"] = chain_seed(seed, runs, args.overrides)
+            print(json.dumps({"seed": seed, **{a: {k: v[k] for k in ("accuracy_after_sft", "accuracy_after_rl")}
+                                               for a, v in row["chain"].items()}}), flush=True)
         report["per_seed"].append(row)
         # kept after every seed: a stopped sweep loses no finished seed (its finished stages are reused on rerun)
-        Path(args.out).with_suffix(".partial.json").write_text(json.dumps(report, indent=2))
+        partial = Path(args.out).with_suffix(".partial.json")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(report, indent=2))
     report["summary"] = summarize(report) if args.only is None else {}
     write_report(report, args.out, _plot if args.only is None else lambda r, p: None)
 

@@ -7,6 +7,9 @@ The learner knows no model and no method: it asks the recipe's family (`model.fa
   logprobs at the rollout temperature) and `entropy [N, L]`.
 * `looped`: looped LMs such as Ouro (`models/ouro.py`). Adds `loop_logp [N, L, T]` (every loop's readout)
   and `exit_pdf [N, L, T]` (the stick-breaking exit distribution); `logp` is then the final loop's.
+* `masked_diffusion`: masked-diffusion LMs in the LLaDA layout (`models/diffusion.py`). `logp [N, L]` is the
+  MDLM term of each response token: log p(token | noised sequence) / p at the positions the row's noise masked,
+  0 elsewhere, so the token-mean NLL the SFT step takes is the MDLM loss.
 
 `forward` takes anything with `model_inputs()`, `prompt_ids` and `response_ids` (a `rl.batch.Batch`);
 this module imports only torch and transformers.
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from models.diffusion import LLaDAConfig, mask_for_training
 from models.ouro import OuroConfig, exit_pdf
 from models.sampling import truncates, warp_logits
 
@@ -394,6 +398,66 @@ class SequenceScoreFamily:
         return {"scores": logits[:, 0].float()}
 
 
+def masked_token_logp(model: torch.nn.Module, batch: Any, *, eps: float = 1e-3, chunk_tokens: int = 512
+                      ) -> torch.Tensor:
+    """`[N, L]` MDLM terms of a masked-diffusion `model` on `batch`: each row's response is noised
+    (`models.diffusion.mask_for_training`, seeded per row by the batch extra `noise_seed`, else by the row's
+    index), the prompt stays clean, and at every masked position the term is log p(clean token) / p; unmasked
+    positions get 0. −Σ terms / (response tokens) is the MDLM (LLaDA SFT) loss; its expectation over the noise
+    bounds the response's NLL from above."""
+    module = _unwrap(model)
+    device = _device(module)
+    attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
+    seeds = batch.extras["noise_seed"].value if "noise_seed" in batch.extras else torch.arange(len(batch))
+    masked, rate = mask_for_training(attn, seeds, eps)
+    noisy = batch.response_ids.masked_fill(masked, module.config.mask_token_id)
+    inputs = {"input_ids": torch.cat([batch.prompt_ids, noisy], 1).to(device),
+              "attention_mask": torch.cat([batch.prompt_mask.long(), attn.long()], 1).to(device)}
+    h = _last_hidden(model, inputs)
+    rows, cols = masked.nonzero(as_tuple=True)
+    P = batch.prompt_ids.shape[1]
+    logp, _ = chunked_token_stats(output_head(module), h[rows.to(device), (P + cols).to(device)],
+                                  batch.response_ids[rows, cols].to(device), chunk_tokens=chunk_tokens)
+    return _scatter(logp / rate.to(logp.device)[rows.to(logp.device)], rows, cols, batch)
+
+
+class MaskedDiffusionFamily:
+    """Masked-diffusion LMs (`model_type: llada`, `models/diffusion.py`): trained by SFT with the MDLM loss through
+    the same learner (`logp` holds the per-token MDLM terms, `masked_token_logp`); sampled by the `hf` engine's
+    diffusion decoding. Their `logp` is not a sampling log-probability, so RL losses do not apply.
+
+    `eps`: the smallest mask rate (p = (1 − eps)·t + eps), LLaDA's 1e-3."""
+
+    name = "masked_diffusion"
+    outputs: tuple[str, ...] = ("logp",)
+    model_types = (LLaDAConfig.model_type,)
+    supports_packing = False
+
+    def __init__(self, chunk_tokens: int = 512, eps: float = 1e-3):
+        self.chunk_tokens, self.eps = chunk_tokens, eps
+
+    def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+             attn_implementation: str | None = None) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModel
+        config = AutoConfig.from_pretrained(path)
+        if config.model_type not in self.model_types:
+            raise ValueError(f"model family 'masked_diffusion' loads model_type llada, {path} is "
+                             f"{config.model_type!r}")
+        return AutoModel.from_pretrained(path, dtype=dtype)  # looprl's own LLaDA class: no remote code
+
+    def forward(self, model: torch.nn.Module, batch: Any, *, outputs: frozenset[str] | set[str] = frozenset({"logp"}),
+                pack: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+        if pack:
+            raise ValueError("model family 'masked_diffusion' cannot run packed sequences")
+        if set(outputs) - {"logp"} or entropy_grad:
+            raise ValueError(f"model family 'masked_diffusion' provides only its MDLM terms (logp), not "
+                             f"{sorted(set(outputs) - {'logp'}) or ['an entropy bonus']}")
+        return {"logp": masked_token_logp(model, batch, eps=self.eps, chunk_tokens=self.chunk_tokens)}
+
+
 def family_for_model_type(model_type: str) -> str:
     """The family that `model.family: auto` picks for a transformers `model_type`."""
+    if model_type in MaskedDiffusionFamily.model_types:
+        return MaskedDiffusionFamily.name
     return LoopedFamily.name if model_type in LoopedFamily.model_types else CausalFamily.name

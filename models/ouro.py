@@ -34,6 +34,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
 
+from models.common import init_weights
+
 
 class OuroConfig(PretrainedConfig):
     model_type = "ouro"
@@ -171,15 +173,7 @@ class OuroPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, LlamaRMSNorm):
-            nn.init.ones_(module.weight)
+        init_weights(module, self.config.initializer_range, (LlamaRMSNorm,))
 
 
 def _attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int,

@@ -25,10 +25,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(added_tokens: list[str] | None = None) -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer(added_tokens: list[str] | None = None, mask_token: bool = False) -> PreTrainedTokenizerFast:
     """Character-level fast tokenizer: one id per character, unknown characters map to <unk>. `added_tokens`
     are whole strings with an id each (matched in the text before it is split into characters), so a task
-    whose texts repeat fixed phrases reads them as one token each."""
+    whose texts repeat fixed phrases reads them as one token each. `mask_token`: also the masked-diffusion
+    mask token (`models.diffusion.MASK_TOKEN`, the tokenizer's `mask_token`), after every other id."""
     from tokenizers import AddedToken
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
@@ -41,8 +42,13 @@ def build_tiny_tokenizer(added_tokens: list[str] | None = None) -> PreTrainedTok
     phrases = [t for t in dict.fromkeys(added_tokens or []) if len(t) > 1]
     if phrases:
         tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in phrases])
+    extra = {}
+    if mask_token:
+        from models.diffusion import MASK_TOKEN
+        tok.add_special_tokens([MASK_TOKEN])
+        extra["mask_token"] = MASK_TOKEN
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>", padding_side="left")
+                                   bos_token="<bos>", unk_token="<unk>", padding_side="left", **extra)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -68,18 +74,22 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128,
 
 def save_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", loops: int = 4,
               added_tokens: list[str] | None = None, **model_kwargs: int) -> Path:
-    """Build the tiny tokenizer (with `added_tokens`) and model (`arch` llama, or ouro: a looped model with
-    `loops` passes) and `save_pretrained` both into `out_dir`."""
+    """Build the tiny tokenizer (with `added_tokens`) and model (`arch` llama; ouro: a looped model with `loops`
+    passes; llada: a masked-diffusion model, its tokenizer with the mask token) and `save_pretrained` both into
+    `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer(added_tokens)
-    if arch == "ouro":
+    tok = build_tiny_tokenizer(added_tokens, mask_token=arch == "llada")
+    if arch == "llada":
+        from models.diffusion import build_tiny_llada
+        model = build_tiny_llada(tok, seed=seed, **model_kwargs)
+    elif arch == "ouro":
         from models.ouro import build_tiny_ouro
         model = build_tiny_ouro(tok, seed=seed, total_ut_steps=loops, **model_kwargs)
     elif arch == "llama":
         model = build_tiny_model(tok, seed=seed, **model_kwargs)
     else:
-        raise ValueError(f"model.tiny.arch must be llama or ouro, got {arch!r}")
+        raise ValueError(f"model.tiny.arch must be llama, ouro or llada, got {arch!r}")
     tok.save_pretrained(out)
     model.save_pretrained(out)
     return out

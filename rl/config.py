@@ -30,7 +30,7 @@ class TinyModelConfig:
     num_heads: int = 4  # attention heads
     intermediate_size: int = 512  # MLP width
     max_position_embeddings: int = 128  # longest prompt+response
-    arch: str = "llama"  # llama (models/tiny.py) | ouro (a looped model, models/ouro.py)
+    arch: str = "llama"  # llama (models/tiny.py) | ouro (a looped model, models/ouro.py) | llada (a masked-diffusion model, models/diffusion.py)
     loops: int = 4  # ouro: passes over the shared layer stack (total_ut_steps)
     added_tokens: list[str] = field(default_factory=list)  # whole strings with a token id each in the character tokenizer (fixed phrases of a task read as one token)
     task_tokens: bool = False  # also add the synthetic task's phrases (its `added_tokens`, e.g. the memo_games task's hints and templates)
@@ -45,7 +45,7 @@ class ComponentConfig:
 @dataclass
 class ModelConfig:
     path: str | None = None  # HF model folder; null builds a tiny model and tokenizer in code (models/tiny.py)
-    family: str = "auto"  # model family (registry kind "family"): how the learner loads the model and what its training forward returns; auto (looped for model_type ouro, else causal) | causal | looped
+    family: str = "auto"  # model family (registry kind "family"): how the learner loads the model and what its training forward returns; auto (looped for model_type ouro, masked_diffusion for llada, else causal) | causal | looped | masked_diffusion
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when path is null
     dtype: str = "float32"  # float32 | bfloat16 for learner and rollout weights
     trust_remote_code: bool = False  # passed to transformers' from_pretrained
@@ -54,7 +54,7 @@ class ModelConfig:
 
 @dataclass
 class SyntheticTaskConfig:
-    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/tasks/facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/tasks/plans.py)
+    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/tasks/facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/tasks/plans.py) | addition (a+b= with a fixed-width sum, for masked-diffusion models)
     num_train: int = 4000  # generated training problems (SFT warm-up and RL prompts draw from disjoint parts)
     num_eval: int = 200  # held-out problems, never trained on
     sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest

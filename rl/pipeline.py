@@ -110,6 +110,13 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
         raise ConfigError(f"critic: algorithm.advantage {a.advantage!r} trains a value model on the policy's "
                           f"architecture, which model family {family_name!r} has no value head for; set "
                           f"critic.model_path to a causal LM folder")
+    if family_name == "masked_diffusion" and any(st.name == "rl" for st in cfg.stages):
+        raise ConfigError("stages: model family 'masked_diffusion' trains by SFT (the MDLM loss) and samples by "
+                          "diffusion decoding; its per-token terms are not sampling log-probabilities, so the 'rl' "
+                          "stage cannot train it (use stages model, data, sft, evaluate)")
+    if family_name == "masked_diffusion" and cfg.rollout.engine != "hf":
+        raise ConfigError(f"rollout.engine: {cfg.rollout.engine!r} cannot sample a masked-diffusion model; the hf "
+                          f"engine runs its block sampler (rollout.eval_decoding: diffusion)")
     if lc.pack_sequences and not getattr(family, "supports_packing", False):
         raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
                           f"(its attention builds its own masks); set learner.pack_sequences false")

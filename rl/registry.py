@@ -44,7 +44,8 @@ _BUILTIN_MODULES = {
 # torch and transformers); resolved on first use.
 _BUILTIN_ATTRS = {
     "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily",
-               "value": "models.families:ValueFamily", "sequence_score": "models.families:SequenceScoreFamily"},
+               "value": "models.families:ValueFamily", "sequence_score": "models.families:SequenceScoreFamily",
+               "masked_diffusion": "models.families:MaskedDiffusionFamily"},
 }
 
 

@@ -11,16 +11,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from rl.batch import Batch, batch_of_examples, make_sft_batch  # noqa: F401  (the SFT batch layout; re-exported)
 from rl.data import PromptSampler
 from rl.sft_data import SFTExample
 
 
+def noise_seeds(seed: int, step: int, n: int) -> torch.Tensor:
+    """Per-row seeds of a training batch's noise (a masked-diffusion model's masking, `noise_seed` batch extra):
+    fixed by the run's seed, the step and the row, so a row is noised the same on any rank or micro-batch and in
+    a resumed run. Causal families ignore them."""
+    return (seed * 1_000_003 + step) * 65_536 + torch.arange(n)
+
+
 def eval_loss(learners: Any, examples: list[SFTExample], pad_id: int, batch_size: int) -> float:
-    """Token-mean NLL of the trained tokens of `examples` under the current weights (forward only)."""
+    """Token-mean NLL of the trained tokens of `examples` under the current weights (forward only); for a
+    masked-diffusion model the MDLM loss under the same noise at every evaluation (seeded by example index)."""
     total, count = 0.0, 0.0
     for i in range(0, len(examples), batch_size):
         batch = batch_of_examples(examples[i:i + batch_size], pad_id)
+        batch.set_extra("noise_seed", -1 - (i + torch.arange(len(batch))))  # apart from every training seed
         logp = learners.compute_logprobs(batch)
         mask = batch.response_mask
         total -= float((logp[:, :mask.shape[1]] * mask).sum())
@@ -45,6 +56,7 @@ def run_sft(learners: Any, examples: list[SFTExample], *, pad_id: int, steps: in
     history = []
     for step in range(start + 1, steps + 1):
         batch = batch_of_examples([examples[i] for i in sampler.next(batch_size)], pad_id)
+        batch.set_extra("noise_seed", noise_seeds(seed, step, len(batch)))
         t0 = time.perf_counter()
         out = learners.sft_step(batch, grad_accum, loop_readouts)
         metrics = {"sft/loss": out["loss"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],

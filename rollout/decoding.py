@@ -221,3 +221,29 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         inserted[i, :len(r)] = torch.tensor(state.inserted[i], dtype=torch.long)
         lengths[i] = len(r)
     return resp, out_logp, lengths, inserted, state.finished.cpu()
+
+
+@register("decoding", "diffusion")
+class DiffusionDecoding:
+    """Masked-diffusion sampling (`models.diffusion.diffusion_generate`, LLaDA's semi-autoregressive blocks): the
+    `hf` engine's decoding for `model_type: llada` (the default there; causal decoding methods are refused for such
+    a model, and this one for a causal model).
+
+    `block_length`: tokens per block (none: the whole response is one block); `steps`: denoising steps over the
+    whole response, split equally among blocks (none: one token per step); `remasking`: low_confidence (commit
+    the most confident predictions) | random; `commit_log`: keep each row's per-step commits in the batch (extra
+    `diffusion_commits`: per row [[step, position, token, confidence], ...])."""
+
+    diffusion = True
+
+    def __init__(self, block_length: int | None = None, steps: int | None = None, remasking: str = "low_confidence",
+                 commit_log: bool = False):
+        self.block_length, self.steps, self.remasking, self.commit_log = block_length, steps, remasking, commit_log
+
+    def sample(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+               max_new_tokens: int, temperature: float, mask_id: int) -> Any:
+        from models.diffusion import diffusion_generate
+        return diffusion_generate(model, prompt_ids, prompt_mask, gen_length=max_new_tokens,
+                                  block_length=self.block_length or max_new_tokens,
+                                  steps=self.steps or max_new_tokens, mask_id=mask_id, temperature=temperature,
+                                  remasking=self.remasking, commit_log=self.commit_log)

@@ -29,7 +29,7 @@ class HFEngine:
         CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's."""
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
-        import models.ouro  # noqa: F401  (registers model_type ouro)
+        import models  # noqa: F401  (registers model_types ouro and llada)
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs).to(self.device).eval()
@@ -91,14 +91,46 @@ class HFEngine:
             raise ValueError("SamplingParams.exit_at_step needs a looped model (model_type ouro)")
         return {"exit_at_step": sp.exit_at_step}
 
+    @property
+    def is_diffusion(self) -> bool:
+        return getattr(self.model.config, "model_type", "") == "llada"
+
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams) -> tuple[torch.Tensor, ...]:
-        """The project's decode loop (`rollout.decoding`) with the chosen method's hooks (`plain` for none)."""
+        """The project's decode loop (`rollout.decoding`) with the chosen method's hooks (`plain` for none); for a
+        masked-diffusion model its sampler (decoding `diffusion`, the default there)."""
         from rollout.decoding import decode
         tok = self.tokenizer
+        name = sp.decoding or ("diffusion" if self.is_diffusion else "plain")
+        method = self.decoding_method(name, sp.decoding_params)
+        if getattr(method, "diffusion", False) != self.is_diffusion:
+            raise ValueError(f"decoding {name!r}: " + ("a masked-diffusion model (model_type llada) samples with "
+                             "decoding 'diffusion'" if self.is_diffusion else "it samples masked-diffusion models "
+                             "(model_type llada); this model is causal"))
+        if self.is_diffusion:
+            return self._diffuse(method, ids, mask, sp)
         return decode(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
                       top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      method=self.decoding_method(sp.decoding or "plain", sp.decoding_params), tokenizer=tok,
+                      method=method, tokenizer=tok,
                       stop=sp.stop, forward_kwargs=self._exit_kwargs(sp))
+
+    def _diffuse(self, method: Any, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams
+                 ) -> tuple[torch.Tensor, ...]:
+        """`_decode`'s outputs for a masked-diffusion model: the response ends after its first EOS (LLaDA fills
+        the rest of the canvas with EOS); stop strings and top-k/top-p do not apply to parallel unmasking."""
+        if sp.top_k > 0 or sp.top_p < 1.0 or sp.stop:
+            raise ValueError("masked-diffusion sampling takes temperature only: set rollout top_k 0, top_p 1.0 and "
+                             "no stop strings")
+        out = method.sample(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                            mask_id=self.model.config.mask_token_id)
+        resp = out.tokens.cpu()
+        eos = resp == self.tokenizer.eos_token_id
+        ended = eos.any(1)
+        lengths = torch.where(ended, eos.float().argmax(1) + 1, torch.full_like(ended, resp.shape[1], dtype=torch.long))
+        keep = torch.arange(resp.shape[1])[None] < lengths[:, None]
+        resp = resp.masked_fill(~keep, self.tokenizer.pad_token_id)
+        self._commits = ([[[e["step"], p, t, c] for e in out.log for r, p, t, c in e["committed"] if r == row]
+                          for row in range(len(resp))] if out.log else None)
+        return resp, out.logp.cpu() * keep, lengths, torch.zeros_like(resp, dtype=torch.bool), ended
 
     def _decode_chunk(self, enc: dict[str, torch.Tensor], prompts: list[str], sp: SamplingParams) -> Batch:
         tok = self.tokenizer
@@ -113,6 +145,9 @@ class HFEngine:
                       rollout_logp=logp, truncated=~ended, responses=texts,
                       observation_mask=inserted if bool(inserted.any()) else None,
                       metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
+        commits, self._commits = getattr(self, "_commits", None), None
+        if commits is not None:  # the diffusion sampler's per-step commits, when its commit_log is on
+            batch.set_extra("diffusion_commits", commits)
         return batch  # inserted tokens are context (observation_mask), never trained on
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:

@@ -114,3 +114,32 @@ def arithmetic_chat_task(out_dir: str | Path, *, num_train: int, num_eval: int, 
         problems.append((int(a), int(b), int(c)))
     Path(paths["sft"]).write_text("".join(json.dumps(r) + "\n" for r in chat_rows(problems, rng, wrong_order_fraction)))
     return paths
+
+
+@register("task", "addition")
+def addition_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float, seed: int,
+                  digits: int = 3, **_: Any) -> dict[str, str]:
+    """`a+b=` with a and b of `digits` digits and the sum written with `digits + 1` digits (zero-padded): a task
+    for masked-diffusion models, whose answers have one length and whose leading digits depend on the carries of
+    later ones (decoded left to right, the first digit is a guess; decoded in any order, it need not be).
+    `sft.jsonl` (prompt, target, answer), `train.jsonl` and `eval.jsonl` (prompt, answer) hold disjoint problems."""
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1), 10 ** digits - 1
+    seen: set[tuple[int, int]] = set()
+    while len(seen) < num_train + num_eval:
+        seen.add((rng.randint(low, high), rng.randint(low, high)))
+    problems = sorted(seen)
+    rng.shuffle(problems)
+    eval_set, train_set = problems[:num_eval], problems[num_eval:]
+    n_sft = int(len(train_set) * sft_fraction)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, ps in (("sft", train_set[:n_sft]), ("train", train_set[n_sft:]), ("eval", eval_set)):
+        rows = [{"prompt": f"{a}+{b}=", "answer": f"{a + b:0{digits + 1}d}"} for a, b in ps]
+        if name == "sft":
+            rows = [{**r, "target": r["answer"]} for r in rows]
+        path = out / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths[name] = str(path)
+    return paths

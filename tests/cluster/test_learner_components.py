@@ -195,3 +195,37 @@ def test_the_looped_family_refuses_another_attention_kernel(tmp_path):
     with pytest.raises(ValueError, match="attn_implementation 'eager'.*looped"):
         LoopedFamily().load(str(path), attn_implementation="eager")
     assert LoopedFamily().load(str(path), attn_implementation="sdpa") is not None
+
+
+@pytest.mark.slow
+def test_a_masked_diffusion_sft_step_is_the_same_on_two_ranks_as_in_two_micro_batches(ray_cluster, tmp_path):
+    """The MDLM loss through the same learner: each row's noise is seeded by its `noise_seed` extra, so the update
+    does not depend on where the row is computed; the loss is normalised by the global response-token count."""
+    path = str(save_tiny(tmp_path / "llada", arch="llada", hidden_size=32, num_layers=2, num_heads=2,
+                         intermediate_size=64))
+    batch = _sft_batch(path)
+    batch.set_extra("noise_seed", torch.arange(len(batch)) + 100)
+
+    def step(world_size, grad_accum):
+        # AdamW with eps 1 takes a step proportional to the gradient, so equal gradients show as equal weights
+        group = _group(path, world_size, grad_accum, batch, lr=1.0, family="masked_diffusion",
+                       optimizer={"name": "adamw", "params": {"eps": 1.0}})
+        try:
+            before = group.full_state_dict()
+            metrics = group.sft_step(batch, grad_accum)
+            return metrics, before, group.full_state_dict()
+        finally:
+            group.shutdown()
+    one, start, one_state = step(1, 4)  # micro-batches of 4 rows
+    two, _, two_state = step(2, 1)  # two ranks of 8 rows
+    from transformers import AutoModel
+
+    from models.families import masked_token_logp
+    with torch.no_grad():  # the MDLM loss of the whole batch in one process
+        terms = masked_token_logp(AutoModel.from_pretrained(path), batch)
+    assert one["loss"] == pytest.approx(float(-terms.sum() / batch.response_mask.sum()), rel=1e-5)
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-5) and one["loss"] > 0
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)
+    for k, v in one_state.items():
+        assert torch.allclose(two_state[k], v, atol=1e-6), k
+    assert any(not torch.equal(start[k], one_state[k]) for k in start)  # the step moved the weights

@@ -92,3 +92,32 @@ def test_bucket_plan_keeps_order_splits_by_dtype_and_size():
     # 64 + 32 bytes fit a 100-byte bucket; 400 bytes get one of their own; dtype changes start a new one
     assert plan_buckets(meta, 100) == [[0, 1], [2], [3], [4]]
     assert plan_buckets(meta, 1 << 20) == [[0, 1, 2], [3], [4]]
+
+
+def test_a_masked_diffusion_model_samples_with_the_block_sampler_and_logs_its_commits(engine, tmp_path):
+    from models.diffusion import diffusion_generate
+    path = str(save_tiny(tmp_path / "llada", arch="llada", hidden_size=32, num_layers=2, num_heads=2,
+                         intermediate_size=64))
+    diffusion = HFEngine(path)
+    params = {"block_length": 4, "steps": 8, "commit_log": True}
+    b = diffusion.generate(["12+3=", "5+5="], SamplingParams(n=2, max_new_tokens=8, temperature=0.0, seed=0,
+                                                               decoding="diffusion", decoding_params=params))
+    assert len(b) == 4 and b.response_ids.shape[1] == 8
+    tok = diffusion.tokenizer
+    enc = tok(["12+3=", "5+5="], return_tensors="pt", padding=True)
+    direct = diffusion_generate(diffusion.model, enc["input_ids"], enc["attention_mask"], gen_length=8,
+                                block_length=4, steps=8, mask_id=tok.mask_token_id)
+    eos = tok.eos_token_id
+    for i, row in enumerate((0, 0, 1, 1)):  # greedy: both samples of a prompt are the sampler's tokens
+        n = int(b.response_attn[i].sum())
+        want = direct.tokens[row].tolist()
+        assert b.response_ids[i, :n].tolist() == (want[:want.index(eos) + 1] if eos in want else want)
+        commits = b.extras["diffusion_commits"].value[i]
+        assert sorted(p for _, p, _, _ in commits) == list(range(8))  # every position committed once
+        assert [s for s, _, _, _ in commits] == sorted(s for s, _, _, _ in commits)
+    # the model's own sampler is the default; a causal decoding method is refused, and the sampler on a causal model
+    assert diffusion.generate(["1+1="], SamplingParams(max_new_tokens=4, temperature=0.0)).response_ids.shape[1] == 4
+    with pytest.raises(ValueError, match="decoding 'diffusion'"):
+        diffusion.generate(["1+1="], SamplingParams(max_new_tokens=4, decoding="plain"))
+    with pytest.raises(ValueError, match="causal"):
+        engine.generate(["1+1="], SamplingParams(max_new_tokens=4, decoding="diffusion"))

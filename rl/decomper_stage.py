@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
 
 
 def _batches(sequences: list[list[int]], pad_id: int, batch_size: int) -> list[dict]:
@@ -115,16 +115,7 @@ class CompressLowRankStage(Stage):
         import ray
 
         from cluster.ray_utils import bundle_options
-        from rl.pipeline import stage_cfg
-        from rl.sft_data import sft_rows_and_examples
-        from rollout.base import load_tokenizer
-        cfg = stage_cfg(ctx)
-        path = ctx.artifact("sft")
-        if path is None:
-            raise StageError(f"{ctx.name}: no calibration text (set data.sft_path, or a synthetic task with an SFT split)")
-        base = ctx.require("policy")
-        tokenizer = load_tokenizer(base)
-        _, examples, _ = sft_rows_and_examples(tokenizer, path, "data.sft_path", cfg.sft, cfg.data)
+        cfg, base, tokenizer, _, examples, _ = policy_sft_data(ctx, "calibration text")
         need = self.calib_sequences + self.heldout_sequences
         if len(examples) < need:
             raise StageError(f"{ctx.name}: {len(examples)} SFT sequences, {need} needed (calib_sequences + "

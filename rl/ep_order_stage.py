@@ -33,7 +33,7 @@ from rl.ep_order import (
     zone_proportions,
 )
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
 
 
 def embed_examples(model_path: str, examples: list, pad_id: int, batch_size: int, tokens: str, dtype: str,
@@ -87,16 +87,8 @@ class EPOrderStage(Stage):
         from omegaconf import OmegaConf
 
         from cluster.ray_utils import bundle_options
-        from rl.pipeline import _sft_stage, stage_cfg
-        from rl.sft_data import sft_rows_and_examples
-        from rollout.base import load_tokenizer
-        cfg = stage_cfg(ctx)
-        path = ctx.artifact("sft")
-        if path is None:
-            raise StageError(f"{ctx.name}: no SFT data to order (set data.sft_path or a synthetic task with an SFT split)")
-        base = ctx.require("policy")
-        tokenizer = load_tokenizer(base)
-        rows, examples, dropped = sft_rows_and_examples(tokenizer, path, "data.sft_path", cfg.sft, cfg.data)
+        from rl.pipeline import _sft_stage
+        cfg, base, tokenizer, rows, examples, dropped = policy_sft_data(ctx, "SFT data to order")
         out = ctx.stage_dir
         seed = cfg.seed
 

@@ -261,26 +261,69 @@ def num_transfer_tokens(masked: torch.Tensor, steps: int) -> torch.Tensor:
 @dataclass
 class DiffusionOutput:
     """`tokens [B, G]` the generated tokens; `logp [B, G]` each token's log-probability under the (tempered)
-    distribution it was committed from; `commit_step [B, G]` the global step that committed it; `forwards` the
-    model calls made; `log` per step `{step, block, committed: [[row, position, token, confidence], ...]}` when
-    asked."""
+    distribution it was committed from; `commit_step [B, G]` the step that last committed it; `forwards` the model
+    calls made (denoising steps plus remasking probes); `log` per step `{step, block, committed: [[row, position,
+    token, confidence], ...]}` and per probe `{step, probe: policy, remasked: [[row, position, token, score], ...]}`
+    when asked; `remasked` the number of tokens sent back to the mask."""
     tokens: torch.Tensor
     logp: torch.Tensor
     commit_step: torch.Tensor
     forwards: int
     log: list[dict] = field(default_factory=list)
+    remasked: int = 0
+
+
+@dataclass
+class Remasking:
+    """Revision of committed tokens during sampling (CORE and its controls, shared/specs/stages.md §9).
+
+    `policy`: none | core | random | low_margin. At `probes` steps spread evenly over the run (step ⌊(i + 1)·T /
+    (probes + 1)⌋ − 1, after its commits), the candidates are the committed tokens of the current and the previous
+    block, prefiltered to the `candidates` of lowest margin at commit time (p(x) − max_{v≠x} p(v)); `m` of them go
+    back to the mask and are committed again by the schedule (the next step commits `m` more, so the step count stays
+    T). `core`: one extra forward with all candidates jointly masked (and a random `perturb_frac` of the other
+    committed response tokens); the instability u_i = log p(x_i at commit) − log p(x_i | candidates masked); the top-m
+    by u are remasked. `random`: m random candidates; `low_margin`: the m of lowest margin; neither spends a forward.
+    [RECONSTRUCTION]: the score, the probe schedule, reading log p(x_i | S) as the log-probability x_i was committed
+    with (a masked-diffusion model's prediction at an unmasked position is not trained), the budget rule."""
+    policy: str = "none"
+    probes: int = 0
+    candidates: int = 16
+    m: int = 2
+    perturb_frac: float = 0.0
+
+    def __post_init__(self):
+        if self.policy not in ("none", "core", "random", "low_margin"):
+            raise ValueError(f"remasking policy must be none, core, random or low_margin, got {self.policy!r}")
+        if self.probes < 0 or self.m < 1 or self.candidates < 1 or not 0 <= self.perturb_frac < 1:
+            raise ValueError(f"remasking: probes >= 0, m >= 1, candidates >= 1, 0 <= perturb_frac < 1 "
+                             f"(got {self.probes}, {self.m}, {self.candidates}, {self.perturb_frac})")
+
+    def probe_steps(self, steps: int) -> set[int]:
+        if self.policy == "none":
+            return set()
+        return {(i + 1) * steps // (self.probes + 1) - 1 for i in range(self.probes)}
+
+
+def _margin(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """p(token) − the largest other probability, per position."""
+    chosen = probs.gather(-1, tokens[..., None]).squeeze(-1)
+    other = probs.scatter(-1, tokens[..., None], -1.0).max(-1).values
+    return chosen - other
 
 
 @torch.no_grad()
 def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, gen_length: int,
                        block_length: int, steps: int, mask_id: int, temperature: float = 0.0,
                        remasking: str = "low_confidence", generator: torch.Generator | None = None,
-                       commit_log: bool = False) -> DiffusionOutput:
+                       commit_log: bool = False, revise: Remasking | None = None) -> DiffusionOutput:
     """LLaDA's sampler: the response starts as `gen_length` mask tokens after the (left-padded) prompt and is
     decoded in blocks of `block_length`, left to right, with `steps` denoising steps shared equally by the blocks.
     At each step the model predicts every position (greedy at `temperature` 0, else a sample of the tempered
-    distribution, Gumbel-max); of the current block's masked positions the most confident predictions are committed
-    (`low_confidence` remasking keeps the rest masked) — or random ones (`random`) — as many as the schedule says."""
+    distribution, Gumbel-max); of the masked positions up to the current block's end the most confident predictions
+    are committed (`low_confidence` remasking keeps the rest masked) — or random ones (`random`) — as many as the
+    schedule says, and every one left at a block's last step. `revise` sends committed tokens back to the mask at
+    its probe steps (`Remasking`: CORE and its controls)."""
     if gen_length % block_length:
         raise ValueError(f"diffusion sampling: gen_length {gen_length} must be a multiple of block_length {block_length}")
     blocks = gen_length // block_length
@@ -288,6 +331,8 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
         raise ValueError(f"diffusion sampling: steps {steps} must be a multiple of the number of blocks {blocks}")
     if remasking not in ("low_confidence", "random"):
         raise ValueError(f"diffusion sampling: remasking must be low_confidence or random, got {remasking!r}")
+    revise = revise or Remasking()
+    probe_at = revise.probe_steps(steps)
     per_block = steps // blocks
     device = prompt_ids.device
     B, P = prompt_ids.shape
@@ -295,9 +340,11 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
     attn = torch.cat([prompt_mask.long(), torch.ones(B, gen_length, dtype=torch.long, device=device)], 1)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logp = torch.zeros(B, gen_length, device=device)
+    margin = torch.zeros(B, gen_length, device=device)
     commit_step = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
+    debt = torch.zeros(B, dtype=torch.long)  # remasked tokens the next step commits on top of the schedule
     log: list[dict] = []
-    forwards, step = 0, 0
+    forwards, step, remasked = 0, 0, 0
     for blk in range(blocks):
         lo, hi = P + blk * block_length, P + (blk + 1) * block_length
         schedule = num_transfer_tokens((x[:, lo:hi] == mask_id).sum(1), per_block)
@@ -312,27 +359,87 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
             else:
                 x0 = tempered.argmax(-1)
             logp_all = torch.log_softmax(tempered, -1).gather(-1, x0[..., None]).squeeze(-1)
+            probs = torch.softmax(logits, -1)
+            margin_all = _margin(probs, x0)
             if remasking == "low_confidence":
-                confidence = torch.softmax(logits, -1).gather(-1, x0[..., None]).squeeze(-1)
+                confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
             else:
                 confidence = torch.rand(x0.shape, generator=generator, device=device)
-            confidence[:, hi:] = -torch.inf  # only the current block (earlier blocks are fully committed)
+            confidence[:, hi:] = -torch.inf  # nothing past the current block
             confidence = torch.where(masked, confidence, torch.full_like(confidence, -torch.inf))
             committed = []
             for row in range(B):
-                k = int(schedule[row, s])
+                open_ = int(torch.isfinite(confidence[row]).sum())
+                k = open_ if s == per_block - 1 else min(open_, int(schedule[row, s]) + int(debt[row]))
+                debt[row] = 0
                 if k == 0:
                     continue
                 pos = torch.topk(confidence[row], k).indices
                 x[row, pos] = x0[row, pos]
                 logp[row, pos - P] = logp_all[row, pos]
+                margin[row, pos - P] = margin_all[row, pos]
                 commit_step[row, pos - P] = step
                 if commit_log:
                     committed += [[row, int(p) - P, int(x0[row, p]), float(confidence[row, p])] for p in pos]
             if commit_log:
                 log.append({"step": step, "block": blk, "committed": committed})
+            if step in probe_at and s < per_block - 1:  # a probe needs steps left in the block to refill
+                window = (max(P, lo - block_length), hi)
+                events, used = _revise(model, x, attn, position_ids, P, window, logp, margin, mask_id, revise,
+                                       generator)
+                forwards += used
+                for row, pos, *_ in events:
+                    x[row, pos + P] = mask_id
+                    logp[row, pos], margin[row, pos], commit_step[row, pos] = 0.0, 0.0, -1
+                    debt[row] += 1
+                remasked += len(events)
+                if commit_log:
+                    log.append({"step": step, "probe": revise.policy, "remasked": events})
             step += 1
-    return DiffusionOutput(tokens=x[:, P:], logp=logp, commit_step=commit_step, forwards=forwards, log=log)
+    return DiffusionOutput(tokens=x[:, P:], logp=logp, commit_step=commit_step, forwards=forwards, log=log,
+                           remasked=remasked)
+
+
+@torch.no_grad()
+def _revise(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids: torch.Tensor, P: int,
+            window: tuple[int, int], logp: torch.Tensor, margin: torch.Tensor, mask_id: int, revise: Remasking,
+            generator: torch.Generator | None) -> tuple[list[list], int]:
+    """One probe of `revise.policy`: the `[row, position, token, score]` to remask and the forwards spent."""
+    lo, hi = window
+    cands = []
+    for row in range(x.shape[0]):
+        pos = torch.arange(lo, hi, device=x.device)
+        pos = pos[x[row, lo:hi] != mask_id]
+        order = torch.argsort(margin[row, pos - P])  # lowest margin first
+        cands.append(pos[order[:revise.candidates]])
+    if revise.policy == "core":
+        perturbed = x.clone()
+        for row, pos in enumerate(cands):
+            perturbed[row, pos] = mask_id
+            if revise.perturb_frac > 0:  # also some other committed response tokens, at random
+                others = torch.arange(P, x.shape[1], device=x.device)
+                others = others[(x[row, P:] != mask_id) & ~torch.isin(others, pos)]
+                pick = torch.rand(len(others), generator=generator, device=x.device) < revise.perturb_frac
+                perturbed[row, others[pick]] = mask_id
+        lp = torch.log_softmax(model(input_ids=perturbed, attention_mask=attn, position_ids=position_ids).logits.float(), -1)
+        used = 1
+    else:
+        used = 0
+    events = []
+    for row, pos in enumerate(cands):
+        if len(pos) == 0:
+            continue
+        if revise.policy == "core":
+            score = logp[row, pos - P] - lp[row, pos, x[row, pos]]  # the drop in support without the candidates
+            top = torch.topk(score, min(revise.m, len(pos))).indices
+        elif revise.policy == "low_margin":
+            score = -margin[row, pos - P]
+            top = torch.topk(score, min(revise.m, len(pos))).indices
+        else:
+            score = torch.zeros(len(pos), device=x.device)
+            top = torch.randperm(len(pos), generator=generator, device=x.device)[:revise.m]
+        events += [[row, int(pos[i]) - P, int(x[row, pos[i]]), float(score[i])] for i in top]
+    return events, used
 
 
 def build_tiny_llada(tokenizer, hidden_size: int = 128, num_layers: int = 3, num_heads: int = 4,

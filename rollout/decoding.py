@@ -232,13 +232,18 @@ class DiffusionDecoding:
     `block_length`: tokens per block (none: the whole response is one block); `steps`: denoising steps over the
     whole response, split equally among blocks (none: one token per step); `remasking`: low_confidence (commit
     the most confident predictions) | random; `commit_log`: keep each row's per-step commits in the batch (extra
-    `diffusion_commits`: per row [[step, position, token, confidence], ...])."""
+    `diffusion_commits`: per row [[step, position, token, confidence], ...]). `revise` with `probes`, `candidates`,
+    `m`, `perturb_frac`: send committed tokens back to the mask during sampling (`models.diffusion.Remasking`:
+    core, or the controls random and low_margin; none by default)."""
 
     diffusion = True
 
     def __init__(self, block_length: int | None = None, steps: int | None = None, remasking: str = "low_confidence",
-                 commit_log: bool = False):
+                 commit_log: bool = False, revise: str = "none", probes: int = 0, candidates: int = 16, m: int = 2,
+                 perturb_frac: float = 0.0):
+        from models.diffusion import Remasking
         self.block_length, self.steps, self.remasking, self.commit_log = block_length, steps, remasking, commit_log
+        self.revise = Remasking(revise, probes, candidates, m, perturb_frac)
 
     def sample(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                max_new_tokens: int, temperature: float, mask_id: int) -> Any:
@@ -246,4 +251,16 @@ class DiffusionDecoding:
         return diffusion_generate(model, prompt_ids, prompt_mask, gen_length=max_new_tokens,
                                   block_length=self.block_length or max_new_tokens,
                                   steps=self.steps or max_new_tokens, mask_id=mask_id, temperature=temperature,
-                                  remasking=self.remasking, commit_log=self.commit_log)
+                                  remasking=self.remasking, commit_log=self.commit_log, revise=self.revise)
+
+
+@register("decoding", "remask_core")
+class CoreRemaskDecoding(DiffusionDecoding):
+    """CORE (context-robust remasking, shared/specs/stages.md §9) on the diffusion sampler: at `probes` steps one
+    extra forward with the committed candidates jointly masked, and the `m` tokens whose support drops most go back
+    to the mask. The same as `diffusion` with `revise: core`; forward passes = steps + probes."""
+
+    def __init__(self, block_length: int | None = None, steps: int | None = None, remasking: str = "low_confidence",
+                 commit_log: bool = False, probes: int = 2, candidates: int = 16, m: int = 2,
+                 perturb_frac: float = 0.0):
+        super().__init__(block_length, steps, remasking, commit_log, "core", probes, candidates, m, perturb_frac)

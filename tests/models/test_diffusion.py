@@ -219,3 +219,53 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert m.model.gradient_checkpointing  # the blocks now run under activation checkpointing
     again = grads()
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, again))
+
+
+def test_core_spends_one_forward_per_probe_and_remasked_tokens_are_committed_again():
+    from models.diffusion import Remasking
+    tok, m = _tiny()
+    enc = tok(["12+3=", "5+5="], return_tensors="pt", padding=True)
+    kw = dict(gen_length=8, block_length=8, steps=8, mask_id=tok.mask_token_id, commit_log=True)
+    out = diffusion_generate(m, enc["input_ids"], enc["attention_mask"], revise=Remasking("core", 2, 4, 2), **kw)
+    assert out.forwards == 8 + 2 and out.remasked == 2 * 2 * 2  # two probes, two rows, m = 2
+    probes = [e for e in out.log if "probe" in e]
+    assert [e["step"] for e in probes] == [1, 4]  # floor((i + 1) * 8 / 3) - 1
+    for e in probes:
+        for row, pos, *_ in e["remasked"]:
+            later = [c for c in out.log if "committed" in c and c["step"] > e["step"]
+                     and any(r == row and p == pos for r, p, _, _ in c["committed"])]
+            assert later  # sent back to the mask, then committed again by the schedule
+    assert (out.tokens != tok.mask_token_id).all() and (out.commit_step >= 0).all()
+    for policy in ("random", "low_margin"):  # the controls spend no forward
+        ctl = diffusion_generate(m, enc["input_ids"], enc["attention_mask"], revise=Remasking(policy, 2, 4, 2), **kw)
+        assert ctl.forwards == 8 and ctl.remasked == 8 and (ctl.tokens != tok.mask_token_id).all()
+    with pytest.raises(ValueError, match="policy"):
+        Remasking("remdm")
+
+
+def test_the_core_score_is_the_drop_in_support_when_the_candidates_are_masked_together():
+    from models.diffusion import Remasking, _revise
+    tok, m = _tiny(seed=3)
+    mask_id = tok.mask_token_id
+    prompt = tok(["47+38="], return_tensors="pt")["input_ids"]
+    P = prompt.shape[1]
+    x = torch.cat([prompt, torch.tensor([[5, 9, 7, mask_id, mask_id, mask_id]])], 1)
+    attn = torch.ones_like(x)
+    pos_ids = torch.arange(x.shape[1])[None]
+    logp = torch.tensor([[-0.1, -2.0, -0.5, 0.0, 0.0, 0.0]])
+    margin = torch.tensor([[0.9, 0.1, 0.2, 0.0, 0.0, 0.0]])
+    events, used = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
+                           Remasking("core", 1, candidates=2, m=1), None)
+    assert used == 1
+    # candidates: the two committed tokens of lowest margin (response positions 1 and 2), masked together
+    probe = x.clone()
+    probe[0, P + 1], probe[0, P + 2] = mask_id, mask_id
+    with torch.no_grad():
+        lp = torch.log_softmax(m(probe, attention_mask=attn, position_ids=pos_ids).logits.float(), -1)[0]
+    scores = {1: -2.0 - float(lp[P + 1, 9]), 2: -0.5 - float(lp[P + 2, 7])}
+    best = max(scores, key=scores.get)
+    assert len(events) == 1 and events[0][:3] == [0, best, int(x[0, P + best])]
+    assert events[0][3] == pytest.approx(scores[best], abs=1e-5)
+    low, _ = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
+                     Remasking("low_margin", 1, candidates=2, m=1), None)
+    assert low[0][1] == 1  # the lowest margin

@@ -23,17 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-class _Stop(Exception):
-    """Raised by a forward hook to end a forward pass once the block it watches has run."""
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer stack of a Llama-style causal LM (`model.model.layers`)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: no decoder layer list at model.layers")
-    return layers
+from models.blocks import block_outputs, decoder_layers
 
 
 def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -165,30 +155,6 @@ def compress(model: nn.Module, stats: dict[str, InputStats], ratio: float, metho
     return report
 
 
-def _block_outputs(model: nn.Module, batch: dict[str, torch.Tensor], upto: int | None = None) -> list[torch.Tensor]:
-    """The output hidden states of decoder layers 0..`upto` (all without it) for `batch`; a forward that only needs
-    the first blocks stops after block `upto`."""
-    layers = decoder_layers(model)
-    last = len(layers) - 1 if upto is None else upto
-    outs: list[torch.Tensor] = []
-
-    def hook(i: int):
-        def grab(_m: nn.Module, _a: tuple, out: torch.Tensor | tuple) -> None:
-            outs.append(out[0] if isinstance(out, tuple) else out)
-            if i == last and upto is not None:
-                raise _Stop
-        return grab
-    handles = [layers[i].register_forward_hook(hook(i)) for i in range(last + 1)]
-    try:
-        model(**batch, use_cache=False, logits_to_keep=1)
-    except _Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    return outs
-
-
 @torch.no_grad()
 def block_drift(original: nn.Module, compressed: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[float]:
     """Per decoder block j, ‖h̃_j − h_j‖ / ‖h_j‖ over the real tokens of `batches`: the compressed model's block
@@ -196,7 +162,7 @@ def block_drift(original: nn.Module, compressed: nn.Module, batches: list[dict[s
     num, den = None, None
     for batch in batches:
         mask = batch["attention_mask"].bool()
-        a, b = _block_outputs(original, batch), _block_outputs(compressed, batch)
+        a, b = block_outputs(original, batch), block_outputs(compressed, batch)
         d = torch.stack([(y[mask] - x[mask]).double().pow(2).sum() for x, y in zip(a, b)])
         r = torch.stack([x[mask].double().pow(2).sum() for x in a])
         num, den = (d, r) if num is None else (num + d, den + r)
@@ -206,7 +172,7 @@ def block_drift(original: nn.Module, compressed: nn.Module, batches: list[dict[s
 def _block_mse(model: nn.Module, batch: dict[str, torch.Tensor], target: torch.Tensor, j: int) -> torch.Tensor:
     """Token-mean squared error of block j's output against `target` over the real tokens."""
     mask = batch["attention_mask"].bool()
-    out = _block_outputs(model, batch, j)[j]
+    out = block_outputs(model, batch, j)[j]
     return (out[mask].float() - target[mask].float()).pow(2).sum(-1).mean()
 
 
@@ -233,7 +199,7 @@ def learn_biases(original: nn.Module, compressed: nn.Module, batches: list[dict[
             b.requires_grad_(True)
         opt = torch.optim.Adam(biases, lr=lr)
         with torch.no_grad():
-            targets = [_block_outputs(original, batch, j)[j] for batch in batches]
+            targets = [block_outputs(original, batch, j)[j] for batch in batches]
 
         before = best = _mean_block_mse(compressed, batches, targets, j)
         kept = [b.detach().clone() for b in biases]

@@ -1,0 +1,48 @@
+"""Block-wise access to a model's decoder stack, for stages that calibrate or compare models block by block
+(Decomper's drift compensation, FAIR-Calib's quantization)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _Stop(Exception):
+    """Raised by a forward hook to end a forward pass once the block it watches has run."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder block stack: `model.model.layers` (Llama-style causal LMs) or `model.model.transformer.blocks`
+    (the LLaDA layout)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    transformer = getattr(inner, "transformer", None)
+    if isinstance(transformer, nn.ModuleDict) and isinstance(transformer["blocks"], nn.ModuleList):
+        return transformer["blocks"]
+    raise TypeError(f"{type(model).__name__}: no decoder block list at model.layers or model.transformer.blocks")
+
+
+def block_outputs(model: nn.Module, batch: dict[str, torch.Tensor], upto: int | None = None) -> list[torch.Tensor]:
+    """The output hidden states of decoder blocks 0..`upto` (all without it) for `batch`; a forward that only needs
+    the first blocks stops after block `upto`, so the later ones never run."""
+    layers = decoder_layers(model)
+    last = len(layers) - 1 if upto is None else upto
+    outs: list[torch.Tensor] = []
+
+    def hook(i: int):
+        def grab(_m: nn.Module, _a: tuple, out: torch.Tensor | tuple) -> None:
+            outs.append(out[0] if isinstance(out, tuple) else out)
+            if i == last and upto is not None:
+                raise _Stop
+        return grab
+    handles = [layers[i].register_forward_hook(hook(i)) for i in range(last + 1)]
+    try:
+        model(**batch, logits_to_keep=1, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return outs

@@ -33,7 +33,7 @@ _BUILTIN_MODULES = {
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
     "optimizer": ["rl.optim"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage",
-              "rl.ep_order_stage", "rl.bliss_stage", "rl.decomper_stage"],
+              "rl.ep_order_stage", "rl.bliss_stage", "rl.decomper_stage", "rl.fair_calib_stage"],
     "decoding": ["rollout.decoding"],
     "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer", "rl.tasks.monoscale",
              "rl.tasks.domains"],

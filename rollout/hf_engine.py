@@ -33,6 +33,8 @@ class HFEngine:
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs).to(self.device).eval()
+        from models.quant import load_fake_quant
+        self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (quantize_fair) serves as such
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
 

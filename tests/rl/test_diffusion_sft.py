@@ -1,5 +1,6 @@
-"""recipes/llada_sft_tiny.yaml at test size: a masked-diffusion model trained by SFT (the MDLM loss) on the
-DeepSpeed learner through Ray and evaluated with the block sampler in the hf engine."""
+"""recipes/llada_sft_tiny.yaml and fair_calib_tiny.yaml at test size: a masked-diffusion model trained by SFT (the
+MDLM loss) on the DeepSpeed learner through Ray, quantized W4A4 by FAIR-Calib, and evaluated quantized with the
+block sampler in the hf engine."""
 
 import json
 
@@ -17,11 +18,21 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num
 
 
 @pytest.mark.slow
-def test_the_tiny_llada_recipe_trains_with_the_mdlm_loss_and_evaluates_by_diffusion(ray_cluster, tmp_path):
+def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_diffusion(ray_cluster, tmp_path):
     from rl.pipeline import run
     out = tmp_path / "llada"
-    summary = run(config.load(ROOT / "recipes/llada_sft_tiny.yaml", [f"output_dir={out}", *SMALL]))
-    assert list(summary["stages"]) == ["model", "data", "sft", "evaluate"]
+    quantize = ("{name: quantize_fair, params: {probes: 4, calib_sequences: 8, diag_sequences: 4, epochs: 2, "
+                "batch_size: 4}}")
+    summary = run(config.load(ROOT / "recipes/llada_sft_tiny.yaml", [
+        f"output_dir={out}", *SMALL, f"stages=[{{name: model}}, {{name: data}}, {{name: sft}}, {quantize}, "
+        "{name: evaluate}]"]))
+    assert list(summary["stages"]) == ["model", "data", "sft", "quantize_fair", "evaluate"]
+    report = json.loads((out / "stages" / "quantize_fair" / "quantization_report.json").read_text())
+    assert len(report["prior"]) == 5 and sum(report["prior"]) == pytest.approx(1.0)
+    assert all(b["loss_after"] <= b["loss_before"] for b in report["blocks"]) and len(report["blocks"]) == 2
+    assert set(report["rtn"]) == set(report["calibrated"]) == {"frontier_flip_rate", "trajectory_kl",
+                                                              "post_commit_mismatch"}
+    assert (out / "stages" / "quantize_fair" / "model" / "fake_quant.json").exists()  # evaluated quantized
     assert json.loads((out / "base_model" / "config.json").read_text())["model_type"] == "llada"
     hist = [json.loads(x) for x in (out / "sft_metrics.jsonl").read_text().splitlines()]
     assert len(hist) == 40

@@ -1,0 +1,142 @@
+"""Fake quantization of a model's block projections (symmetric integer weights per output channel, activations per
+token), with learnable clipping ratios, and its save format.
+
+The rounding follows compressed-tensors (the quantization format vLLM and llm-compressor read): symmetric int-b with
+scale = max|x| / ((2^b − 1) / 2) and values clamped to [−2^(b−1), 2^(b−1) − 1]; at clipping ratio 1 the fake-quantized
+tensors equal `compressed_tensors.quantization.lifecycle.forward.fake_quantize` (tested). The clipping ratios scale
+that max and are trained by calibration through a straight-through rounding (LSQ-style gradients reach the ratio).
+
+A folder saved by `save_fake_quant` is the full-precision model (`save_pretrained`) plus `fake_quant.json` (bits and
+the quantized modules) and `fake_quant.safetensors` (the clipping ratios); `load_fake_quant` wraps a loaded model
+again, and the `hf` engine does so by itself for such a folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.blocks import decoder_layers
+
+CONFIG_FILE, STATE_FILE = "fake_quant.json", "fake_quant.safetensors"
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer forward; identity gradient backward."""
+    return x + (x.round() - x).detach()
+
+
+def fake_quant(x: torch.Tensor, max_abs: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric int-`bits` fake quantization of `x` with scale `max_abs / ((2^bits − 1) / 2)` (broadcast)."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    scale = (max_abs / ((qmax - qmin) / 2)).clamp(min=1e-8)
+    return torch.clamp(round_ste(x / scale), qmin, qmax) * scale
+
+
+class FakeQuantLinear(nn.Module):
+    """A linear layer whose weight (per output channel) and input (per token) are fake-quantized. `w_clip [out, 1]`
+    and `a_clip [1]` are the learnable clipping ratios (start at 1: the plain round-to-nearest quantizer); the
+    full-precision weight and bias are the wrapped layer's, frozen."""
+
+    def __init__(self, linear: nn.Linear, w_bits: int = 4, a_bits: int = 4):
+        super().__init__()
+        self.linear = linear
+        for p in linear.parameters():
+            p.requires_grad_(False)
+        self.w_bits, self.a_bits = w_bits, a_bits
+        self.w_clip = nn.Parameter(torch.ones(linear.out_features, 1, device=linear.weight.device))
+        self.a_clip = nn.Parameter(torch.ones(1, device=linear.weight.device))
+
+    def quantized_weight(self) -> torch.Tensor:
+        w = self.linear.weight
+        return fake_quant(w, self.w_clip.clamp(0.05, 1.0) * w.abs().amax(1, keepdim=True), self.w_bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.a_bits < 16:
+            x = fake_quant(x, self.a_clip.clamp(0.05, 1.0) * x.abs().amax(-1, keepdim=True).detach(), self.a_bits)
+        return F.linear(x, self.quantized_weight(), self.linear.bias)
+
+
+def block_linear_names(model: nn.Module) -> list[tuple[int, str]]:
+    """(block index, name inside the block) of every `nn.Linear` in the decoder blocks: the projections that are
+    quantized (embeddings and the output head stay in full precision)."""
+    return [(i, name) for i, block in enumerate(decoder_layers(model))
+            for name, mod in block.named_modules() if isinstance(mod, nn.Linear)]
+
+
+def quantize_blocks(model: nn.Module, w_bits: int = 4, a_bits: int = 4) -> dict[str, FakeQuantLinear]:
+    """Replace every block projection by a `FakeQuantLinear` in place; returns them by `"{block}.{name}"`."""
+    out = {}
+    blocks = decoder_layers(model)
+    for i, name in block_linear_names(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = blocks[i].get_submodule(parent_name) if parent_name else blocks[i]
+        wrapped = FakeQuantLinear(getattr(parent, child), w_bits, a_bits)
+        setattr(parent, child, wrapped)
+        out[f"{i}.{name}"] = wrapped
+    return out
+
+
+def quantized_modules(model: nn.Module) -> dict[str, FakeQuantLinear]:
+    blocks = decoder_layers(model)
+    return {f"{i}.{name}": mod for i, block in enumerate(blocks) for name, mod in block.named_modules()
+            if isinstance(mod, FakeQuantLinear)}
+
+
+def unwrap_fake_quant(model: nn.Module) -> nn.Module:
+    """Put the full-precision linears back in place (the model to save with `save_pretrained`)."""
+    blocks = decoder_layers(model)
+    for key, mod in quantized_modules(model).items():
+        i, name = key.split(".", 1)
+        parent_name, _, child = name.rpartition(".")
+        parent = blocks[int(i)].get_submodule(parent_name) if parent_name else blocks[int(i)]
+        setattr(parent, child, mod.linear)
+    return model
+
+
+def save_fake_quant(model: nn.Module, out_dir: str | Path, extra: dict | None = None) -> None:
+    """Save a fake-quantized model: the full-precision model, its clipping ratios and bits."""
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    mods = quantized_modules(model)
+    if not mods:
+        raise ValueError("save_fake_quant: the model has no fake-quantized layers")
+    any_mod = next(iter(mods.values()))
+    state = {f"{k}.w_clip": m.w_clip.detach().cpu().contiguous() for k, m in mods.items()}
+    state |= {f"{k}.a_clip": m.a_clip.detach().cpu().contiguous() for k, m in mods.items()}
+    unwrap_fake_quant(model)
+    try:
+        model.save_pretrained(out)
+    finally:
+        quantize_blocks(model, any_mod.w_bits, any_mod.a_bits)
+        with torch.no_grad():
+            for k, m in quantized_modules(model).items():
+                m.w_clip.copy_(state[f"{k}.w_clip"])
+                m.a_clip.copy_(state[f"{k}.a_clip"])
+    save_file(state, str(out / STATE_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps({"w_bits": any_mod.w_bits, "a_bits": any_mod.a_bits,
+                                               "modules": sorted(mods), **(extra or {})}, indent=1))
+
+
+def load_fake_quant(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Wrap a model loaded from a `save_fake_quant` folder with its quantizers and clipping ratios (no-op for a
+    folder without `fake_quant.json`)."""
+    from safetensors.torch import load_file
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).exists():
+        return model
+    spec = json.loads((folder / CONFIG_FILE).read_text())
+    mods = quantize_blocks(model, spec["w_bits"], spec["a_bits"])
+    if sorted(mods) != spec["modules"]:
+        raise ValueError(f"{folder / CONFIG_FILE}: quantized modules {spec['modules'][:3]}... do not match the "
+                         f"model's block projections {sorted(mods)[:3]}...")
+    state = load_file(str(folder / STATE_FILE))
+    with torch.no_grad():
+        for k, m in mods.items():
+            m.w_clip.copy_(state[f"{k}.w_clip"])
+            m.a_clip.copy_(state[f"{k}.a_clip"])
+    return model

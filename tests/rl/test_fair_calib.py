@@ -1,0 +1,121 @@
+"""FAIR-Calib (rl/fair_calib.py) and the fake quantizer (models/quant.py): the prior's accumulation by hand, its
+window and floor, the quantizer against compressed-tensors, block calibration, the save format (spec:
+shared/specs/stages.md §2)."""
+
+import pytest
+import torch
+
+from models.diffusion import build_tiny_llada
+from models.quant import (
+    FakeQuantLinear,
+    fake_quant,
+    load_fake_quant,
+    quantize_blocks,
+    quantized_modules,
+    save_fake_quant,
+)
+from models.tiny import build_tiny_tokenizer
+from rl.fair_calib import (
+    accumulate_prior,
+    calibrate_blocks,
+    early_boost,
+    position_weights,
+    probe_prior,
+    trajectory_diagnostics,
+    window_prior,
+)
+
+
+def test_the_prior_accumulates_frontier_hits_and_masked_stage_reliability_by_hand():
+    commits = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.bool)  # step t commits position ...
+    masked = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 1]], dtype=torch.bool)  # masked when step t starts
+    rel = torch.tensor([[0.5, 1.0, 0.2], [1.0, 0.0, 0.4], [0.0, 0.0, 1.0]])
+    w = accumulate_prior(commits, masked, rel, beta=1.0, lambda1=1.0)
+    # lambda0 = 2, 5/3, 4/3 at t = 0, 1, 2
+    assert w.tolist() == pytest.approx([5 / 3 + 0.5 + 1.0, 2.0 + 1.0, 4 / 3 + 0.2 + 0.4 + 1.0])
+    assert accumulate_prior(commits, masked, rel, masked_stage=False).tolist() == pytest.approx([5 / 3, 2.0, 4 / 3])
+    assert accumulate_prior(commits, masked, rel, frontier=False).tolist() == pytest.approx([1.5, 1.0, 1.6])
+    boosts = [early_boost(t, 10) for t in range(11)]
+    assert all(a >= b for a, b in zip(boosts, boosts[1:])) and boosts[0] == 2.0 and boosts[-1] == 1.0
+
+
+def test_the_window_sums_to_one_and_the_floor_holds_outside_it():
+    w = window_prior(torch.tensor([5.0, 1.0, 2.0, 3.0, 4.0]), window=3, floor_frac=0.01)
+    assert float(w[-3:].sum()) == pytest.approx(1.0)
+    assert w[:2].tolist() == pytest.approx([0.01 / 3] * 2)  # 0.01 x the mean of the window's weights
+    assert w[-3:].tolist() == pytest.approx([2 / 9, 3 / 9, 4 / 9])
+    full = window_prior(torch.tensor([1.0, 3.0]), window=8)
+    assert full.tolist() == pytest.approx([0.25, 0.75])
+
+
+def test_the_quantizer_rounds_as_compressed_tensors_does():
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    torch.manual_seed(0)
+    w, x = torch.randn(6, 16), torch.randn(3, 5, 16)
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="channel")
+    mx = w.abs().amax(1, keepdim=True)
+    scale, zp = calculate_qparams(-mx, mx, args)
+    assert torch.allclose(fake_quant(w, mx, 4), fake_quantize(w, scale, zp, args), atol=1e-6)
+    tok_args = QuantizationArgs(num_bits=4, symmetric=True, strategy="token", dynamic=True)
+    amx = x.abs().amax(-1, keepdim=True)
+    scale, zp = calculate_qparams(-amx, amx, tok_args)
+    assert torch.allclose(fake_quant(x, amx, 4), fake_quantize(x, scale, zp, tok_args), atol=1e-6)
+    assert len(torch.unique(fake_quant(w, mx, 4)[0])) <= 16  # 4 bits
+
+
+def test_calibration_gradients_reach_the_clipping_ratios():
+    torch.manual_seed(0)
+    lin = FakeQuantLinear(torch.nn.Linear(16, 8), 4, 4)
+    out = lin(torch.randn(4, 16))
+    (out - torch.randn_like(out)).pow(2).mean().backward()
+    assert lin.w_clip.grad.abs().sum() > 0 and lin.a_clip.grad.abs().sum() > 0
+    assert lin.linear.weight.grad is None  # the full-precision weights stay frozen
+
+
+def _tiny():
+    tok = build_tiny_tokenizer(mask_token=True)
+    return tok, build_tiny_llada(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64).eval()
+
+
+def test_the_frontier_prior_spends_the_early_boost_on_each_commit_once():
+    tok, m = _tiny()
+    enc = tok(["12+34=", "5+6="], return_tensors="pt", padding=True)
+    w = probe_prior(m, enc["input_ids"], enc["attention_mask"], mask_id=tok.mask_token_id, gen_length=6, steps=3,
+                    probes=4, masked_stage=False)
+    # every rollout commits 2 positions at each of the 3 steps: sum of weights = 2 x (2 + 5/3 + 4/3)
+    assert float(w.sum()) == pytest.approx(2 * (2 + 5 / 3 + 4 / 3)) and (w > 0).all()
+    both = probe_prior(m, enc["input_ids"], enc["attention_mask"], mask_id=tok.mask_token_id, gen_length=6, steps=3,
+                       probes=4)
+    assert (both > w).all()  # the masked-stage term adds to every position that waits
+
+
+def test_block_calibration_lowers_the_weighted_error_and_the_model_saves_and_reloads(tmp_path):
+    import copy
+
+    from rollout.hf_engine import HFEngine
+    tok, fp = _tiny()
+    quant = copy.deepcopy(fp)
+    mods = quantize_blocks(quant, 4, 4)
+    assert len(mods) == 2 * 7
+    enc = tok(["12+34=0046", "51+6=0057", "7+80=0087"], return_tensors="pt", padding=True, padding_side="right")
+    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    weights = [position_weights(enc["attention_mask"], torch.tensor([6, 5, 5]), window_prior(torch.rand(4), 4))]
+    assert weights[0][0, 6:10].sum() == pytest.approx(1.0, abs=1e-5)
+    history = calibrate_blocks(fp, quant, [batch], weights, epochs=5, lr=2e-2)
+    assert all(h["loss_after"] <= h["loss_before"] for h in history) and history[0]["loss_after"] < history[0]["loss_before"]
+    diag = trajectory_diagnostics(fp, quant, enc["input_ids"][:, :5], enc["attention_mask"][:, :5],
+                                  mask_id=tok.mask_token_id, gen_length=4, block_length=4, steps=4)
+    assert 0 <= diag["frontier_flip_rate"] <= 1 and diag["trajectory_kl"] >= 0
+    tok.save_pretrained(tmp_path / "q")
+    save_fake_quant(quant, tmp_path / "q", extra={"weighting": "fair"})
+    assert quantized_modules(quant)  # still quantized after saving
+    engine = HFEngine(str(tmp_path / "q"))
+    assert sorted(quantized_modules(engine.model)) == sorted(mods)
+    with torch.no_grad():
+        assert torch.allclose(engine.model(**batch).logits, quant(**batch).logits, atol=1e-5)
+    with torch.no_grad():  # and it differs from the full-precision model
+        assert not torch.allclose(fp(**batch).logits, quant(**batch).logits, atol=1e-3)
+    plain = load_fake_quant(copy.deepcopy(fp), tmp_path)  # no fake_quant.json there: unchanged
+    assert not quantized_modules(plain)

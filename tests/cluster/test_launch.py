@@ -1,5 +1,6 @@
 """`looprl slurm`: the rendered sbatch script, checked by bash and executed on loopback with fake SLURM tools."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -57,8 +58,10 @@ def _fake_slurm(bindir: Path) -> None:
         (bindir / f).chmod(0o755)
 
 
-@pytest.mark.slow
-def test_script_starts_ray_runs_the_recipe_and_tears_down(tmp_path):
+@contextlib.contextmanager
+def _fake_slurm_job(tmp_path):
+    """`launch(name, *overrides)` runs the rendered sbatch script of quickstart.yaml on loopback with fake SLURM
+    tools; `leftovers()` lists this job's Ray processes. Whatever is left is killed at exit."""
     import psutil
     fake = tmp_path / "bin"
     _fake_slurm(fake)
@@ -80,6 +83,17 @@ def test_script_starts_ray_runs_the_recipe_and_tears_down(tmp_path):
         return [p for p in psutil.process_iter(["cmdline"]) if str(ray_tmp) in " ".join(p.info["cmdline"] or [])]
 
     try:
+        yield launch, leftovers
+    finally:
+        for p in leftovers():
+            p.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_script_starts_ray_runs_the_recipe_and_tears_down(tmp_path):
+    import psutil
+    with _fake_slurm_job(tmp_path) as (launch, leftovers):
         ok = launch("ok", *TINY)
         log = ok.stdout + ok.stderr
         assert ok.returncode == 0, log[-3000:]
@@ -87,13 +101,15 @@ def test_script_starts_ray_runs_the_recipe_and_tears_down(tmp_path):
         assert json.loads((tmp_path / "ok" / "summary.json").read_text())["steps"] == 1
         psutil.wait_procs(leftovers(), timeout=30)
         assert not leftovers()
-        # the recipe's exit code is the job's, and Ray is torn down all the same
+
+
+@pytest.mark.extended  # the launch and teardown run in CI above; this is the failing recipe's path
+@pytest.mark.slow
+def test_a_failing_recipe_is_the_jobs_exit_code_and_ray_is_torn_down_all_the_same(tmp_path):
+    import psutil
+    with _fake_slurm_job(tmp_path) as (launch, leftovers):
         bad = launch("bad", *TINY, "reward.functions=[{name: 'no_such_module:fn'}]")
         assert bad.returncode == 2, (bad.stdout + bad.stderr)[-3000:]
         assert "ray stopped on all nodes" in bad.stdout
         psutil.wait_procs(leftovers(), timeout=30)
         assert not leftovers()
-    finally:
-        for p in leftovers():
-            p.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)

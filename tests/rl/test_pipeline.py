@@ -132,11 +132,11 @@ def test_sft_warm_up_stage_lowers_its_loss_and_is_reused(ray_cluster, tmp_path):
 @pytest.mark.slow
 def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_path):
     common = ["trainer.checkpoint_every=2", "learner.lr=5e-3", "algorithm.is_correction=token", _digit_reward(tmp_path)]
-    run(_cfg(tmp_path, "k0", "trainer.max_staleness=0", "trainer.steps=4", *common))
-    run(_cfg(tmp_path, "k1", "trainer.max_staleness=1", "trainer.steps=4", *common))
+    run(_cfg(tmp_path, "k0", "trainer.max_staleness=0", "trainer.steps=3", *common))
+    run(_cfg(tmp_path, "k1", "trainer.max_staleness=1", "trainer.steps=3", *common))
     sync, one_off = read_metrics(tmp_path / "k0"), read_metrics(tmp_path / "k1")
-    assert [m["rollout/staleness"] for m in sync] == [0, 0, 0, 0]
-    assert [m["rollout/staleness"] for m in one_off] == [0, 1, 1, 1]
+    assert [m["rollout/staleness"] for m in sync] == [0, 0, 0]
+    assert [m["rollout/staleness"] for m in one_off] == [0, 1, 1]
     # step 1 of both: same weights, prompts and seeds, hence the same samples and the same update
     for key in COMPARE:
         assert sync[0][key] == pytest.approx(one_off[0][key], rel=1e-5, abs=1e-7), key
@@ -149,9 +149,9 @@ def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_pat
     # were drawn, so a resume draws them again
     state = [json.loads((tmp_path / k / "checkpoints/step_2/trainer_state.json").read_text()) for k in ("k0", "k1")]
     assert state[0]["sampler"] == state[1]["sampler"]
-    resumed = run(_cfg(tmp_path, "k1", "trainer.max_staleness=1", "trainer.steps=5", "resume=auto", *common))
+    resumed = run(_cfg(tmp_path, "k1", "trainer.max_staleness=1", "trainer.steps=4", "resume=auto", *common))
     # the pipeline restarts from the checkpoint's weights: the first rollout after a resume is on-policy
-    assert resumed["steps"] == 5 and read_metrics(tmp_path / "k1")[-1]["rollout/staleness"] == 0
+    assert resumed["steps"] == 4 and read_metrics(tmp_path / "k1")[-1]["rollout/staleness"] == 0
 
 
 @pytest.mark.slow

@@ -51,26 +51,32 @@ def _real(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def input_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, InputStats]:
+def input_stats(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], block: int | None = None
+                ) -> dict[str, InputStats]:
     """XᵀX, ΣX and the token count of every target linear's inputs over `batches` (each `input_ids` and
-    `attention_mask`; padding tokens are left out)."""
+    `attention_mask`; padding tokens are left out), on the inputs' device. With `block`, only that decoder block's
+    linears, and the forward stops after it (what a large model compressed block by block keeps in memory)."""
     stats: dict[str, InputStats] = {}
     current: dict[str, torch.Tensor] = {}
+    prefix = None if block is None else f"model.layers.{block}."
 
     def hook(name: str):
         def record(_m: nn.Module, args: tuple, _out: torch.Tensor) -> None:
             x = _real(args[0], current["mask"]).double()
-            s = stats.setdefault(name, InputStats(torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64),
-                                                  torch.zeros(x.shape[1], dtype=torch.float64)))
+            s = stats.setdefault(name, InputStats(x.new_zeros(x.shape[1], x.shape[1]), x.new_zeros(x.shape[1])))
             s.xtx += x.T @ x
             s.xsum += x.sum(0)
             s.count += x.shape[0]
         return record
-    handles = [mod.register_forward_hook(hook(name)) for name, mod in target_linears(model).items()]
+    handles = [mod.register_forward_hook(hook(name)) for name, mod in target_linears(model).items()
+               if prefix is None or name.startswith(prefix)]
     try:
         for batch in batches:
-            current["mask"] = batch["attention_mask"]
-            model(**batch, use_cache=False)
+            current["mask"] = batch["attention_mask"].to(next(model.parameters()).device)
+            if block is None:
+                model(**batch, use_cache=False)
+            else:
+                block_outputs(model, batch, block)
     finally:
         for h in handles:
             h.remove()
@@ -101,8 +107,8 @@ def whitened_factors(w: torch.Tensor, xtx: torch.Tensor, k: int, eps: float = 1e
     inputs, where plain SVD minimises ‖W − AB‖."""
     n = xtx.shape[0]
     reg = eps * float(xtx.diagonal().mean()) + 1e-12
-    s_chol = torch.linalg.cholesky(xtx.double() + reg * torch.eye(n, dtype=torch.float64))
-    u, s, vh = torch.linalg.svd(w.double() @ s_chol, full_matrices=False)
+    s_chol = torch.linalg.cholesky(xtx.double() + reg * torch.eye(n, dtype=torch.float64, device=xtx.device))
+    u, s, vh = torch.linalg.svd(w.double().to(xtx.device) @ s_chol, full_matrices=False)
     root = s[:k].sqrt()
     b = torch.linalg.solve_triangular(s_chol, root[:, None] * vh[:k], upper=False, left=False)  # X S = Y
     return u[:, :k] * root, b
@@ -130,9 +136,10 @@ def enable_projection_biases(model: nn.Module) -> None:
 @torch.no_grad()
 def compress(model: nn.Module, stats: dict[str, InputStats], ratio: float, method: str = "whitened",
              compensation: str = "closed_form", eps: float = 1e-6) -> dict[str, dict]:
-    """Replace every target projection's weight W by A·B (`method` whitened or plain, rank from `ratio`) in place,
-    give it a bias, and add b* to it with `compensation: closed_form` (also the start of the learned bias). Returns
-    per layer: shape, rank, the factorized parameter count, ‖b*‖ and the relative weight error."""
+    """Replace the weight W of every target projection `stats` has by A·B (`method` whitened or plain, rank from
+    `ratio`) in place, give it a bias, and add b* to it with `compensation: closed_form` (also the start of the
+    learned bias). Returns per layer: shape, rank, the factorized parameter count, ‖b*‖ and the relative weight
+    error."""
     if method not in ("whitened", "plain"):
         raise ValueError(f"method must be whitened or plain, got {method!r}")
     if compensation not in ("none", "closed_form"):
@@ -140,12 +147,14 @@ def compress(model: nn.Module, stats: dict[str, InputStats], ratio: float, metho
     enable_projection_biases(model)
     report = {}
     for name, mod in target_linears(model).items():
+        if name not in stats:  # another block's (compressed block by block)
+            continue
         w = mod.weight.data
         m, n = w.shape
         k = rank_for_ratio(m, n, ratio)
         a, b = whitened_factors(w, stats[name].xtx, k, eps) if method == "whitened" else plain_factors(w, k)
         low = a @ b
-        b_star = closed_form_bias(w, low, stats[name].mean)
+        b_star = closed_form_bias(w, low, stats[name].mean.to(w.device))
         if compensation == "closed_form":
             mod.bias.add_(b_star.to(mod.bias.dtype))
         report[name] = {"shape": [m, n], "rank": k, "factor_params": k * (m + n), "dense_params": m * n,

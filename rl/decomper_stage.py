@@ -48,6 +48,7 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from models.blocks import decoder_layers
     from rl.decomper import (
         block_drift,
         closed_form_bias,
@@ -58,12 +59,19 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
         token_kl_and_nll,
     )
     from rollout.base import load_tokenizer
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     original = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
-                                                    trust_remote_code=trust_remote_code).eval()
-    calib_batches, held_batches = _batches(calib, pad_id, batch_size), _batches(held, pad_id, batch_size)
-    stats = input_stats(original, calib_batches)
+                                                    trust_remote_code=trust_remote_code).to(device).eval()
+    calib_batches = [{k: v.to(device) for k, v in b.items()} for b in _batches(calib, pad_id, batch_size)]
+    held_batches = [{k: v.to(device) for k, v in b.items()} for b in _batches(held, pad_id, batch_size)]
     model = copy.deepcopy(original)
-    layers = compress(model, stats, ratio, method, "none", eps)
+    # block by block: one block's input statistics in memory at a time (XᵀX of a wide projection is large)
+    layers, means = {}, {}
+    for j in range(len(decoder_layers(original))):
+        stats = input_stats(original, calib_batches, block=j)
+        layers |= compress(model, stats, ratio, method, "none", eps)
+        means |= {name: st.mean for name, st in stats.items()}
+        del stats
     report: dict[str, Any] = {"ratio": ratio, "method": method, "compensation": compensation, "layers": layers,
                               "dense_params": sum(v["dense_params"] for v in layers.values()),
                               "factor_params": sum(v["factor_params"] for v in layers.values()),
@@ -73,7 +81,7 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
         originals = target_linears(original)
         with torch.no_grad():
             for name, mod in target_linears(model).items():
-                mod.bias.add_(closed_form_bias(originals[name].weight, mod.weight, stats[name].mean).to(mod.bias.dtype))
+                mod.bias.add_(closed_form_bias(originals[name].weight, mod.weight, means[name]).to(mod.bias.dtype))
     if compensation == "learned":
         report["learned"] = learn_biases(original, model, calib_batches, lr=lr, epochs=epochs,
                                          log=lambda j, a, b: say(f"compress_lowrank: block {j} mse {a:.3g} -> {b:.3g}"))
@@ -81,7 +89,7 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
     report["heldout"] = token_kl_and_nll(original, model, held_batches)
     for p in model.parameters():
         p.requires_grad_(True)
-    model.save_pretrained(out_dir)
+    model.cpu().save_pretrained(out_dir)
     load_tokenizer(model_path).save_pretrained(out_dir)
     return report
 

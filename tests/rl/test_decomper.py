@@ -171,3 +171,14 @@ def test_the_compressed_policy_is_served_by_vllm_and_trained_by_rl(ray_cluster, 
     assert json.loads((Path(policy) / "config.json").read_text())["mlp_bias"] is True
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["actor/mismatch_abs_diff"] < 1e-3  # vLLM samples from the compressed weights the learner holds
+
+
+def test_block_by_block_statistics_equal_those_of_a_whole_model_pass(trained):
+    model, calib, _ = trained
+    whole = input_stats(model, calib)
+    for j in range(4):
+        part = input_stats(model, calib, block=j)
+        assert set(part) == {k for k in whole if k.startswith(f"model.layers.{j}.")}
+        for k, v in part.items():
+            assert v.count == whole[k].count
+            assert torch.allclose(v.xtx, whole[k].xtx) and torch.allclose(v.xsum, whole[k].xsum)

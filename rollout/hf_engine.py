@@ -37,6 +37,7 @@ class HFEngine:
         self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (quantize_fair) serves as such
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
+        self._commits: list | None = None  # the last diffusion chunk's per-row commit logs, for its Batch
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
@@ -147,7 +148,7 @@ class HFEngine:
                       rollout_logp=logp, truncated=~ended, responses=texts,
                       observation_mask=inserted if bool(inserted.any()) else None,
                       metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
-        commits, self._commits = getattr(self, "_commits", None), None
+        commits, self._commits = self._commits, None
         if commits is not None:  # the diffusion sampler's per-step commits, when its commit_log is on
             batch.set_extra("diffusion_commits", commits)
         return batch  # inserted tokens are context (observation_mask), never trained on

@@ -59,6 +59,7 @@ class SyntheticTaskConfig:
     num_eval: int = 200  # held-out problems, never trained on
     sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest
     wrong_order_fraction: float = 0.5  # share of SFT targets that use the wrong order of operations
+    digits: int = 3  # addition task: digits of each operand (the sum is written with one more)
     seed: int = 1234  # generator seed (independent of the run seed)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
+from rl.stages import Stage, StageContext, StageError, say
 
 
 def _batches(sequences: list[list[int]], pad_id: int, batch_size: int) -> list[dict]:
@@ -123,6 +123,7 @@ class CompressLowRankStage(Stage):
         import ray
 
         from cluster.ray_utils import bundle_options
+        from rl.pipeline import policy_sft_data
         cfg, base, tokenizer, _, examples, _ = policy_sft_data(ctx, "calibration text")
         need = self.calib_sequences + self.heldout_sequences
         if len(examples) < need:

@@ -33,7 +33,7 @@ from rl.ep_order import (
     zone_proportions,
 )
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
+from rl.stages import Stage, StageContext, StageError, say
 
 
 def embed_examples(model_path: str, examples: list, pad_id: int, batch_size: int, tokens: str, dtype: str,
@@ -87,7 +87,7 @@ class EPOrderStage(Stage):
         from omegaconf import OmegaConf
 
         from cluster.ray_utils import bundle_options
-        from rl.pipeline import _sft_stage
+        from rl.pipeline import _sft_stage, policy_sft_data
         cfg, base, tokenizer, rows, examples, dropped = policy_sft_data(ctx, "SFT data to order")
         out = ctx.stage_dir
         seed = cfg.seed

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
+from rl.stages import Stage, StageContext, StageError, say
 
 
 def _padded(seqs: list[list[int]], pad_id: int, side: str):
@@ -115,6 +115,7 @@ class QuantizeFairStage(Stage):
         import ray
 
         from cluster.ray_utils import bundle_options
+        from rl.pipeline import policy_sft_data
         cfg, base, tokenizer, _, examples, _ = policy_sft_data(ctx, "calibration sequences")
         if tokenizer.mask_token_id is None:
             raise StageError(f"{ctx.name}: quantize_fair calibrates masked-diffusion models; {base} has no mask token")

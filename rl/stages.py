@@ -129,23 +129,6 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def policy_sft_data(ctx: StageContext, purpose: str) -> tuple[Any, str, Any, list[dict], list, dict[str, int]]:
-    """What a stage that reads the SFT data with the current policy needs: the stage's config, the `policy` folder,
-    its tokenizer, the SFT rows, their tokenized examples and the dropped-row counts. `purpose` names what the data
-    is for in the error raised when there is none."""
-    from rl.pipeline import stage_cfg
-    from rl.sft_data import sft_rows_and_examples
-    from rollout.base import load_tokenizer
-    cfg = stage_cfg(ctx)
-    path = ctx.artifact("sft")
-    if path is None:
-        raise StageError(f"{ctx.name}: no {purpose} (set data.sft_path, or a synthetic task with an SFT split)")
-    base = ctx.require("policy")
-    tokenizer = load_tokenizer(base)
-    rows, examples, dropped = sft_rows_and_examples(tokenizer, path, "data.sft_path", cfg.sft, cfg.data)
-    return cfg, base, tokenizer, rows, examples, dropped
-
-
 def say(msg: str) -> None:
     """A progress line of the run on stderr."""
     print(f"[looprl] {msg}", file=sys.stderr, flush=True)

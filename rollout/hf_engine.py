@@ -148,7 +148,7 @@ class HFEngine:
                       rollout_logp=logp, truncated=~ended, responses=texts,
                       observation_mask=inserted if bool(inserted.any()) else None,
                       metadata=[{"gen_s": gen_s / len(prompts)} for _ in prompts])
-        commits, self._commits = self._commits, None
+        commits, self._commits = getattr(self, "_commits", None), None  # (engines built around a model skip __init__)
         if commits is not None:  # the diffusion sampler's per-step commits, when its commit_log is on
             batch.set_extra("diffusion_commits", commits)
         return batch  # inserted tokens are context (observation_mask), never trained on

@@ -38,32 +38,9 @@ RATIOS = (0.2, 0.4, 0.6)
 WEIGHTINGS = ("uniform", "frontier", "reliability", "fair")
 
 
-def _text(r: random.Random) -> str:
-    a, b, c = r.randint(10, 99), r.randint(10, 99), r.randint(2, 9)
-    return f"{a}+{b}*{c}={b * c},{a}+{b * c}={a + b * c}"
-
-
 def decomper_seed(seed: int) -> dict:
-    import torch
-
-    from models.tiny import build_tiny_model, build_tiny_tokenizer
-    from rl.decomper import compress, input_stats, learn_biases, token_kl_and_nll
-    torch.manual_seed(seed)
-    r = random.Random(seed)
-    tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128, seed=seed)
-
-    def batch(n):
-        enc = tok([_text(r) for _ in range(n)], return_tensors="pt", padding=True)
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(400):
-        b = batch(32)
-        loss = model(**b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
+    from rl.decomper import compress, input_stats, learn_biases, tiny_arithmetic_lm, token_kl_and_nll
+    model, batch = tiny_arithmetic_lm(seed, steps=400)
     calib, held = [batch(16) for _ in range(2)], [batch(16) for _ in range(4)]
     stats = input_stats(model, calib)
     out: dict = {"nll_original": token_kl_and_nll(model, model, held)["nll_original"], "arms": {}}
@@ -97,50 +74,36 @@ def _accuracy(tok, tokens, answers: list[str]) -> list[float]:
 
 
 def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
+    """Each weighting through the stage's own task (`rl.fair_calib_stage.quantize_model`), the quantized folder
+    read back as the engine reads it; RTN is the quantizer before calibration."""
     import torch
     from transformers import AutoModel
 
-    from models.quant import quantize_blocks
-    from rl.fair_calib import (
-        calibrate_blocks,
-        position_weights,
-        probe_prior,
-        trajectory_diagnostics,
-        window_prior,
-    )
+    from models.quant import load_fake_quant, quantize_blocks
+    from rl.fair_calib_stage import quantize_model
     from rollout.base import load_tokenizer
     torch.manual_seed(seed)
     tok = load_tokenizer(str(model_dir))
     fp = AutoModel.from_pretrained(model_dir).eval()
     prompts, answers = _eval_prompts(run_dir, 200)
     sft = [json.loads(x) for x in (run_dir / "data" / "sft.jsonl").read_text().splitlines()]
-    calib = random.Random(seed).sample(sft, 64)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    calib = [(ids(c["prompt"]), ids(c["target"]) + [tok.eos_token_id]) for c in random.Random(seed).sample(sft, 64)]
+    diag = [ids(p) for p in prompts[:64]]
     kw = dict(gen_length=5, block_length=5, steps=5)
-    out: dict = {"fp": {"accuracy": _accuracy(tok, _decode(fp, tok, prompts, **kw).tokens, answers)}, "arms": {}}
-    right = tok([c["prompt"] + c["target"] + tok.eos_token for c in calib], return_tensors="pt", padding=True,
-                padding_side="right")
-    starts = torch.tensor([len(tok(c["prompt"], add_special_tokens=False)["input_ids"]) for c in calib])
-    left = tok([c["prompt"] for c in calib], return_tensors="pt", padding=True)
-    batches, spans = [], []
-    for i in range(0, 64, 8):
-        batches.append({"input_ids": right["input_ids"][i:i + 8], "attention_mask": right["attention_mask"][i:i + 8]})
-        spans.append(starts[i:i + 8])
-    diag_enc = tok(prompts[:64], return_tensors="pt", padding=True)
-    for arm in ("rtn", *WEIGHTINGS):
-        q = copy.deepcopy(fp)
-        quantize_blocks(q, 4, 4)
-        if arm != "rtn":
-            prior = None
-            if arm != "uniform":
-                raw = probe_prior(fp, left["input_ids"], left["attention_mask"], mask_id=tok.mask_token_id,
-                                  gen_length=5, steps=5, probes=64, seed=seed,
-                                  frontier=arm in ("fair", "frontier"), masked_stage=arm in ("fair", "reliability"))
-                prior = window_prior(raw, 256)
-            weights = [position_weights(b["attention_mask"], s, prior) for b, s in zip(batches, spans)]
-            calibrate_blocks(fp, q, batches, weights, epochs=15, lr=5e-3)
-        diag = trajectory_diagnostics(fp, q, diag_enc["input_ids"], diag_enc["attention_mask"],
-                                      mask_id=tok.mask_token_id, **kw)
-        out["arms"][arm] = {"accuracy": _accuracy(tok, _decode(q, tok, prompts, **kw).tokens, answers), **diag}
+    rtn = copy.deepcopy(fp)
+    quantize_blocks(rtn, 4, 4)
+    out: dict = {"fp": {"accuracy": _accuracy(tok, _decode(fp, tok, prompts, **kw).tokens, answers)},
+                 "arms": {"rtn": {"accuracy": _accuracy(tok, _decode(rtn, tok, prompts, **kw).tokens, answers)}}}
+    for arm in WEIGHTINGS:
+        folder = run_dir / "quantized" / arm
+        report = quantize_model(str(model_dir), str(folder), calib, diag, tok.pad_token_id, tok.mask_token_id,
+                                w_bits=4, a_bits=4, weighting=arm, probes=64, window=256, floor_frac=0.01, beta=1.0,
+                                lambda1=1.0, epochs=15, lr=5e-3, batch_size=8, seed=seed, **kw)
+        q = load_fake_quant(AutoModel.from_pretrained(folder), folder).eval()
+        out["arms"][arm] = {"accuracy": _accuracy(tok, _decode(q, tok, prompts, **kw).tokens, answers),
+                            **report["calibrated"]}
+        out["arms"]["rtn"].update(report["rtn"])  # the same diagnostics of the uncalibrated quantizer
     return out
 
 

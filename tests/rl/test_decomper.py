@@ -2,14 +2,12 @@
 trained in code (spec: shared/specs/stages.md §1)."""
 
 import copy
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rl.decomper import (
     block_drift,
     closed_form_bias,
@@ -19,35 +17,16 @@ from rl.decomper import (
     plain_factors,
     rank_for_ratio,
     target_linears,
+    tiny_arithmetic_lm,
     token_kl_and_nll,
     whitened_factors,
 )
 
 
-def _text(r: random.Random) -> str:
-    a, b, c = r.randint(10, 99), r.randint(10, 99), r.randint(2, 9)
-    return f"{a}+{b}*{c}={b * c},{a}+{b * c}={a + b * c}"
-
-
 @pytest.fixture(scope="module")
 def trained():
     """A 4-block tiny Llama fitted to arithmetic text for 200 steps, with calibration and held-out batches."""
-    torch.manual_seed(0)
-    r = random.Random(0)
-    tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128)
-
-    def batch(n):
-        enc = tok([_text(r) for _ in range(n)], return_tensors="pt", padding=True)
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(200):
-        b = batch(32)
-        loss = model(**b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
+    model, batch = tiny_arithmetic_lm(seed=0, steps=200)
     return model, [batch(16) for _ in range(2)], [batch(16) for _ in range(2)]
 
 

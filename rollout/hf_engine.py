@@ -131,7 +131,7 @@ class HFEngine:
         lengths = torch.where(ended, eos.float().argmax(1) + 1, torch.full_like(ended, resp.shape[1], dtype=torch.long))
         keep = torch.arange(resp.shape[1])[None] < lengths[:, None]
         resp = resp.masked_fill(~keep, self.tokenizer.pad_token_id)
-        self._commits = ([[[e["step"], p, t, c] for e in out.log for r, p, t, c in e["committed"] if r == row]
+        self._commits = ([[[e["step"], p, t, c] for e in out.log for r, p, t, c in e.get("committed", []) if r == row]
                           for row in range(len(resp))] if out.log else None)
         return resp, out.logp.cpu() * keep, lengths, torch.zeros_like(resp, dtype=torch.bool), ended
 

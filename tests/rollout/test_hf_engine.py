@@ -116,8 +116,11 @@ def test_a_masked_diffusion_model_samples_with_the_block_sampler_and_logs_its_co
         assert sorted(p for _, p, _, _ in commits) == list(range(8))  # every position committed once
         assert [s for s, _, _, _ in commits] == sorted(s for s, _, _, _ in commits)
     core = diffusion.generate(["12+3="], SamplingParams(max_new_tokens=8, temperature=0.0, decoding="remask_core",
-                                                        decoding_params={"block_length": 8, "steps": 8, "probes": 2}))
+                                                        decoding_params={"block_length": 8, "steps": 8, "probes": 2,
+                                                                         "commit_log": True}))
     assert int(core.response_attn.sum()) >= 1  # CORE's remasking runs inside the engine's sampler
+    # remasked positions are committed twice: 8 positions, 2 probes of m = 2
+    assert len(core.extras["diffusion_commits"].value[0]) == 8 + 2 * 2
     # the model's own sampler is the default; a causal decoding method is refused, and the sampler on a causal model
     assert diffusion.generate(["1+1="], SamplingParams(max_new_tokens=4, temperature=0.0)).response_ids.shape[1] == 4
     with pytest.raises(ValueError, match="decoding 'diffusion'"):

@@ -343,3 +343,15 @@ def batch_of_examples(examples: list[Any], pad_id: int) -> Batch:
         attn[i, :len(e.response_ids)] = 1
     return Batch(prompt_ids=prompt, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask,
                  response_attn=attn, group_id=torch.arange(n))
+
+
+def pad_token_rows(rows: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """`input_ids` and `attention_mask` `[N, max length]` of token rows padded on `side` (right: positions count
+    from each row's first token; left: rows end together, as prompts for generation)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        span = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
+        ids[i, span], mask[i, span] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask

@@ -20,21 +20,16 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rl.batch import pad_token_rows
 from rl.registry import register
 from rl.stages import Stage, StageContext, StageError, say
 
 
 def _batches(sequences: list[list[int]], pad_id: int, batch_size: int) -> list[dict]:
-    import torch
+    """Right-padded batches of `batch_size` token sequences."""
     out = []
     for i in range(0, len(sequences), batch_size):
-        chunk = sequences[i:i + batch_size]
-        width = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for r, s in enumerate(chunk):  # right-padded: positions count from each sequence's first token
-            ids[r, :len(s)] = torch.tensor(s)
-            mask[r, :len(s)] = 1
+        ids, mask = pad_token_rows(sequences[i:i + batch_size], pad_id, "right")
         out.append({"input_ids": ids, "attention_mask": mask})
     return out
 

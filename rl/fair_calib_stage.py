@@ -19,19 +19,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rl.batch import pad_token_rows
 from rl.registry import register
 from rl.stages import Stage, StageContext, StageError, say
-
-
-def _padded(seqs: list[list[int]], pad_id: int, side: str):
-    import torch
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        span = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
-        ids[r, span], mask[r, span] = torch.tensor(s), 1
-    return ids, mask
 
 
 def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], list[int]]], diag: list[list[int]],
@@ -58,7 +48,7 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
     report: dict[str, Any] = {"w_bits": w_bits, "a_bits": a_bits, "weighting": weighting}
     prior = None
     if weighting != "uniform":
-        prompts, pmask = _padded([p for p, _ in calib], pad_id, "left")
+        prompts, pmask = pad_token_rows([p for p, _ in calib], pad_id, "left")
         raw = probe_prior(fp, prompts, pmask, mask_id=mask_id, gen_length=gen_length, steps=steps, probes=probes,
                           seed=seed, beta=beta, lambda1=lambda1, frontier=weighting in ("fair", "frontier"),
                           masked_stage=weighting in ("fair", "reliability"))
@@ -67,12 +57,12 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
     batches, weights = [], []
     for i in range(0, len(calib), batch_size):
         chunk = calib[i:i + batch_size]
-        ids, mask = _padded([p + a for p, a in chunk], pad_id, "right")
+        ids, mask = pad_token_rows([p + a for p, a in chunk], pad_id, "right")
         batches.append({"input_ids": ids, "attention_mask": mask})
         weights.append(position_weights(mask, torch.tensor([len(p) for p, _ in chunk]), prior))
     quant = copy.deepcopy(fp)
     quantize_blocks(quant, w_bits, a_bits)
-    dprompts, dmask = _padded(diag, pad_id, "left")
+    dprompts, dmask = pad_token_rows(diag, pad_id, "left")
     dkw = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length, steps=steps)
     report["rtn"] = trajectory_diagnostics(fp, quant, dprompts, dmask, **dkw)
     report["blocks"] = calibrate_blocks(fp, quant, batches, weights, epochs=epochs, lr=lr,

@@ -11,15 +11,16 @@ learned compensation (`rl.decomper`, 32 calibration sequences); held-out perplex
 The paper's claim in direction: compensation cuts the perplexity gap sharply (> 70% at ρ = 0.4 on 8B models).
 
 The masked-diffusion model: `recipes/llada_sft_tiny.yaml` (the LLaDA layout, SFT with the MDLM loss on the addition
-task: a+b= with a four-digit sum), then on its 200 held-out problems, greedy, one block of 5 tokens (4 digits, EOS):
+task: a+b= with two-digit a and b and a three-digit sum), then on its 200 held-out problems, greedy, one block of G
+tokens (the sum's digits and EOS; G = 4) decoded in G steps:
 
 FAIR-Calib: W4A4 fake quantization calibrated block by block (`rl.fair_calib`, 64 teacher probes, 64 calibration
 sequences, 15 epochs) with the uniform block MSE, each single term of the prior, and both; round-to-nearest (RTN) as
 the floor. Exact-match accuracy, trajectory KL to full precision on the teacher's trajectories, frontier flip rate.
 The paper's ordering: both > single term > uniform.
 
-CORE: decoding with 5 steps plus 2 probes (7 forwards): CORE against compute-matched controls (random and
-low-margin remasking at the same probes, and no remasking with 7 steps). Accuracy, and the precision of each
+CORE: decoding with G steps plus 2 probes (G + 2 forwards): CORE against compute-matched controls (random and
+low-margin remasking at the same probes, and no remasking with G + 2 steps). Accuracy, and the precision of each
 policy's choice at flagging committed tokens that are wrong (differ from the correct answer's digit).
 """
 
@@ -68,6 +69,12 @@ def _decode(model, tok, prompts: list[str], **kw):
     return diffusion_generate(model, enc["input_ids"], enc["attention_mask"], mask_id=tok.mask_token_id, **kw)
 
 
+def _canvas(answers: list[str]) -> dict:
+    """One block holding the sum's digits and EOS, one token committed per step."""
+    G = len(answers[0]) + 1
+    return {"gen_length": G, "block_length": G, "steps": G}
+
+
 def _accuracy(tok, tokens, answers: list[str]) -> list[float]:
     texts = tok.batch_decode(tokens, skip_special_tokens=True)
     return [float(t.strip() == a) for t, a in zip(texts, answers)]
@@ -90,7 +97,7 @@ def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     calib = [(ids(c["prompt"]), ids(c["target"]) + [tok.eos_token_id]) for c in random.Random(seed).sample(sft, 64)]
     diag = [ids(p) for p in prompts[:64]]
-    kw = dict(gen_length=5, block_length=5, steps=5)
+    kw = _canvas(answers)
     rtn = copy.deepcopy(fp)
     quantize_blocks(rtn, 4, 4)
     out: dict = {"fp": {"accuracy": _accuracy(tok, _decode(fp, tok, prompts, **kw).tokens, answers)},
@@ -117,14 +124,15 @@ def core_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     tok = load_tokenizer(str(model_dir))
     model = AutoModel.from_pretrained(model_dir).eval()
     prompts, answers = _eval_prompts(run_dir, 200)
-    arms = {"none_5": (5, Remasking()), "none_7": (7, Remasking()),
-            "core": (5, Remasking("core", probes=2, candidates=4, m=1)),
-            "random": (5, Remasking("random", probes=2, candidates=4, m=1)),
-            "low_margin": (5, Remasking("low_margin", probes=2, candidates=4, m=1))}
+    G = _canvas(answers)["gen_length"]
+    arms = {f"none_{G}": (G, Remasking()), f"none_{G + 2}": (G + 2, Remasking()),
+            "core": (G, Remasking("core", probes=2, candidates=4, m=1)),
+            "random": (G, Remasking("random", probes=2, candidates=4, m=1)),
+            "low_margin": (G, Remasking("low_margin", probes=2, candidates=4, m=1))}
     out = {}
     for name, (steps, revise) in arms.items():
         g = torch.Generator().manual_seed(seed)
-        res = _decode(model, tok, prompts, gen_length=5, block_length=5, steps=steps, revise=revise, commit_log=True,
+        res = _decode(model, tok, prompts, gen_length=G, block_length=G, steps=steps, revise=revise, commit_log=True,
                       generator=g)
         flagged = [(row, pos, token) for e in res.log if "probe" in e for row, pos, token, _ in e["remasked"]]
         truth = [tok(a + tok.eos_token, add_special_tokens=False)["input_ids"] for a in answers]

@@ -125,6 +125,9 @@ def addition_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fra
     `sft.jsonl` (prompt, target, answer), `train.jsonl` and `eval.jsonl` (prompt, answer) hold disjoint problems."""
     rng = random.Random(seed)
     low, high = 10 ** (digits - 1), 10 ** digits - 1
+    if num_train + num_eval > (high - low + 1) ** 2:
+        raise ValueError(f"data.synthetic: the addition task with digits={digits} has {(high - low + 1) ** 2} distinct "
+                         f"problems; num_train + num_eval = {num_train + num_eval} asks for more")
     seen: set[tuple[int, int]] = set()
     while len(seen) < num_train + num_eval:
         seen.add((rng.randint(low, high), rng.randint(low, high)))

@@ -28,7 +28,7 @@ def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_di
         "{name: evaluate}]"]))
     assert list(summary["stages"]) == ["model", "data", "sft", "quantize_fair", "evaluate"]
     report = json.loads((out / "stages" / "quantize_fair" / "quantization_report.json").read_text())
-    assert len(report["prior"]) == 5 and sum(report["prior"]) == pytest.approx(1.0)
+    assert len(report["prior"]) == 4 and sum(report["prior"]) == pytest.approx(1.0)
     assert all(b["loss_after"] <= b["loss_before"] for b in report["blocks"]) and len(report["blocks"]) == 2
     assert set(report["rtn"]) == set(report["calibrated"]) == {"frontier_flip_rate", "trajectory_kl",
                                                               "post_commit_mismatch"}
@@ -43,7 +43,7 @@ def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_di
     assert 0.0 <= summary["accuracy_after_rl"] <= 1.0
     examples = summary["eval_examples_after_rl"]
     tok_count = [len(e["response"]) for e in examples]
-    assert examples and max(tok_count) <= 5  # the 5-token canvas (4 digits and EOS) was decoded
+    assert examples and max(tok_count) <= 4  # the 4-token canvas (3 digits and EOS) was decoded
 
 
 def test_a_recipe_that_runs_rl_on_a_masked_diffusion_model_is_refused_at_start_up(tmp_path):
@@ -52,3 +52,18 @@ def test_a_recipe_that_runs_rl_on_a_masked_diffusion_model_is_refused_at_start_u
         f"output_dir={tmp_path}", "stages=[{name: model}, {name: data}, {name: sft}, {name: rl}]"])
     with pytest.raises(ConfigError, match="masked_diffusion.*'rl' stage"):
         check_components(cfg, None)
+
+
+def test_the_addition_task_has_fixed_width_sums_disjoint_splits_and_refuses_more_problems_than_exist(tmp_path):
+    from rl.tasks.arithmetic import addition_task
+    paths = addition_task(tmp_path, num_train=100, num_eval=20, sft_fraction=0.5, seed=0, digits=2)
+    rows = {name: [json.loads(x) for x in open(p)] for name, p in paths.items()}
+    assert [len(rows[n]) for n in ("sft", "train", "eval")] == [50, 50, 20]
+    for r in rows["sft"] + rows["train"] + rows["eval"]:
+        a, b = map(int, r["prompt"].rstrip("=").split("+"))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and r["answer"] == f"{a + b:03d}"
+    prompts = [{r["prompt"] for r in rows[n]} for n in ("sft", "train", "eval")]
+    assert not (prompts[0] & prompts[1]) and not (prompts[2] & (prompts[0] | prompts[1]))
+    # two-digit operands: 90 × 90 = 8,100 problems; asking for more fails at once instead of drawing forever
+    with pytest.raises(ValueError, match="digits=2 has 8100 distinct problems; num_train \\+ num_eval = 8200"):
+        addition_task(tmp_path, num_train=8000, num_eval=200, sft_fraction=0.9, seed=0, digits=2)

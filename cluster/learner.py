@@ -19,7 +19,7 @@ import ray
 import torch
 
 from rl.batch import Batch
-from rollout.base import ActorProbes
+from rl.probes import ActorProbes
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 from rewards.base import RewardResult, needs_judges, normalize_result
 from rewards.scoring import RewardSpec, score_chunk
-from rollout.base import ActorProbes
+from rl.probes import ActorProbes
 
 
 class RewardService(ActorProbes):

@@ -485,7 +485,7 @@ class RLTrainer:
 
     def peak_memory(self) -> dict[str, float]:
         """Peak resident memory (GiB) of every actor of the run and of the driver."""
-        from rollout.base import peak_rss_gib
+        from rl.probes import peak_rss_gib
         out = self._ask_learners_and_rollout("peak_rss_gib")
         out["reward_service"] = ray.get(self.rewards.peak_rss_gib.remote())
         out["driver"] = peak_rss_gib()

@@ -140,8 +140,8 @@ def test_a_stuck_learner_stops_the_run_naming_the_phase_and_the_checkpoint_to_re
     loss = tmp_path / "stuck_loss.py"
     loss.write_text(STUCK_LOSS.format(count=str(tmp_path / "calls"), marker=str(tmp_path / "rank_was_stuck")))
     args = ["trainer.steps=3", "trainer.checkpoint_every=1", "learner.lr=5e-3", _digit_reward(tmp_path),
-            f"algorithm.loss={loss}:stuck_on_step_two", "trainer.deadlines.learner_s=20"]
-    with pytest.raises(LearnerStuck, match=r"learner rank\(s\) \[0\] did not finish a training step within 20 s "
+            f"algorithm.loss={loss}:stuck_on_step_two", "trainer.deadlines.learner_s=10"]
+    with pytest.raises(LearnerStuck, match=r"learner rank\(s\) \[0\] did not finish a training step within 10 s "
                                            r"\(trainer.deadlines.learner_s\) at step 2.*resume=auto from .*step_1"):
         run(_cfg(tmp_path, "run", *args))
     resumed = run(_cfg(tmp_path, "run", *args, "resume=auto"))

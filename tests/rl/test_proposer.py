@@ -234,7 +234,7 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
         "reward.judges.verifier.num_cpus=0", "reward.judges.prober.num_cpus=0", "reward.functions=[{name: agentic_proposer, params: {verifiers: [sympy, verifier], prober: prober, k: 4, "
         "solver_template: 'Solve: {problem}\\n', verifier_template: 'Verify: {problem} = {answer}\\n'}}]",
         "stages=[{name: model}, {name: data}, {name: sft}, {name: rl}, {name: export}, {name: proposer_solver_sft, "
-        "params: {proposals: 32, k: 4, steps: 4, batch_size: 8, eval_max: 16, max_new_tokens: 16}}]",
+        "params: {proposals: 16, k: 4, steps: 4, batch_size: 8, eval_max: 8, max_new_tokens: 16}}]",
         "logging.progress_bar=false", "logging.tensorboard=false"])
     summary = run(cfg)
     assert summary["steps"] == 2
@@ -253,8 +253,8 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
     # the solver, which is evaluated before and after on the task's held-out solver set
     report = summary["proposer_solver_sft"]
     episodes = [json.loads(x) for x in (out / "stages" / "proposer_solver_sft" / "proposals.jsonl").read_text().splitlines()]
-    assert report["proposals"] == len(episodes) == 32
-    assert report["valid_frac"] == sum(e["valid"] for e in episodes) / 32
+    assert report["proposals"] == len(episodes) == 16
+    assert report["valid_frac"] == sum(e["valid"] for e in episodes) / 16
     sft_set = [json.loads(x) for x in (out / "stages" / "proposer_solver_sft" / "solver_sft_set.jsonl").read_text().splitlines()]
     assert report["sft_rows"] == len(sft_set) and report["sft_rows"] + report["unsolved"] == report["distinct_valid"]
     for row in sft_set:  # a verified solution: the answer it ends with is the problem's value

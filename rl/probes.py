@@ -1,0 +1,72 @@
+"""The probes the driver asks every looprl actor (rollout workers, the reward service, learners) at the end of a
+run: peak memory and the hardware rates the `perf/mfu` and `perf/mbu` metrics divide by. A module of its own, light
+to import: the reward service's process needs it and nothing of the generation engines (transformers)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory in GiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class ActorProbes:
+    """What the driver asks every looprl actor at the end of a run (mixed into the actor classes: rollout
+    workers, the reward service, learners)."""
+
+    def peak_rss_gib(self) -> float:
+        return peak_rss_gib()
+
+    def hardware_rates(self, dtype: str = "float32") -> dict[str, float]:
+        """This process's measured matmul FLOP/s (in `dtype`) and memory copy bytes/s (`hardware_rates`)."""
+        return hardware_rates(dtype)
+
+    def node_id(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+_RATES: dict[tuple[str, str], dict[str, float]] = {}
+
+
+def hardware_rates(dtype: str = "float32", seconds: float = 0.3) -> dict[str, float]:
+    """The ceilings the `perf/mfu` and `perf/mbu` metrics divide by, measured in this process with its torch
+    threads (on CPU) or on its GPU: square matmuls in `dtype` (`matmul_flops`, FLOP/s) and a large tensor
+    copy (`copy_bytes_per_s`, bytes read + written per second). Measured once per process."""
+    import time
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    key = (dtype, device)
+    if key in _RATES:
+        return _RATES[key]
+    n = 8192 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(DTYPES[dtype])
+    b = torch.randn(n, n, device=device).to(DTYPES[dtype])
+
+    def timed(fn, min_s: float) -> float:  # seconds per call, after one warm-up call
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            if device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_s:
+                return elapsed / calls
+    matmul_s = timed(lambda: a @ b, seconds)
+    src = torch.empty((256 << 20) // 4, device=device)  # 256 MB, well past any CPU cache
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src), seconds)
+    _RATES[key] = {"matmul_flops": 2 * n ** 3 / matmul_s, "copy_bytes_per_s": 2 * src.numel() * 4 / copy_s,
+                   "device": device}
+    a = b = src = dst = None  # noqa: F841  (released before the cache is emptied)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # give the engine back what the measurement held
+    return _RATES[key]

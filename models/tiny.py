@@ -55,9 +55,13 @@ def build_tiny_tokenizer(added_tokens: list[str] | None = None, mask_token: bool
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128, num_layers: int = 3,
                      num_heads: int = 4, intermediate_size: int = 256, max_position_embeddings: int = 128,
-                     seed: int = 0) -> LlamaForCausalLM:
-    """A small Llama-style causal LM (RoPE, SwiGLU, RMSNorm), seeded, untied embeddings."""
-    config = LlamaConfig(
+                     seed: int = 0, norm_placement: str = "prenorm") -> LlamaForCausalLM:
+    """A small Llama-style causal LM (RoPE, SwiGLU, RMSNorm), seeded, untied embeddings. `norm_placement`:
+    prenorm (Llama's) | simplenorm (SimpleGPT, `models/simplegpt.py`: a norm after every block linear, no pre-norms)."""
+    from models.simplegpt import NORM_PLACEMENTS, SimpleGPTConfig, SimpleGPTForCausalLM
+    if norm_placement not in NORM_PLACEMENTS:
+        raise ValueError(f"model.tiny.norm_placement must be one of {NORM_PLACEMENTS}, got {norm_placement!r}")
+    config = (LlamaConfig if norm_placement == "prenorm" else SimpleGPTConfig)(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -65,7 +69,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128,
         bos_token_id=tokenizer.bos_token_id, attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = (LlamaForCausalLM if norm_placement == "prenorm" else SimpleGPTForCausalLM)(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=tokenizer.bos_token_id)
@@ -73,13 +77,16 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 128,
 
 
 def save_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", loops: int = 4,
-              added_tokens: list[str] | None = None, **model_kwargs: int) -> Path:
+              added_tokens: list[str] | None = None, norm_placement: str = "prenorm", **model_kwargs: int) -> Path:
     """Build the tiny tokenizer (with `added_tokens`) and model (`arch` llama; ouro: a looped model with `loops`
-    passes; llada: a masked-diffusion model, its tokenizer with the mask token) and `save_pretrained` both into
+    passes; llada: a masked-diffusion model, its tokenizer with the mask token; `norm_placement` simplenorm:
+    SimpleGPT's blocks on arch llama) and `save_pretrained` both into
     `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(added_tokens, mask_token=arch == "llada")
+    if norm_placement != "prenorm" and arch != "llama":
+        raise ValueError(f"model.tiny.norm_placement={norm_placement!r} applies to arch llama, not {arch!r}")
     if arch == "llada":
         from models.diffusion import build_tiny_llada
         model = build_tiny_llada(tok, seed=seed, **model_kwargs)
@@ -87,7 +94,7 @@ def save_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", loops: in
         from models.ouro import build_tiny_ouro
         model = build_tiny_ouro(tok, seed=seed, total_ut_steps=loops, **model_kwargs)
     elif arch == "llama":
-        model = build_tiny_model(tok, seed=seed, **model_kwargs)
+        model = build_tiny_model(tok, seed=seed, norm_placement=norm_placement, **model_kwargs)
     else:
         raise ValueError(f"model.tiny.arch must be llama, ouro or llada, got {arch!r}")
     tok.save_pretrained(out)

@@ -32,6 +32,7 @@ class TinyModelConfig:
     max_position_embeddings: int = 128  # longest prompt+response
     arch: str = "llama"  # llama (models/tiny.py) | ouro (a looped model, models/ouro.py) | llada (a masked-diffusion model, models/diffusion.py)
     loops: int = 4  # ouro: passes over the shared layer stack (total_ut_steps)
+    norm_placement: str = "prenorm"  # arch llama: prenorm (Llama's pre-norms) | simplenorm (SimpleGPT: an RMSNorm right after every linear inside the blocks, no pre-norms; models/simplegpt.py)
     added_tokens: list[str] = field(default_factory=list)  # whole strings with a token id each in the character tokenizer (fixed phrases of a task read as one token)
     task_tokens: bool = False  # also add the synthetic task's phrases (its `added_tokens`, e.g. the memo_games task's hints and templates)
 

@@ -41,6 +41,7 @@ from rl.trainer import (
     make_learner_group,
     make_rollout_workers,
     model_family,
+    model_type_of,
     needs_critic,
     policy_loss_params,
     prune_checkpoints,
@@ -63,10 +64,9 @@ def prepare_model(cfg: DictConfig, out: Path) -> str:
     shutil.rmtree(path, ignore_errors=True)
     added = list(t.added_tokens) + (list(getattr(get("task", cfg.data.synthetic.task), "added_tokens", []))
                                     if t.task_tokens else [])
-    save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, added_tokens=added, hidden_size=t.hidden_size,
-              num_layers=t.num_layers,
-              num_heads=t.num_heads, intermediate_size=t.intermediate_size,
-              max_position_embeddings=t.max_position_embeddings)
+    save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, added_tokens=added, norm_placement=t.norm_placement,
+              hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
+              intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings)
     return str(path)
 
 
@@ -117,6 +117,11 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if family_name == "masked_diffusion" and cfg.rollout.engine != "hf":
         raise ConfigError(f"rollout.engine: {cfg.rollout.engine!r} cannot sample a masked-diffusion model; the hf "
                           f"engine runs its block sampler (rollout.eval_decoding: diffusion)")
+    simplegpt = (cfg.model.tiny.norm_placement == "simplenorm" if cfg.model.path is None
+                 else model_type_of(model_path or cfg.model.path) == "simplegpt")
+    if simplegpt and cfg.rollout.engine == "vllm":
+        raise ConfigError("rollout.engine: vllm has no SimpleGPT architecture (model_type simplegpt, "
+                          "model.tiny.norm_placement: simplenorm); the hf engine serves it")
     if lc.pack_sequences and not getattr(family, "supports_packing", False):
         raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
                           f"(its attention builds its own masks); set learner.pack_sequences false")

@@ -553,9 +553,13 @@ def model_family(cfg: DictConfig, model_path: str | None) -> str:
     from models.families import family_for_model_type
     if cfg.model.path is None:
         return family_for_model_type(cfg.model.tiny.arch)
-    config = Path(model_path or cfg.model.path) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
-    return family_for_model_type(model_type)
+    return family_for_model_type(model_type_of(model_path or cfg.model.path))
+
+
+def model_type_of(model_path: str) -> str:
+    """The `model_type` of a model folder's config ('' when the folder is not there to read)."""
+    config = Path(model_path) / "config.json"
+    return json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
 
 
 def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement) -> list[Any]:

@@ -9,15 +9,18 @@ any world size or micro-batch size (tested).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
+from models.adapters import reference_forward
 from rl.batch import Batch
 from rl.probes import ActorProbes
 
@@ -42,6 +45,11 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_accum: int, wo
     }
 
 
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: all of them, or an adapter's alone (the base is frozen)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class LearnerWorker(ActorProbes):
     """One learner rank. Plain class; `LearnerGroup` wraps it as a Ray actor.
 
@@ -57,7 +65,8 @@ class LearnerWorker(ActorProbes):
                  grad_clip: float = 1.0, dtype: str = "float32", backend: str = "auto", with_ref: bool = False,
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
                  trust_remote_code: bool = False, offload_between_phases: bool = False, pack_sequences: bool = False,
-                 logprob_chunk_tokens: int = 512, attn_implementation: str | None = None):
+                 logprob_chunk_tokens: int = 512, attn_implementation: str | None = None,
+                 adapter: dict[str, Any] | None = None):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
                           LOCAL_WORLD_SIZE=str(world_size))
@@ -94,8 +103,11 @@ class LearnerWorker(ActorProbes):
         # weights are partitioned at load time; the object must stay alive.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config) if zero_stage == 3 else None
         self.ref = None
+        # With an adapter (`learner.adapter`, models/adapters.py) only its parameters train, and the reference
+        # policy is the base model itself with the adapter disabled: no second copy of the weights.
+        self.adapted = adapter is not None
         attn = {"attn_implementation": attn_implementation} if attn_implementation else {}  # none: the model's own
-        if with_ref:
+        if with_ref and not self.adapted:
             # The frozen reference only runs forward. Under ZeRO-3 it is partitioned like the policy (each
             # rank holds 1/world_size of it, gathered layer by layer in the forward) inside a DeepSpeed
             # engine without an optimizer; otherwise it is a plain copy on every rank.
@@ -109,6 +121,10 @@ class LearnerWorker(ActorProbes):
                 ref.eval()
             self.ref = ref
         model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, **attn)
+        if self.adapted:
+            from models.adapters import make_adapter
+            model = make_adapter(model, adapter)
+        self.with_ref = with_ref
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -125,10 +141,10 @@ class LearnerWorker(ActorProbes):
                                  "(DeepSpeed offloads ZeRO-3 states only for its FusedAdam)")
             from deepspeed.ops.adam import FusedAdam
             p = opt_spec["params"]
-            optim = FusedAdam(model.parameters(), lr=lr, betas=tuple(p.get("betas", (0.9, 0.999))),
+            optim = FusedAdam(trainable(model), lr=lr, betas=tuple(p.get("betas", (0.9, 0.999))),
                               eps=p.get("eps", 1e-8), weight_decay=weight_decay, adam_w_mode=True)
         else:
-            optim = get("optimizer", opt_spec["name"])(model.parameters(), lr=lr, weight_decay=weight_decay,
+            optim = get("optimizer", opt_spec["name"])(trainable(model), lr=lr, weight_decay=weight_decay,
                                                        **opt_spec["params"])
         sched = get("scheduler", sched_spec["name"])(optim, warmup_steps=warmup_steps, total_steps=total_steps,
                                                      **sched_spec["params"])
@@ -158,13 +174,15 @@ class LearnerWorker(ActorProbes):
         distribution the rollout sampled from (`temperature`, `top_k`, `top_p`) — or another per-token output
         of the family (`values` of a critic)."""
         self.reload_states()  # every entry point that computes with the model first brings offloaded states back
-        model = self.ref if which == "ref" else self.engine
+        base_as_ref = which == "ref" and self.adapted and self.with_ref
+        model = self.engine if which != "ref" or base_as_ref else self.ref
         if model is None:
             raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
         was_training = model.training
         model.eval()
-        outs = [self.family.forward(model, mb, temperature=temperature, top_k=top_k, top_p=top_p, pack=self.pack,
-                                    outputs={output})[output].cpu() for mb in micro_batches]
+        with reference_forward(model) if base_as_ref else contextlib.nullcontext():
+            outs = [self.family.forward(model, mb, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        pack=self.pack, outputs={output})[output].cpu() for mb in micro_batches]
         model.train(was_training)
         return outs
 
@@ -413,23 +431,51 @@ class LearnerWorker(ActorProbes):
         self.reload_states()
         module = self.engine.module
         keep = every_rank or self.rank == 0
+        if self.adapted:  # the base weights plus the adapter's update, under the base model's names
+            from models.adapters import merged_state_dict
+            state_of = merged_state_dict
+        else:
+            state_of = lambda m: m.state_dict()  # noqa: E731
         if self.zero_stage == 3:
             import deepspeed
             params = list(module.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                sd = {k: v.detach().to(device).clone() for k, v in module.state_dict().items()} if keep else None
+                sd = {k: v.detach().to(device).clone() for k, v in state_of(module).items()} if keep else None
             return sd
         if not keep:
             return None
         # No clone: Ray serialises (copies) the tensors when the result is stored; the GPU paths copy
         # them into buckets.
-        return {k: v.detach().to(device) for k, v in module.state_dict().items()}
+        return {k: v.detach().to(device) for k, v in state_of(module).items()}
+
+    def sync_state_dict(self, device: str = "cpu") -> dict[str, torch.Tensor] | None:
+        """What the rollout engines need after a step, on rank 0 (None elsewhere; collective under ZeRO-3): the
+        full weights, or with an adapter only the adapter's tensors (the engines hold the base)."""
+        if not self.adapted:
+            return self.full_state_dict(device)
+        from models.adapters import adapter_state_dict
+        module = self.engine.module
+        if self.zero_stage == 3:
+            import deepspeed
+            params = [p for p in module.parameters() if p.requires_grad]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                sd = {k: v.detach().to(device).clone() for k, v in adapter_state_dict(module).items()}
+        else:
+            sd = {k: v.detach().to(device) for k, v in adapter_state_dict(module).items()}
+        return sd if self.rank == 0 else None
 
     def weights_for_sync(self):
         """Rank 0's full weights packed for the object store (see rollout.weight_sync); None elsewhere."""
         from rollout.weight_sync import pack_state
-        sd = self.full_state_dict()
-        return pack_state(sd) if sd is not None else None
+        sd = self.sync_state_dict()
+        if sd is None:
+            return None
+        self.sync_bytes = sum(v.numel() * v.element_size() for v in sd.values())
+        return pack_state(sd)
+
+    def last_sync_bytes(self) -> int:
+        """The bytes of tensors the last weight sync sent from this rank (rank 0; 0 before any)."""
+        return getattr(self, "sync_bytes", 0)
 
     # ------------------------------------------------------------------ collective weight sync
     def weight_sync_endpoint(self) -> tuple[str, int]:
@@ -440,7 +486,7 @@ class LearnerWorker(ActorProbes):
         """Rank 0 joins the weight-sync group as its rank 0 and returns the tensor metadata the
         receivers need; all ranks must call (ZeRO-3 gathers the full weights to read their shapes)."""
         from rollout.weight_sync import make_sync_group, state_meta
-        sd = self.full_state_dict()
+        sd = self.sync_state_dict()
         self.sync_device = "cuda" if backend == "nccl" else "cpu"
         if self.rank != 0:
             return None
@@ -452,8 +498,9 @@ class LearnerWorker(ActorProbes):
         """Rank 0 broadcasts its full weights to the rollout workers; all ranks must call (ZeRO-3)."""
         from rollout.weight_sync import broadcast_state
         t0 = time.perf_counter()
-        sd = self.full_state_dict(self.sync_device)
+        sd = self.sync_state_dict(self.sync_device)
         if self.rank == 0:
+            self.sync_bytes = sum(v.numel() * v.element_size() for v in sd.values())
             broadcast_state(self.sync_group, sd, self.sync_meta, bucket_bytes, self.sync_device)
         return time.perf_counter() - t0
 
@@ -506,11 +553,12 @@ class LearnerWorker(ActorProbes):
         if self.forward_only:  # DeepSpeed does not hold the optimizer: it travels in the client state
             client_state = {**client_state, "optimizer": self.optimizer.state_dict(),
                             "scheduler": self.scheduler.state_dict()}
-        self.engine.save_checkpoint(path, tag="ds", client_state=client_state)
+        # with an adapter only its tensors are saved; the frozen base is the model folder the run started from
+        self.engine.save_checkpoint(path, tag="ds", client_state=client_state, exclude_frozen_parameters=self.adapted)
 
     def load_checkpoint(self, path: str) -> dict:
         self.reload_states()
-        _, client_state = self.engine.load_checkpoint(path, tag="ds")
+        _, client_state = self.engine.load_checkpoint(path, tag="ds", load_module_strict=not self.adapted)
         client_state = client_state or {}
         if "loss_parameters" in client_state:  # the optimizer state restores their learning rates
             saved = client_state.pop("loss_parameters")
@@ -525,7 +573,11 @@ class LearnerWorker(ActorProbes):
         """`save_pretrained` export (rank 0 writes; all ranks must call under ZeRO-3)."""
         sd = self.full_state_dict()
         if self.rank == 0:
-            self.engine.module.save_pretrained(path, state_dict=sd)
+            module = self.engine.module
+            if self.adapted:  # the merged model, and the adapter as a peft folder beside it
+                module.save_pretrained(str(Path(path) / "adapter"))
+                module = module.get_base_model()
+            module.save_pretrained(path, state_dict=sd)
             if tokenizer_path:
                 from rollout.base import load_tokenizer
                 load_tokenizer(tokenizer_path).save_pretrained(path)

@@ -117,6 +117,18 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if family_name == "masked_diffusion" and cfg.rollout.engine != "hf":
         raise ConfigError(f"rollout.engine: {cfg.rollout.engine!r} cannot sample a masked-diffusion model; the hf "
                           f"engine runs its block sampler (rollout.eval_decoding: diffusion)")
+    if lc.adapter:
+        get("adapter", lc.adapter.name)  # an unknown adapter name fails here
+        check_params("adapter", lc.adapter.name, as_container(lc.adapter.params), "learner.adapter.params",
+                     supplied=("model",))
+        if family_name != "causal":
+            raise ConfigError(f"learner.adapter: adapters apply to the causal family's models, not {family_name!r}")
+        if cfg.rollout.engine != "hf":
+            raise ConfigError(f"learner.adapter: rollout.engine {cfg.rollout.engine!r} cannot take the adapter's "
+                              f"weights yet; the hf engine serves the adapter unmerged")
+        if cfg.rollout.weight_sync == "cuda_ipc":
+            raise ConfigError("learner.adapter: rollout.weight_sync cuda_ipc shares full weights; use object_store or "
+                              "collective, which send the adapter's tensors alone")
     simplegpt = (cfg.model.tiny.norm_placement == "simplenorm" if cfg.model.path is None
                  else model_type_of(model_path or cfg.model.path) == "simplegpt")
     if simplegpt and cfg.rollout.engine == "vllm":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding", "family", "optimizer", "scheduler",
-         "task", "sampler")
+         "task", "sampler", "adapter")
 
 _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 
@@ -46,6 +46,7 @@ _BUILTIN_ATTRS = {
     "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily",
                "value": "models.families:ValueFamily", "sequence_score": "models.families:SequenceScoreFamily",
                "masked_diffusion": "models.families:MaskedDiffusionFamily"},
+    "adapter": {"lora": "models.adapters:lora"},
 }
 
 

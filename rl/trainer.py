@@ -138,6 +138,8 @@ class RLTrainer:
                 ray.get([w.wake.remote(["weights"]) for w in self.rollout])
             # the engines' load time (with max_staleness > 0: of the previous update, loaded in the background)
             metrics["rollout/weight_load_s"] = self.sync_weights()
+            if self.cfg.rollout.weight_sync != "cuda_ipc":  # what one sync sent (the adapter's tensors alone with one)
+                metrics["rollout/sync_bytes"] = float(ray.get(self.learners.workers[0].last_sync_bytes.remote()))
         if self.swap_phases:  # the KV cache comes back after the learner has left the device
             metrics["memory/learner_gpu_gib_loaded"] = self.learners.gpu_memory_gib()
             with _timer(timing, "swap"):
@@ -522,7 +524,8 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
         deadline_s=cfg.trainer.deadlines.learner_s,
         logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
-        attn_implementation=lc.attn_implementation)
+        attn_implementation=lc.attn_implementation,
+        adapter=as_container(lc.adapter) if lc.adapter and family is None else None)  # the policy's adapter
 
 
 def needs_critic(cfg: DictConfig) -> bool:
@@ -562,6 +565,12 @@ def model_type_of(model_path: str) -> str:
     return json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
 
 
+def adapter_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The rollout engine's share of `learner.adapter`: the engines hold the base model wrapped with the same
+    adapter, and the weight sync sends the adapter's tensors alone."""
+    return {"adapter": as_container(cfg.learner.adapter)} if cfg.learner.adapter else {}
+
+
 def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement) -> list[Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     cls = ray.remote(RolloutWorker)
@@ -579,7 +588,8 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
         workers.append(cls.options(**opts).remote(
             cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
             batch_size=cfg.rollout.generation_batch_size,
-            device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **as_container(cfg.rollout.engine_params)}))
+            device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **adapter_kwargs(cfg),
+                                                                     **as_container(cfg.rollout.engine_params)}))
     ray.get([w.pid.remote() for w in workers])
     return workers
 

@@ -24,9 +24,12 @@ from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_pr
 @register("engine", "hf")
 class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
-                 trust_remote_code: bool = False, batch_size: int = 256, attn_implementation: str | None = None):
+                 trust_remote_code: bool = False, batch_size: int = 256, attn_implementation: str | None = None,
+                 adapter: dict[str, Any] | None = None):
         """`attn_implementation`: transformers' attention kernel for generation (None: the model's own); on
-        CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's."""
+        CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's.
+        `adapter`: the learner's adapter (`learner.adapter`): the base model is wrapped with it, unmerged, and
+        `load_weights` then takes the adapter's tensors alone."""
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
         import models  # noqa: F401  (registers model_types ouro and llada)
@@ -35,6 +38,10 @@ class HFEngine:
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs).to(self.device).eval()
         from models.quant import load_fake_quant
         self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (quantize_fair) serves as such
+        if adapter:
+            from models.adapters import make_adapter
+            self.model = make_adapter(self.model, adapter).eval()
+        self.adapted = bool(adapter)
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
         self._commits: list | None = None  # the last diffusion chunk's per-row commit logs, for its Batch
@@ -154,7 +161,12 @@ class HFEngine:
         return batch  # inserted tokens are context (observation_mask), never trained on
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        """Copy new weights in place (all parameters and buffers by name; unknown names are an error)."""
+        """Copy new weights in place (all parameters and buffers by name; unknown names are an error); an
+        adapted engine takes the adapter's tensors (`models.adapters.adapter_state_dict` names)."""
+        if self.adapted:
+            from models.adapters import load_adapter_state
+            load_adapter_state(self.model, named_tensors)
+            return
         state = self.model.state_dict()
         unknown = [k for k in named_tensors if k not in state]
         if unknown:

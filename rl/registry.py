@@ -31,7 +31,7 @@ _BUILTIN_MODULES = {
                "rewards.reward_model", "rewards.proposer", "rewards.match"],
     "env": ["rollout.envs", "rollout.games", "rollout.proposer_env", "rollout.router_env"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
-    "optimizer": ["rl.optim"],
+    "optimizer": ["rl.optim", "rl.zo_finetuner"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage",
               "rl.ep_order_stage", "rl.bliss_stage", "rl.decomper_stage", "rl.fair_calib_stage"],
     "decoding": ["rollout.decoding"],

@@ -1,0 +1,141 @@
+"""ZO Fine-tuner (rl/zo_finetuner.py): the spec's tests (shared/specs/stages.md §7) on tiny models made in code."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from rl.optim import MeZO
+from rl.zo_finetuner import (
+    PertBundle,
+    ZOFinetuner,
+    effective_sizes,
+    learn_to_learn,
+    normalization,
+    virtual_step_loss,
+)
+
+
+def _task(seed: int = 0, n: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :4].sum(-1) > 0).long()
+    return x, y
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _loss(forward, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(forward(x), y)
+
+
+def _constant_bundle(model: nn.Module, value: float) -> PertBundle:
+    bundle = PertBundle.for_model(model)
+    with torch.no_grad():
+        for net in bundle.nets:
+            net.net[2].weight.zero_()
+            net.net[2].bias.fill_(value)
+    return bundle
+
+
+@pytest.mark.parametrize("bundle", [None, "ones"])
+def test_with_every_sigma_one_and_normalisation_the_step_is_mezos_bit_for_bit(bundle):
+    a, b = _model(), _model()
+    batch = _task()
+    mezo = MeZO(a.parameters(), lr=1e-2, eps=1e-3, seed=7)
+    zo = ZOFinetuner(b.parameters(), lr=1e-2, eps=1e-3, seed=7,
+                     bundle=_constant_bundle(b, 1.0) if bundle else None, normalize=True)
+    for _ in range(3):
+        mezo.step(lambda: _loss(a, batch))
+        zo.step(lambda: _loss(b, batch))
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    # a constant σ of 3 is normalised back to 1 as well (f = 1/3): the same steps up to rounding
+    c = _model()
+    scaled = ZOFinetuner(c.parameters(), lr=1e-2, eps=1e-3, seed=7, bundle=_constant_bundle(c, 3.0))
+    d = _model()
+    mezo_d = MeZO(d.parameters(), lr=1e-2, eps=1e-3, seed=7)
+    for _ in range(3):
+        scaled.step(lambda: _loss(c, batch))
+        mezo_d.step(lambda: _loss(d, batch))
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(c.parameters(), d.parameters()))
+
+
+def test_parameters_are_restored_after_plus_minus_two_plus():
+    model = _model()
+    opt = ZOFinetuner(model.parameters(), eps=1e-3, bundle=PertBundle.for_model(model, seed=3))
+    before = [p.detach().clone() for p in model.parameters()]
+    sigma = opt.bundle.sigmas(list(model.parameters()), 0.0, 0.0, [1.0] * 4)
+    opt.scales = [float(x) for x in normalization(sigma, opt.sizes) * sigma]
+    assert len(set(opt.scales)) > 1  # a learned shape, not all equal
+    for scale in (1.0, -2.0, 1.0):
+        opt.perturb(11, scale)
+    assert all((p - q).abs().max() <= 1e-7 for p, q in zip(model.parameters(), before))
+
+
+def test_the_normalisation_holds_at_every_step():
+    model = _model()
+    batch = _task()
+    names = [n for n, _ in model.named_parameters()]
+    opt = ZOFinetuner(model.parameters(), lr=1e-2, eps=1e-3, bundle=PertBundle.for_model(model, seed=5),
+                      names=names)
+    n = torch.tensor(opt.sizes, dtype=torch.float64)
+    for _ in range(4):
+        opt.step(lambda: _loss(model, batch))
+        sigma = torch.tensor(opt.sigma_prev, dtype=torch.float64)
+        assert float(opt.norm_factor ** 2 * (n * sigma ** 2).sum()) == pytest.approx(float(n.sum()), rel=1e-5)
+    # an embedding counts only the rows a batch touches
+    assert effective_sizes(["model.embed_tokens.weight", "lm_head.weight"], [torch.Size([1000, 8])] * 2, 15) == \
+        [15 * 8, 8000]
+
+
+def test_meta_gradients_reach_only_the_pert_nets_and_match_a_finite_difference():
+    model = _model().double()
+    batch = (_task()[0].double(), _task()[1])
+    bundle = PertBundle.for_model(model, seed=1).double()
+    params = dict(model.named_parameters())
+    theta = {k: v.detach() for k, v in params.items()}
+    gen = torch.Generator().manual_seed(0)
+    xis = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params.values()]
+    sigma = bundle.sigmas(list(params.values()), 0.7, 0.6, [1.0] * 4).double()
+    f = normalization(sigma, [p.numel() for p in params.values()]).detach()
+    meta = virtual_step_loss(model, _loss, batch, theta, sigma, f, xis, projected=2.5, lr_update=0.05)
+    meta.backward()
+    assert all(p.grad is None for p in model.parameters())  # the model's weights get nothing
+    assert all(q.grad is not None and q.grad.abs().sum() > 0 for q in bundle.parameters())
+    # ∂L(θ′)/∂σ_i against a central difference
+    leaf = sigma.detach().clone().requires_grad_(True)
+    virtual_step_loss(model, _loss, batch, theta, leaf, f, xis, 2.5, 0.05).backward()
+    h = 1e-6
+    for i in range(len(leaf)):
+        up, down = leaf.detach().clone(), leaf.detach().clone()
+        up[i] += h
+        down[i] -= h
+        fd = (virtual_step_loss(model, _loss, batch, theta, up, f, xis, 2.5, 0.05)
+              - virtual_step_loss(model, _loss, batch, theta, down, f, xis, 2.5, 0.05)) / (2 * h)
+        assert float(leaf.grad[i]) == pytest.approx(float(fd), rel=1e-5, abs=1e-10)
+
+
+def test_learn_to_learn_trains_a_bundle_that_saves_loads_and_drives_the_optimizer(tmp_path):
+    model = _model()
+    batches = [(_task(s)[0], _task(s)[1]) for s in range(12)]
+    logs = []
+    bundle = learn_to_learn(copy.deepcopy(model), _loss, batches, lr_mlp=0.1, lr_update=1e-2, restart_every=6,
+                            log=lambda step, m: logs.append(m))
+    assert len(logs) == 12 and all(m["sigma_mean"] > 0 for m in logs)
+    fresh = PertBundle.for_model(model)
+    assert any(not torch.equal(a, b) for a, b in zip(bundle.state_dict().values(), fresh.state_dict().values()))
+    bundle.save(tmp_path / "pert.pt")
+    again = PertBundle.load(tmp_path / "pert.pt")
+    assert all(torch.equal(a, b) for a, b in zip(bundle.state_dict().values(), again.state_dict().values()))
+    from rl.registry import get
+    opt = get("optimizer", "zo_finetuner")(model.parameters(), lr=1e-2, bundle=str(tmp_path / "pert.pt"))
+    assert opt.forward_only
+    opt.step(lambda: _loss(model, batches[0]))
+    assert {"sigma_mean", "norm_factor", "loss_plus", "loss_minus"} <= set(opt.last)
+    with pytest.raises(ValueError, match="zo_finetuner bundle: made for 4 tensors, the model has 2"):
+        ZOFinetuner(nn.Linear(8, 2).parameters(), bundle=str(tmp_path / "pert.pt"))

@@ -46,7 +46,7 @@ _BUILTIN_ATTRS = {
     "family": {"causal": "models.families:CausalFamily", "looped": "models.families:LoopedFamily",
                "value": "models.families:ValueFamily", "sequence_score": "models.families:SequenceScoreFamily",
                "masked_diffusion": "models.families:MaskedDiffusionFamily"},
-    "adapter": {"lora": "models.adapters:lora"},
+    "adapter": {"lora": "models.adapters:lora", "ulora": "models.adapters:ulora"},
 }
 
 

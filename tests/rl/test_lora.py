@@ -90,3 +90,69 @@ def test_a_lora_recipe_on_another_engine_or_family_is_refused_at_start_up():
         cfg = config.load(ROOT / "recipes/quickstart.yaml", [LORA, *extra])
         with pytest.raises(error, match=message):
             check_components(cfg, None)
+
+
+# ------------------------------------------------------------------------------------------------- U-LoRA
+def _tiny_pair(r=4):
+    from models.adapters import lora, ulora
+    from models.tiny import build_tiny_model, build_tiny_tokenizer
+    tok = build_tiny_tokenizer()
+    kw = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    plain = lora(build_tiny_model(tok, **kw), r=r, target_modules=["q_proj", "v_proj"])
+    gated = ulora(build_tiny_model(tok, **kw), r=r, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():  # B away from 0, the same A and B in both
+        for n, p in gated.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+        plain.load_state_dict({k: v for k, v in gated.state_dict().items() if ".lora_A." in k or ".lora_B." in k},
+                              strict=False)
+    return plain, gated
+
+
+def test_ulora_equals_lora_at_init_and_its_gates_and_prior_travel_with_the_adapter():
+    from models.adapters import adapter_state_dict, load_adapter_state, merged_state_dict
+    plain, gated = _tiny_pair()
+    x = torch.randint(3, 30, (2, 7))
+    assert torch.allclose(plain(input_ids=x).logits, gated(input_ids=x).logits, atol=1e-6)
+    # 2r² + 2r gate parameters per module beyond LoRA's
+    count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+    assert count(gated) - count(plain) == 2 * (2 * 16 + 2 * 4)
+    # a training step moves the gates and the EMA prior; the adapter state carries both to another copy
+    gated.train()
+    loss = gated(input_ids=x, labels=x).loss
+    loss.backward()
+    with torch.no_grad():
+        for p in gated.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    state = adapter_state_dict(gated)
+    assert any(k.endswith("lora_ema") for k in state) and any("lora_gate_c" in k for k in state)
+    _, other = _tiny_pair()
+    load_adapter_state(other, state)
+    gated.eval()
+    other.eval()
+    assert torch.equal(gated(input_ids=x).logits, other(input_ids=x).logits)
+    with pytest.raises(ValueError, match="depends on the input"):
+        merged_state_dict(gated)
+
+
+def test_the_bias_corrected_ema_of_a_constant_gate_is_that_constant_from_the_first_step():
+    from models.adapters import ema_prior
+    g = torch.tensor([0.5, 1.5, 2.0, 0.0])
+    m, k = torch.zeros(4), 0
+    for _ in range(50):
+        m, k, m_hat = ema_prior(m, k, g, beta=0.99)
+        assert torch.allclose(m_hat, g, atol=1e-6), k
+    assert k == 50
+
+
+def test_a_ulora_recipe_on_vllm_or_with_an_export_is_refused():
+    from rl import config
+    from rl.config import ConfigError
+    from rl.pipeline import check_components
+    from tests.rl.test_pipeline import ROOT
+    ulora = "learner.adapter={name: ulora, params: {r: 4}}"
+    for extra, message in ((["rollout.engine=vllm"], "ulora gates its directions per token"),
+                           (["trainer.save_hf=true"], "ulora cannot be merged")):
+        with pytest.raises(ConfigError, match=message):
+            check_components(config.load(ROOT / "recipes/quickstart.yaml", [ulora, *extra]), None)

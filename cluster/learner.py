@@ -607,10 +607,12 @@ class LearnerGroup:
 
     def __init__(self, world_size: int, model_path: str, *, placement_group=None, bundle_indices=None,
                  num_cpus: float = 0.5, num_gpus: float = 0.0, env: dict[str, str] | None = None,
-                 max_tokens_per_micro_batch: int = 0, deadline_s: float = 0.0, **worker_kwargs: Any):
+                 max_tokens_per_micro_batch: int = 0, deadline_s: float = 0.0, wait: bool = True,
+                 **worker_kwargs: Any):
         """`max_tokens_per_micro_batch > 0` forms micro-batches by token count (`rl.batch.plan_micro_batches`)
         instead of `grad_accum` equal splits of each rank's share; logprob passes use it too. `deadline_s > 0`
-        bounds every call on the ranks (`LearnerStuck` past it)."""
+        bounds every call on the ranks (`LearnerStuck` past it). `wait=False` returns while the ranks still start
+        (other actors can start meanwhile); call `wait_ready` before using them."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         self.world_size = world_size
         self.max_tokens = max_tokens_per_micro_batch
@@ -630,6 +632,11 @@ class LearnerGroup:
                     placement_group=placement_group, placement_group_bundle_index=bundle_indices[rank])
             self.workers.append(actor_cls.options(**opts).remote(rank, world_size, addr, port, model_path,
                                                                  **worker_kwargs))
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until every rank has loaded its model and joined the process group (raises a rank's start-up error)."""
         ray.get([w.__ray_ready__.remote() for w in self.workers])
 
     def get_all(self, futures: list[Any], what: str) -> list[Any]:

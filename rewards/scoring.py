@@ -69,6 +69,14 @@ def _with_timeout(timeout_s: float, fn, *args, **kwargs):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def load_rewards(names: list[str]) -> int:
+    """Import the reward functions `names` in a worker process ahead of the first chunk (a warm-up)."""
+    from rl.registry import get
+    for name in names:
+        get("reward", name)
+    return len(names)
+
+
 def score_chunk(spec: str, params: dict, items: list[dict], timeout_s: float) -> list[tuple[Any, str | None]]:
     """Worker-process entry: score `items` with reward `spec`. Returns (raw value, error) per item."""
     try:

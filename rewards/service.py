@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 from rewards.base import RewardResult, needs_judges, normalize_result
-from rewards.scoring import RewardSpec, score_chunk
+from rewards.scoring import RewardSpec, load_rewards, score_chunk
 from rl.probes import ActorProbes
 
 
@@ -47,6 +47,9 @@ class RewardService(ActorProbes):
         self.worker_deaths = 0  # worker processes that died or stopped answering; their chunks were scored again
         self.max_worker_deaths = 3  # per score() call; beyond that, unfinished samples are marked failed
         self.grace_s = grace_s  # beyond every per-sample timer, before a silent worker counts as stuck
+        pooled = sorted({f.name for f in functions if f.key not in self.in_process})
+        if pooled:  # start the worker processes and import the rewards now, while the other roles start
+            self._ensure_pool().map_async(load_rewards, [pooled] * self.num_workers, chunksize=1)
 
     def set_judges(self, judges: dict[str, Any]) -> None:
         """Hand the judge clients (`rewards.judges.JudgeClient`) to the rewards that call them."""

@@ -79,18 +79,27 @@ class RLTrainer:
         loss_fn = get("loss", a.loss)  # fail now, not after the first rollout
         self.loss_inputs = inspect.signature(loss_fn).parameters
         self.loss_params = policy_loss_params(cfg, loss_fn)  # what the recipe decides, the same every step
+        # The roles start side by side (model loading and imports overlap); with offloading, the engines start
+        # only once the learner's states have left the device, so that they see the free memory.
+        together = not lc.offload_between_phases
         self.learners = make_learner_group(
             cfg, model_path, placement, lr=lc.lr, weight_decay=lc.weight_decay,
             micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
             scheduler=lc.scheduler, warmup_steps=lc.warmup_steps,
-            total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches)
-        self.critic = make_critic_group(cfg, model_path, placement, self.grad_accum) if needs_critic(cfg) else None
+            total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches, wait=not together)
+        self.critic = (make_critic_group(cfg, model_path, placement, self.grad_accum, wait=not together)
+                       if needs_critic(cfg) else None)
         # colocated roles take turns on one device: the learner's states wait in host memory while the
         # engines generate, the engines sleep while the learner computes
         self.swap_phases = cfg.rollout.sleep_between_phases or lc.offload_between_phases
         if lc.offload_between_phases:
-            self.learners.offload_states()  # before the engines start, so that they see the free memory
-        self.rollout = make_rollout_workers(cfg, model_path, placement)
+            self.learners.offload_states()
+        self.rollout = make_rollout_workers(cfg, model_path, placement, wait=not together)
+        if together:
+            for group in (self.learners, self.critic):
+                if group is not None:
+                    group.wait_ready()
+            ray.get([w.pid.remote() for w in self.rollout])
         # what perf/mfu and perf/mbu divide by: the model's size and each role's measured ceilings
         self.hardware = {"model": ray.get(self.learners.workers[0].model_numbers.remote()),
                          "learner": ray.get(self.learners.workers[0].hardware_rates.remote(cfg.model.dtype)),
@@ -508,7 +517,7 @@ class RLTrainer:
 # ---------------------------------------------------------------------- helpers shared with other stages
 def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
                        micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
-                       with_ref: bool = False, family: str | None = None) -> LearnerGroup:
+                       with_ref: bool = False, family: str | None = None, wait: bool = True) -> LearnerGroup:
     """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
     settings are arguments, everything else comes from the recipe's `learner`/`model` sections (`family`:
     another model family than the policy's, e.g. a reward model's `sequence_score`)."""
@@ -525,7 +534,8 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         deadline_s=cfg.trainer.deadlines.learner_s,
         logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
         attn_implementation=lc.attn_implementation,
-        adapter=as_container(lc.adapter) if lc.adapter and family is None else None)  # the policy's adapter
+        adapter=as_container(lc.adapter) if lc.adapter and family is None else None,  # the policy's adapter
+        wait=wait)
 
 
 def needs_critic(cfg: DictConfig) -> bool:
@@ -533,7 +543,8 @@ def needs_critic(cfg: DictConfig) -> bool:
     return "values" in inspect.signature(get("advantage", cfg.algorithm.advantage)).parameters
 
 
-def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int) -> LearnerGroup:
+def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int,
+                      wait: bool = True) -> LearnerGroup:
     """The value model's DeepSpeed group, on the learner bundles beside the policy's ranks (they take turns)."""
     lc, c = cfg.learner, cfg.critic
     return LearnerGroup(
@@ -545,7 +556,7 @@ def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, gr
         * cfg.algorithm.mini_batches, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
         threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
         deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
-        attn_implementation=lc.attn_implementation)
+        attn_implementation=lc.attn_implementation, wait=wait)
 
 
 def model_family(cfg: DictConfig, model_path: str | None) -> str:
@@ -571,7 +582,8 @@ def adapter_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return {"adapter": as_container(cfg.learner.adapter)} if cfg.learner.adapter else {}
 
 
-def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement) -> list[Any]:
+def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement, wait: bool = True) -> list[Any]:
+    """One rollout worker per rollout bundle; `wait=False` returns while they still start (wait on `pid`)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     cls = ray.remote(RolloutWorker)
     workers = []
@@ -590,7 +602,8 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement)
             batch_size=cfg.rollout.generation_batch_size,
             device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **adapter_kwargs(cfg),
                                                                      **as_container(cfg.rollout.engine_params)}))
-    ray.get([w.pid.remote() for w in workers])
+    if wait:
+        ray.get([w.pid.remote() for w in workers])
     return workers
 
 

@@ -1,6 +1,7 @@
 """`ray start --head`, then `ray job submit --working-dir . -- recipes/quickstart.yaml` (an executable recipe) and
 `looprl submit recipes/quickstart.yaml`, on loopback."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,8 +19,9 @@ from tests.cluster import TINY_RUN
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_ray_job_submit_runs_the_quickstart(tmp_path):
+@contextlib.contextmanager
+def _ray_head():
+    """A Ray head of its own on loopback (every port free, a short temp dir); yields (ray CLI, env, address)."""
     bindir = Path(sys.executable).parent
     ray_bin = shutil.which("ray", path=str(bindir)) or shutil.which("ray")
     assert ray_bin, "the ray CLI must be installed with looprl"
@@ -34,9 +36,17 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
                             "--dashboard-agent-grpc-port", str(agent_grpc), "--disable-usage-stats",
                             "--temp-dir", str(ray_tmp)], env=env, capture_output=True, text=True, timeout=120)
     assert start.returncode == 0, start.stderr[-2000:]
-    out_dir = tmp_path / "run"
-    address = f"http://127.0.0.1:{dash_port}"
     try:
+        yield ray_bin, env, f"http://127.0.0.1:{dash_port}"
+    finally:
+        _stop_head(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_runs_the_quickstart(tmp_path):
+    out_dir = tmp_path / "run"
+    with _ray_head() as (ray_bin, env, address):
         deadline = time.monotonic() + 300
         while True:  # a freshly started head takes a while to register its job agent (longer on a busy machine)
             submit = subprocess.run(
@@ -56,17 +66,24 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
         assert summary["steps"] == 2
         assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 2
 
-        # looprl's own submit streams the job's log and returns its exit code: a recipe that fails on the
-        # cluster (an unimportable reward plugin) fails the command, with the job's error in its output
+
+@pytest.mark.extended  # CI: the job path itself (test_ray_job_submit_runs_the_quickstart)
+@pytest.mark.slow
+def test_looprl_submit_returns_the_failed_jobs_status_and_error(tmp_path):
+    # looprl's own submit streams the job's log and returns its exit code: a recipe that fails on the cluster
+    # (an unimportable reward plugin) fails the command, with the job's error in its output
+    with _ray_head() as (_, env, address):
         looprl = [sys.executable, "-m", "rl.cli", "submit", "recipes/quickstart.yaml", "--address", address]
-        bad = subprocess.run([*looprl, f"output_dir={tmp_path / 'bad'}", "trainer.steps=1", *TINY_RUN,
-                              "reward.functions=[{name: 'no_such_module:fn'}]"],
-                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while True:
+            bad = subprocess.run([*looprl, f"output_dir={tmp_path / 'bad'}", "trainer.steps=1", *TINY_RUN,
+                                  "reward.functions=[{name: 'no_such_module:fn'}]"],
+                                 env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+            if "No available agent" not in bad.stdout + bad.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert bad.returncode != 0 and "no_such_module" in bad.stdout + bad.stderr
         assert "failed" in bad.stdout  # the job's final status, printed once its log has ended
-    finally:
-        _stop_head(ray_tmp)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _stop_head(temp_dir: Path) -> None:

@@ -129,6 +129,7 @@ def test_sft_warm_up_stage_lowers_its_loss_and_is_reused(ray_cluster, tmp_path):
     assert changed["stages"]["model"]["reused"] and changed["sft_final_loss"] != summary["sft_final_loss"]
 
 
+@pytest.mark.extended  # CI: one-step-off staleness and its correction on vLLM (test_vllm_rollout_engine_end_to_end)
 @pytest.mark.slow
 def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_path):
     common = ["trainer.checkpoint_every=2", "learner.lr=5e-3", "algorithm.is_correction=token", _digit_reward(tmp_path)]

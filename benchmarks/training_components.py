@@ -1,7 +1,7 @@
-"""Training components against their baselines: SimpleGPT (SimpleNorm) against the pre-norm Llama block, and the
-ZO Fine-tuner's learned perturbation shape against MeZO.
+"""Training components against their baselines: SimpleGPT (SimpleNorm) against the pre-norm Llama block, the ZO
+Fine-tuner's learned perturbation shape against MeZO, U-LoRA against LoRA.
 
-    python benchmarks/training_components.py [--only simplenorm|zo] [--seeds 0 1 2] [--zo-seeds 0 1 2 3 4]
+    python benchmarks/training_components.py [--only simplenorm|zo|ulora] [--seeds 0 1 2] [--zo-seeds 0 1 2 3 4]
         [--out benchmarks/results/training_components.json] [--steps 500] [--lrs 3e-4 1e-3 3e-3 1e-2 3e-2]
 
 Each section writes its part of the JSON (a section run alone keeps the other's last results).
@@ -29,6 +29,16 @@ fine-tuning on task B for 2,000 steps from the same initial weights with MeZO, w
 untrained bundle's σ (its random initial shape: what learning adds), all at ε = 1e-3, lr 1e-3, batch 32 and the
 same seed stream, so every arm makes the same number of forward passes. The paper's claim: the learned σ ends at
 a lower loss than MeZO (23 of 28 settings; +2.5 points of accuracy on average).
+
+## U-LoRA
+A labelled synthetic harness (§5's shared-subspace task): a frozen random 2-layer MLP applied to each of 8 tokens of
+a sequence; the target adds to its first layer ΔW_k = B⋆ diag(s_k) A⋆ (shared rank-4 A⋆, B⋆) for the sequence's type
+k, which its first token reveals. The spec's s_k ∈ {±1, ±2}⁴ cannot be produced by a positive, sum-to-r gate, so
+here s_k = 2.5 on direction k and 0.5 on the others (4 types, each row summing to r). Adapters on the first layer,
+Adam lr 1e-2, 1,500 steps of 32 sequences, per seed: LoRA r = 4 and r = 5 (at and above U-LoRA's parameter
+count), U-LoRA r = 4 (λ = 0.3), and U-LoRA without the context term and with λ = 0 as ablations. Measured: the
+held-out MSE; the purity of k-means (k = 4) clusters of the per-token gates against the type; the mean
+within-sequence variance of the gates; the standard deviation across steps of the batch-mean gate.
 """
 
 from __future__ import annotations
@@ -199,11 +209,93 @@ def summarize_zo(rows: list[dict]) -> dict:
     return out
 
 
+ULORA_ARMS = ("lora_r4", "lora_r5", "ulora", "ulora_token_only", "ulora_no_prior")
+
+
+def ulora_seed(seed: int, steps: int = 1500) -> dict:
+    import numpy as np
+    import torch
+    from sklearn.cluster import KMeans
+    from torch import nn
+
+    from models.adapters import lora, ulora
+    d, T, K, r = 32, 8, 4, 4
+    g = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(64, d, generator=g) / d ** 0.5, torch.randn(d, 64, generator=g) / 8
+    a_star, b_star = torch.randn(r, d, generator=g) / d ** 0.5, torch.randn(64, r, generator=g)
+    scales = torch.full((K, r), 0.5)
+    scales[torch.arange(K), torch.arange(K)] = 2.5
+    markers = torch.randn(K, d, generator=g) * 3
+
+    def batch(n: int, gen: torch.Generator):
+        k = torch.randint(0, K, (n,), generator=gen)
+        x = torch.randn(n, T, d, generator=gen)
+        x[:, 0] = markers[k]
+        delta = torch.einsum("or,nr,ri->noi", b_star, scales[k], a_star)
+        y = torch.relu(torch.einsum("oi,nti->nto", w1, x) + torch.einsum("noi,nti->nto", delta, x)) @ w2.T
+        return x, y, k
+
+    def frozen() -> nn.Module:
+        m = nn.Sequential(nn.Linear(d, 64, bias=False), nn.ReLU(), nn.Linear(64, d, bias=False))
+        with torch.no_grad():
+            m[0].weight.copy_(w1)
+            m[2].weight.copy_(w2)
+        return m
+    makers = {"lora_r4": lambda m: lora(m, r=4, alpha=4, target_modules=["0"], task_type=None),
+              "lora_r5": lambda m: lora(m, r=5, alpha=5, target_modules=["0"], task_type=None),
+              "ulora": lambda m: ulora(m, r=4, alpha=4, target_modules=["0"], task_type=None),
+              "ulora_token_only": lambda m: ulora(m, r=4, alpha=4, target_modules=["0"], task_type=None,
+                                                  context=False),
+              "ulora_no_prior": lambda m: ulora(m, r=4, alpha=4, target_modules=["0"], task_type=None, lam=0.0)}
+    test = batch(512, torch.Generator().manual_seed(7))
+    out: dict = {}
+    for arm, make in makers.items():
+        torch.manual_seed(seed)
+        model = make(frozen())
+        layer = model.get_base_model()[0]
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(params, lr=1e-2)
+        gen = torch.Generator().manual_seed(1000 + seed)
+        batch_gates = []
+        for _ in range(steps):
+            x, y, _k = batch(32, gen)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if getattr(layer, "last_gate", None) is not None:
+                batch_gates.append(layer.last_gate.reshape(-1, r).mean(0))
+        model.eval()
+        with torch.no_grad():
+            mse = float(((model(test[0]) - test[1]) ** 2).mean())
+        row = {"params": sum(p.numel() for p in params), "test_mse": mse}
+        if batch_gates:
+            gates = layer.last_gate[:, 1:].reshape(-1, r).numpy()  # every token after the type marker
+            types = test[2][:, None].expand(-1, T - 1).reshape(-1).numpy()
+            labels = KMeans(K, n_init=10, random_state=seed).fit_predict(gates)
+            row["gate_purity"] = float(sum(np.bincount(types[labels == c]).max() for c in set(labels)) / len(types))
+            row["within_sequence_gate_var"] = float(layer.last_gate[:, 1:].var(1).mean())
+            tail = torch.stack(batch_gates[-500:])
+            row["batch_gate_std_over_steps"] = float(tail.std(0).mean())
+        out[arm] = row
+    return out
+
+
+def summarize_ulora(rows: list[dict]) -> dict:
+    out = {arm: {"test_mse": [r[arm]["test_mse"] for r in rows], "params": rows[0][arm]["params"],
+                 "mean_test_mse": statistics.mean(r[arm]["test_mse"] for r in rows)} for arm in ULORA_ARMS}
+    for arm in ("ulora", "ulora_token_only", "ulora_no_prior"):
+        for key in ("gate_purity", "within_sequence_gate_var", "batch_gate_std_over_steps"):
+            out[arm][key] = [r[arm][key] for r in rows]
+    out["ulora_beats_lora_r5"] = sum(r["ulora"]["test_mse"] < r["lora_r5"]["test_mse"] for r in rows)
+    return out
+
+
 def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4))
     if "simplenorm" in report:
         sn = report["simplenorm"]
         lrs, s = sn["lrs"], sn["summary"]
@@ -234,13 +326,22 @@ def _plot(report: dict, path: Path) -> None:
         axes[2].set_ylabel(f"task-B held-out loss (mean of {len(rows)} seeds)")
         axes[2].set_title("ZO Fine-tuner vs MeZO")
         axes[2].legend()
+    if "ulora" in report:
+        su = report["ulora"]["summary"]
+        axes[3].bar(list(ULORA_ARMS), [su[a]["mean_test_mse"] for a in ULORA_ARMS], color="tab:green")
+        for i, a in enumerate(ULORA_ARMS):
+            axes[3].scatter([i] * len(su[a]["test_mse"]), su[a]["test_mse"], color="k", s=10, zorder=3)
+            axes[3].text(i, su[a]["mean_test_mse"], f"{su[a]['params']} params", ha="center", va="bottom", fontsize=7)
+        axes[3].set_ylabel("held-out MSE (bars: mean; dots: seeds)")
+        axes[3].set_title("U-LoRA vs LoRA: per-sequence utilization task")
+        axes[3].tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", choices=["simplenorm", "zo"], default=None)
+    p.add_argument("--only", choices=["simplenorm", "zo", "ulora"], default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--zo-seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--steps", type=int, default=500)
@@ -278,6 +379,13 @@ def main() -> None:
             print(json.dumps({"seed": seed, **{a: round(rows[-1][a]["final_loss"], 4) for a in ZO_ARMS}}), flush=True)
         report["zo"] = {"seeds": args.zo_seeds, "per_seed": rows, "summary": summarize_zo(rows)}
         report["summary"]["zo"] = report["zo"]["summary"]
+    if args.only in (None, "ulora"):
+        rows = []
+        for seed in args.seeds:
+            rows.append({"seed": seed, **ulora_seed(seed)})
+            print(json.dumps({"seed": seed, **{a: round(rows[-1][a]["test_mse"], 4) for a in ULORA_ARMS}}), flush=True)
+        report["ulora"] = {"seeds": args.seeds, "per_seed": rows, "summary": summarize_ulora(rows)}
+        report["summary"]["ulora"] = report["ulora"]["summary"]
     from recipe_runs import write_report
     write_report(report, args.out, _plot)
 

@@ -28,14 +28,14 @@ ADAPTER_MARK = ".lora_"  # in every LoRA tensor name peft saves
 
 
 def lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
-         target_modules: list[str] | str | None = None) -> nn.Module:
+         target_modules: list[str] | str | None = None, task_type: str | None = "CAUSAL_LM") -> nn.Module:
     """LoRA (peft) on `target_modules` (names of linear modules, or peft's "all-linear": every linear but the
     output head; the default), rank `r`, scaling `alpha / r`, dropout on the adapter's input. B starts at 0, so
-    the adapted model starts equal to the base."""
+    the adapted model starts equal to the base. `task_type` None wraps any module (not only a causal LM)."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=list(target_modules) if isinstance(target_modules, (list, tuple))
-                        else (target_modules or "all-linear"), task_type="CAUSAL_LM")
+                        else (target_modules or "all-linear"), task_type=task_type)
     return get_peft_model(model, config)
 
 
@@ -124,7 +124,7 @@ def _ulora_linear_class():
 
         def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
             super().__init__(base_layer, adapter_name, config, r=r, lora_alpha=lora_alpha, **kwargs)
-            self.beta, self.lam = config.ulora_beta, config.ulora_lambda
+            self.beta, self.lam, self.context = config.ulora_beta, config.ulora_lambda, config.ulora_context
             self.lora_gate_u = nn.ModuleDict({adapter_name: nn.Linear(r, r)})
             self.lora_gate_c = nn.ModuleDict({adapter_name: nn.Linear(r, r)})
             for gate in (self.lora_gate_u[adapter_name], self.lora_gate_c[adapter_name]):
@@ -140,9 +140,10 @@ def _ulora_linear_class():
 
         def gates(self, z: torch.Tensor, adapter: str) -> torch.Tensor:
             r = z.shape[-1]
-            u = self.lora_gate_u[adapter](z)
-            c = causal_mean(z) if z.dim() >= 2 else z
-            g = r * torch.softmax(u + self.lora_gate_c[adapter](c), dim=-1)
+            logits = self.lora_gate_u[adapter](z)
+            if self.context:
+                logits = logits + self.lora_gate_c[adapter](causal_mean(z) if z.dim() >= 2 else z)
+            g = r * torch.softmax(logits, dim=-1)
             state = self.lora_ema[adapter]
             m, k = state[:r], int(state[r])
             if self.training and torch.is_grad_enabled():
@@ -171,14 +172,16 @@ def _ulora_linear_class():
 
 
 def ulora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
-          target_modules: list[str] | str | None = None, beta: float = 0.99, lam: float = 0.3) -> nn.Module:
+          target_modules: list[str] | str | None = None, beta: float = 0.99, lam: float = 0.3, context: bool = True,
+          task_type: str | None = "CAUSAL_LM") -> nn.Module:
     """U-LoRA ([RECONSTRUCTION], shared/specs/stages.md §5): peft's LoRA with token-level utilization gates over
-    the r directions, a sequence-context term and a bias-corrected EMA prior (`beta`, weight `lam`). 2r² + 2r
-    parameters per module beyond LoRA's. Not mergeable: the hf engine serves it unmerged, vllm refuses it."""
+    the r directions, a sequence-context term (`context`; off: token-only gates, an ablation) and a bias-corrected
+    EMA prior (`beta`, weight `lam`). 2r² + 2r parameters per module beyond LoRA's. Not mergeable: the hf engine
+    serves it unmerged, vllm refuses it. `task_type` None wraps any module (not only a causal LM)."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=list(target_modules) if isinstance(target_modules, (list, tuple))
-                        else (target_modules or "all-linear"), task_type="CAUSAL_LM")
-    config.ulora_beta, config.ulora_lambda = beta, lam
+                        else (target_modules or "all-linear"), task_type=task_type)
+    config.ulora_beta, config.ulora_lambda, config.ulora_context = beta, lam, context
     config._register_custom_module({nn.Linear: _ulora_linear_class()})
     return get_peft_model(model, config)

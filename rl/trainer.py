@@ -108,6 +108,7 @@ class RLTrainer:
         self.next_submit = 0  # first step whose rollout is not submitted yet
         self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
         self.rollout_restarts = 0  # rollouts regenerated because a rollout worker died
+        self.sync_bytes: float | None = None  # bytes one weight sync sends (logged as rollout/sync_bytes)
         if cfg.rollout.weight_sync == "collective":
             self._init_collective_sync()
 
@@ -148,7 +149,9 @@ class RLTrainer:
             # the engines' load time (with max_staleness > 0: of the previous update, loaded in the background)
             metrics["rollout/weight_load_s"] = self.sync_weights()
             if self.cfg.rollout.weight_sync != "cuda_ipc":  # what one sync sent (the adapter's tensors alone with one)
-                metrics["rollout/sync_bytes"] = float(ray.get(self.learners.workers[0].last_sync_bytes.remote()))
+                if self.sync_bytes is None:  # the same every step: asked once, so pipelined syncs never wait on it
+                    self.sync_bytes = float(ray.get(self.learners.workers[0].last_sync_bytes.remote()))
+                metrics["rollout/sync_bytes"] = self.sync_bytes
         if self.swap_phases:  # the KV cache comes back after the learner has left the device
             metrics["memory/learner_gpu_gib_loaded"] = self.learners.gpu_memory_gib()
             with _timer(timing, "swap"):

@@ -105,7 +105,7 @@ class LearnerWorker(ActorProbes):
         self.ref = None
         # With an adapter (`learner.adapter`, models/adapters.py) only its parameters train, and the reference
         # policy is the base model itself with the adapter disabled: no second copy of the weights.
-        self.adapted = adapter is not None
+        self.adapted, self.adapter_spec = adapter is not None, adapter
         attn = {"attn_implementation": attn_implementation} if attn_implementation else {}  # none: the model's own
         if with_ref and not self.adapted:
             # The frozen reference only runs forward. Under ZeRO-3 it is partitioned like the policy (each
@@ -425,15 +425,17 @@ class LearnerWorker(ActorProbes):
         return float(norm) if norm is not None else float("nan")
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def full_state_dict(self, device: str = "cpu", every_rank: bool = False) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, device: str = "cpu", every_rank: bool = False, merged: bool = True
+                        ) -> dict[str, torch.Tensor] | None:
         """Full weights on `device` from rank 0 (None elsewhere, unless `every_rank`). Collective under
-        ZeRO-3: call on all ranks."""
+        ZeRO-3: call on all ranks. With an adapter: the base weights plus its update (`merged`), or the base's
+        alone."""
         self.reload_states()
         module = self.engine.module
         keep = every_rank or self.rank == 0
-        if self.adapted:  # the base weights plus the adapter's update, under the base model's names
-            from models.adapters import merged_state_dict
-            state_of = merged_state_dict
+        if self.adapted:  # under the base model's names
+            from models.adapters import base_state_dict, merged_state_dict
+            state_of = merged_state_dict if merged else base_state_dict
         else:
             state_of = lambda m: m.state_dict()  # noqa: E731
         if self.zero_stage == 3:
@@ -570,12 +572,19 @@ class LearnerWorker(ActorProbes):
         return client_state
 
     def save_hf(self, path: str, tokenizer_path: str | None = None) -> None:
-        """`save_pretrained` export (rank 0 writes; all ranks must call under ZeRO-3)."""
-        sd = self.full_state_dict()
+        """`save_pretrained` export (rank 0 writes; all ranks must call under ZeRO-3). With an adapter: the merged
+        model and the peft adapter folder in `adapter/`; an adapter that cannot be merged (U-LoRA) is saved unmerged
+        beside the base weights, and the hf engine applies it on load (`models.adapters.load_unmerged`)."""
+        from models.adapters import is_mergeable, save_unmerged
+        mergeable = not self.adapted or is_mergeable(self.engine.module)
+        sd = self.full_state_dict(merged=mergeable)
         if self.rank == 0:
             module = self.engine.module
-            if self.adapted:  # the merged model, and the adapter as a peft folder beside it
-                module.save_pretrained(str(Path(path) / "adapter"))
+            if self.adapted:
+                if mergeable:
+                    module.save_pretrained(str(Path(path) / "adapter"))
+                else:
+                    save_unmerged(module, self.adapter_spec, path)
                 module = module.get_base_model()
             module.save_pretrained(path, state_dict=sd)
             if tokenizer_path:

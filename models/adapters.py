@@ -40,10 +40,15 @@ def lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 
     return get_peft_model(model, config)
 
 
-def make_adapter(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
-    """Wrap `model` with the adapter `{name, params}` of the recipe (`learner.adapter`)."""
-    from rl.registry import get
-    return get("adapter", spec["name"])(model, **dict(spec.get("params") or {}))
+def make_adapter(model: nn.Module, spec: dict[str, Any], factory: Any = None) -> nn.Module:
+    """Wrap `model` with the adapter `{name, params}` of the recipe (`learner.adapter`): `factory` the resolved
+    adapter function (callers resolve plugins through the registry), else a built-in by name."""
+    if factory is None:
+        if spec["name"] not in BUILTIN_ADAPTERS:
+            raise ValueError(f"adapter {spec['name']!r} is not built in ({sorted(BUILTIN_ADAPTERS)}); resolve it "
+                             "through the registry and pass it as `factory`")
+        factory = BUILTIN_ADAPTERS[spec["name"]]
+    return factory(model, **dict(spec.get("params") or {}))
 
 
 def is_adapted(model: nn.Module) -> bool:
@@ -227,3 +232,6 @@ def ulora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float =
     config.ulora_beta, config.ulora_lambda, config.ulora_context = beta, lam, context
     config._register_custom_module({nn.Linear: _ulora_linear_class()})
     return get_peft_model(model, config)
+
+
+BUILTIN_ADAPTERS = {"lora": lora, "ulora": ulora}  # also registered by name (rl.registry's built-ins)

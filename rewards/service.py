@@ -19,7 +19,7 @@ from typing import Any
 
 from rewards.base import RewardResult, needs_judges, normalize_result
 from rewards.scoring import RewardSpec, load_rewards, score_chunk
-from rl.probes import ActorProbes
+from rollout.probes import ActorProbes
 
 
 class RewardService(ActorProbes):

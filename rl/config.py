@@ -55,13 +55,14 @@ class ModelConfig:
 
 @dataclass
 class SyntheticTaskConfig:
-    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/tasks/facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/tasks/plans.py) | addition (a+b= with a fixed-width sum, for masked-diffusion models)
+    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/tasks/facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/tasks/plans.py) | addition (a+b= with a fixed-width sum, for masked-diffusion models) | styles (sums solved in a sparse or a dense style, DenseSteer's task, rl/tasks/styles.py)
     num_train: int = 4000  # generated training problems (SFT warm-up and RL prompts draw from disjoint parts)
     num_eval: int = 200  # held-out problems, never trained on
     sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest
     wrong_order_fraction: float = 0.5  # share of SFT targets that use the wrong order of operations
     digits: int = 3  # addition task: digits of each operand (the sum is written with one more)
     seed: int = 1234  # generator seed (independent of the run seed)
+    params: dict[str, Any] = field(default_factory=dict)  # the task's own keyword arguments (e.g. styles: dense_fraction, num_pairs, min_terms, max_terms)
 
 
 @dataclass
@@ -512,8 +513,11 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")
     need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
-    need((cfg.rollout.decoding is None and cfg.rollout.eval_decoding is None) or cfg.rollout.engine != "vllm",
-         "rollout.decoding", "decoding methods hook into the hf engine's decode loop: set rollout.engine: hf")
+    for key in ("decoding", "eval_decoding"):
+        method = cfg.rollout[key]
+        need(method is None or cfg.rollout.engine != "vllm", f"rollout.{key}",
+             f"the vllm engine cannot serve decoding method {method!r} (its hooks run in the hf engine's decode "
+             f"loop): set rollout.engine: hf")
     need(cfg.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1")
     need(cfg.rollout.max_episode_tokens >= 1, "rollout.max_episode_tokens", "must be >= 1")
     labels = [s.label or s.name for s in cfg.stages]

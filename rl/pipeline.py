@@ -77,7 +77,8 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
     need_sft = cfg.sft.enabled and d.sft_path is None
     if d.train_path is None or need_sft:
         s = d.synthetic
-        synth = get("task", s.task)(out / "data", **as_container(s))
+        common = {k: v for k, v in as_container(s).items() if k != "params"}
+        synth = get("task", s.task)(out / "data", **common, **as_container(s.params))
         if d.train_path is None:  # the synthetic task's held-out split goes with its training split
             paths["train"] = synth["train"]
             paths["eval"] = d.eval_path or (synth["eval"] if s.num_eval > 0 else None)
@@ -164,6 +165,9 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
                               ("rollout.eval_decoding", cfg.rollout.eval_decoding, cfg.rollout.eval_decoding_params)):
         if name is not None:
             check_params("decoding", name, as_container(params), f"{key}_params")
+    synth = cfg.data.synthetic
+    check_params("task", synth.task, as_container(synth.params), "data.synthetic.params",
+                 supplied=tuple(k for k in as_container(synth) if k != "params"))
     check_params("sampler", cfg.trainer.prompt_sampler.name, as_container(cfg.trainer.prompt_sampler.params),
                  "trainer.prompt_sampler.params", supplied=("rows", "seed"))
     if cfg.rollout.env is not None:

@@ -42,6 +42,7 @@ class DecodeState:
     finished: torch.Tensor  # [B] bool
     step: int = 0  # decode steps done
     tokenizer: Any = None
+    positions: torch.Tensor | None = None  # [B, k] the position ids of the tokens being fed (their index in the sequence)
     scratch: dict = field(default_factory=dict)  # per-call state a method may keep
 
 
@@ -57,6 +58,22 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise TypeError(f"{type(model).__name__}: no decoder layer list at model.layers for residual-stream hooks")
     return layers
+
+
+def install_residual_hooks(model: torch.nn.Module, method: Any, state: DecodeState) -> list[Any]:
+    """Register the `method`'s residual-stream hooks (if it has any) as forward hooks on the model's decoder layers;
+    returns the handles (`.remove()` each when done)."""
+    residual = getattr(method, "residual_hooks", None)
+    if residual is None:
+        return []
+    layers, hooks = _decoder_layers(model), []
+    for index, fn in residual(model).items():
+        def hook(_module, _inputs, output, fn: Callable = fn):
+            if isinstance(output, tuple):
+                return (fn(output[0], state), *output[1:])
+            return fn(output, state)
+        hooks.append(layers[index].register_forward_hook(hook))
+    return hooks
 
 
 def keep_cache_positions(cache: Any, state: DecodeState, keep: torch.Tensor) -> None:
@@ -115,6 +132,7 @@ def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_po
     logits `[B, V]`. Positions continue each row's count of real tokens."""
     state.attention_mask = torch.cat([state.attention_mask, mask], 1)
     pos = (next_pos[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
+    state.positions = pos
     out = model(input_ids=ids, attention_mask=state.attention_mask, position_ids=pos, past_key_values=cache,
                 use_cache=True, **forward_kwargs)
     next_pos += mask.sum(-1)
@@ -140,16 +158,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     state = DecodeState(prompt_ids, prompt_mask[:, :0].long(), [[] for _ in range(B)], [[] for _ in range(B)],
                         torch.zeros(B, dtype=torch.bool, device=device), tokenizer=tokenizer)
     logps: list[list[float]] = [[] for _ in range(B)]
-    hooks = []
-    residual = getattr(method, "residual_hooks", None)
-    if residual is not None:
-        layers = _decoder_layers(model)
-        for index, fn in residual(model).items():
-            def hook(_module, _inputs, output, fn: Callable = fn):
-                if isinstance(output, tuple):
-                    return (fn(output[0], state), *output[1:])
-                return fn(output, state)
-            hooks.append(layers[index].register_forward_hook(hook))
+    hooks = install_residual_hooks(model, method, state)
     process = getattr(method, "process_logits", None)
     kv_policy = getattr(method, "kv_policy", None)
     insert = getattr(method, "insert", None)

@@ -1,0 +1,156 @@
+"""Inference-time methods against their baselines, on tiny models made in code.
+
+    python benchmarks/inference_methods.py [--only densesteer] [--seeds 0 1 2]
+        [--out benchmarks/results/inference_methods.json] [--runs-dir runs/inference_methods] [key=value ...]
+
+Each section writes its part of the JSON (a section run alone keeps the others' last results).
+
+## DenseSteer
+A labelled synthetic harness (shared/specs/stages.md §10, the minimal faithful implementation): per seed,
+`recipes/densesteer_tiny.yaml` through Ray (a 4-block tiny Llama SFT'ed on sums solved half in a sparse style, one
+addition per blank-line step, and half in a dense style, the additions merged into one step; the `steer_extract`
+stage's vectors from 50 (dense, sparse) pairs). Then, in process, greedy decoding of the 200 held-out problems
+with the `steer` method at block 2 (middle) and block 0 (first) over a strength sweep. Measured per arm: ρ = tokens
+/ steps of the solutions (`rl.densesteer.density`, characters are tokens here), steps, the share of dense-style
+solutions (one step before the boxed answer), exact-match accuracy of the boxed sum, and the unsteered model's
+mean per-token NLL of the steered solutions (self-NLL). The paper's claims, in direction: ρ rises monotonically
+with λ ≥ 0 at a middle block, steps fall, accuracy does not drop, self-NLL does not rise; the first block has
+less effect than a middle one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from recipe_runs import run_recipe, seed_sweep_parser, write_report
+
+DENSESTEER = "recipes/densesteer_tiny.yaml"
+STRENGTHS = (-8.0, -4.0, 0.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+STEER_LAYERS = (0, 2)
+
+
+def _boxed(text: str) -> str | None:
+    m = re.search(r"\\boxed\{(-?\d+)\}", text)
+    return m.group(1) if m else None
+
+
+def densesteer_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
+    import torch
+
+    from rl.densesteer import density
+    from rollout.decoding import decode
+    from rollout.hf_engine import HFEngine
+    from rollout.steering import SteerDecoding
+    run_dir = runs / f"seed{seed}" / "densesteer"
+    summary = run_recipe(DENSESTEER, [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *overrides], run_dir,
+                         f"DenseSteer recipe seed {seed}")
+    model_dir = summary["stages"]["sft"]["artifacts"]["policy"]
+    vectors = summary["stages"]["steer_extract"]["artifacts"]["steering_vectors"]
+    report = json.loads(Path(summary["stages"]["steer_extract"]["artifacts"]["steering_report"]).read_text())
+    rows = [json.loads(x) for x in (run_dir / "data" / "eval.jsonl").read_text().splitlines()]
+    prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    torch.manual_seed(seed)
+    engine = HFEngine(model_dir, attn_implementation="eager")
+    model, tok = engine.model, engine.tokenizer
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kw = dict(max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id, tokenizer=tok)
+
+    def measure(method) -> dict:
+        resp, _, lengths, _, ended = decode(model, enc["input_ids"], enc["attention_mask"], method=method, **kw)
+        texts = [tok.decode(resp[i, :lengths[i]], skip_special_tokens=True) for i in range(len(prompts))]
+        self_nll = mean_nll(model, tok, prompts, resp, lengths)
+        dens = [density(t) for t in texts]
+        return {"rho": statistics.mean(d["rho"] for d in dens), "steps": statistics.mean(d["steps"] for d in dens),
+                "dense_share": statistics.mean(float(d["steps"] == 2 and "," in t) for d, t in zip(dens, texts)),
+                "accuracy": statistics.mean(float(_boxed(t) == a) for t, a in zip(texts, answers)),
+                "self_nll": self_nll, "ended_share": float(ended.float().mean()), "example": texts[0]}
+
+    out: dict = {"sft_model": model_dir, "vector_norm": report["vector_norm"], "hidden_norm": report["hidden_norm"],
+                 "recipe_eval_accuracy": summary.get("accuracy_after_rl"), "arms": {}}
+    for layer in STEER_LAYERS:
+        for lam in STRENGTHS:
+            method = SteerDecoding(vectors, layer=layer, strength=lam)
+            out["arms"][f"L{layer}/{lam:g}"] = measure(method)
+    return out
+
+
+def mean_nll(model, tok, prompts: list[str], resp, lengths) -> float:
+    """The unsteered model's mean per-token NLL of the responses (EOS included), pooled over rows."""
+    import torch
+
+    from rl.batch import pad_token_rows
+    seqs, spans = [], []
+    for i, p in enumerate(prompts):
+        p_ids = tok(p, add_special_tokens=False)["input_ids"]
+        r_ids = resp[i, :lengths[i]].tolist()
+        seqs.append(p_ids + r_ids)
+        spans.append((len(p_ids), len(r_ids)))
+    ids, mask = pad_token_rows(seqs, tok.pad_token_id, "right")
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    total, count = 0.0, 0
+    for i, (start, n) in enumerate(spans):
+        total -= float(logp[i, start - 1:start - 1 + n].sum())
+        count += n
+    return total / max(count, 1)
+
+
+def summarize_densesteer(rows: list[dict]) -> dict:
+    out: dict = {}
+    for arm in rows[0]["arms"]:
+        out[arm] = {k: statistics.mean(r["arms"][arm][k] for r in rows)
+                    for k in ("rho", "steps", "dense_share", "accuracy", "self_nll", "ended_share")}
+    mid = [f"L2/{lam:g}" for lam in STRENGTHS if lam >= 0]
+    out["middle_rho_monotone_per_seed"] = [all(r["arms"][a]["rho"] <= r["arms"][b]["rho"] + 1e-9
+                                               for a, b in zip(mid, mid[1:])) for r in rows]
+    return out
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    if "densesteer" in report:
+        s = report["densesteer"]["summary"]
+        for layer, color in zip(STEER_LAYERS, ("tab:gray", "tab:blue")):
+            arms = [f"L{layer}/{lam:g}" for lam in STRENGTHS]
+            for ax, key, label in zip(axes, ("rho", "steps", "accuracy", "self_nll"),
+                                      ("density ρ (tokens / step)", "steps", "exact-match accuracy",
+                                       "self-NLL (unsteered model, per token)")):
+                ax.plot(STRENGTHS, [s[a][key] for a in arms], marker="o", color=color,
+                        label=f"block {layer}" + (" (first)" if layer == 0 else " (middle)"))
+                ax.set_xlabel("steering strength λ")
+                ax.set_ylabel(label)
+        axes[0].set_title(f"DenseSteer, tiny two-style task ({len(report['densesteer']['seeds'])} seeds)")
+        axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = seed_sweep_parser("inference_methods", [0, 1, 2], "overrides of the DenseSteer recipe")
+    p.add_argument("--only", choices=["densesteer"], default=None)
+    args = p.parse_args()
+    out = Path(args.out)
+    report: dict = json.loads(out.read_text()) if out.exists() else {}
+    report.setdefault("summary", {})
+    if args.only in (None, "densesteer"):
+        rows = []
+        for seed in args.seeds:
+            rows.append({"seed": seed, **densesteer_seed(seed, Path(args.runs_dir), args.overrides)})
+            print(json.dumps({"seed": seed, **{a: {k: round(v[k], 3) for k in ("rho", "dense_share", "accuracy")}
+                                               for a, v in rows[-1]["arms"].items()}}), flush=True)
+        report["densesteer"] = {"recipe": DENSESTEER, "seeds": args.seeds, "strengths": list(STRENGTHS),
+                                "per_seed": rows, "summary": summarize_densesteer(rows)}
+        report["summary"]["densesteer"] = report["densesteer"]["summary"]
+    write_report(report, args.out, _plot)
+
+
+if __name__ == "__main__":
+    main()

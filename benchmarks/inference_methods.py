@@ -1,6 +1,6 @@
 """Inference-time methods against their baselines, on tiny models made in code.
 
-    python benchmarks/inference_methods.py [--only densesteer] [--seeds 0 1 2]
+    python benchmarks/inference_methods.py [--only densesteer|beaconkv] [--seeds 0 1 2]
         [--out benchmarks/results/inference_methods.json] [--runs-dir runs/inference_methods] [key=value ...]
 
 Each section writes its part of the JSON (a section run alone keeps the others' last results).
@@ -16,6 +16,18 @@ solutions (one step before the boxed answer), exact-match accuracy of the boxed 
 mean per-token NLL of the steered solutions (self-NLL). The paper's claims, in direction: ρ rises monotonically
 with λ ≥ 0 at a middle block, steps fall, accuracy does not drop, self-NLL does not rise; the first block has
 less effect than a middle one.
+
+## BeaconKV
+The spec's synthetic attention harness (§11, `rl.kv_compress.harness_stream`, a labelled synthetic harness): per
+seed, 4,000 decoding steps of random unit keys (d = 128); 12 plan keys planted at steps 16-27 near three cluster
+centres; 5% of the queries are revisit queries aimed at a centre, the others local (a random mix of the last 8
+keys plus a shared direction no key carries, standing in for the positional part RoPE gives real local queries).
+Each policy (`rl.kv_compress.simulate_policy`: BeaconKV with 16 recent queries and 16 beacons from a 256 → 64
+buffer, SnapKV and R-KV with a 32-query window, H2O, Initial + Recent) keeps budget B + 4 sink + 16 recent keys,
+evicting every step once full, at B ∈ {64, 128, 256, 512}. Measured after the cache first fills: the share of each
+query's full-cache attention mass on the retained keys (recall) and the relative error of its attention output,
+for revisit and local queries. The paper's claims, in direction: BeaconKV's revisit recall ≫ SnapKV / H2O /
+recent-only at equal B with similar local recall, the advantage growing as B shrinks.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from recipe_runs import run_recipe, seed_sweep_parser, write_report
 DENSESTEER = "recipes/densesteer_tiny.yaml"
 STRENGTHS = (-8.0, -4.0, 0.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 STEER_LAYERS = (0, 2)
+KV_POLICIES = ("beacon", "snapkv", "h2o", "rkv", "streaming")
+KV_BUDGETS = (64, 128, 256, 512)
 
 
 def _boxed(text: str) -> str | None:
@@ -111,11 +125,27 @@ def summarize_densesteer(rows: list[dict]) -> dict:
     return out
 
 
+def beaconkv_seed(seed: int) -> dict:
+    from rl.kv_compress import HarnessConfig, harness_stream, simulate_policy
+    stream = harness_stream(HarnessConfig(), seed)
+    return {f"{policy}/{budget}": simulate_policy(stream, policy, budget) for budget in KV_BUDGETS
+            for policy in KV_POLICIES}
+
+
+def summarize_beaconkv(rows: list[dict]) -> dict:
+    keys = ("recall_revisit", "recall_local", "output_error_revisit", "output_error_local")
+    out: dict = {arm: {k: statistics.mean(r["arms"][arm][k] for r in rows) for k in keys} for arm in rows[0]["arms"]}
+    out["beacon_revisit_margin_over_best_baseline"] = {
+        str(b): out[f"beacon/{b}"]["recall_revisit"] - max(out[f"{p}/{b}"]["recall_revisit"]
+                                                          for p in KV_POLICIES if p != "beacon") for b in KV_BUDGETS}
+    return out
+
+
 def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    fig, axes = plt.subplots(1, 6, figsize=(30, 4))
     if "densesteer" in report:
         s = report["densesteer"]["summary"]
         for layer, color in zip(STEER_LAYERS, ("tab:gray", "tab:blue")):
@@ -129,13 +159,24 @@ def _plot(report: dict, path: Path) -> None:
                 ax.set_ylabel(label)
         axes[0].set_title(f"DenseSteer, tiny two-style task ({len(report['densesteer']['seeds'])} seeds)")
         axes[0].legend()
+    if "beaconkv" in report:
+        s = report["beaconkv"]["summary"]
+        for policy in KV_POLICIES:
+            for ax, key in zip(axes[4:], ("recall_revisit", "recall_local")):
+                ax.plot(KV_BUDGETS, [s[f"{policy}/{b}"][key] for b in KV_BUDGETS], marker="o", label=policy)
+        for ax, key in zip(axes[4:], ("revisit", "local")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget B (kept keys besides 4 sink + 16 recent)")
+            ax.set_ylabel(f"{key} queries: attention-mass recall")
+            ax.set_title(f"KV policies on the synthetic harness ({len(report['beaconkv']['seeds'])} seeds)")
+        axes[4].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     p = seed_sweep_parser("inference_methods", [0, 1, 2], "overrides of the DenseSteer recipe")
-    p.add_argument("--only", choices=["densesteer"], default=None)
+    p.add_argument("--only", choices=["densesteer", "beaconkv"], default=None)
     args = p.parse_args()
     out = Path(args.out)
     report: dict = json.loads(out.read_text()) if out.exists() else {}
@@ -149,6 +190,17 @@ def main() -> None:
         report["densesteer"] = {"recipe": DENSESTEER, "seeds": args.seeds, "strengths": list(STRENGTHS),
                                 "per_seed": rows, "summary": summarize_densesteer(rows)}
         report["summary"]["densesteer"] = report["densesteer"]["summary"]
+    if args.only in (None, "beaconkv"):
+        import torch
+        torch.set_num_threads(1)
+        rows = []
+        for seed in args.seeds:
+            rows.append({"seed": seed, "arms": beaconkv_seed(seed)})
+            print(json.dumps({"seed": seed, **{a: round(v["recall_revisit"], 3) for a, v in rows[-1]["arms"].items()}}),
+                  flush=True)
+        report["beaconkv"] = {"seeds": args.seeds, "budgets": list(KV_BUDGETS), "per_seed": rows,
+                              "summary": summarize_beaconkv(rows)}
+        report["summary"]["beaconkv"] = report["beaconkv"]["summary"]
     write_report(report, args.out, _plot)
 
 

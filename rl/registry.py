@@ -34,7 +34,7 @@ _BUILTIN_MODULES = {
     "optimizer": ["rl.optim", "rl.zo_finetuner"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage",
               "rl.ep_order_stage", "rl.bliss_stage", "rl.decomper_stage", "rl.fair_calib_stage", "rl.densesteer_stage"],
-    "decoding": ["rollout.decoding", "rollout.steering"],
+    "decoding": ["rollout.decoding", "rollout.steering", "rollout.kv_policies"],
     "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer", "rl.tasks.monoscale",
              "rl.tasks.domains", "rl.tasks.styles"],
     "scheduler": ["rl.optim"],

@@ -7,6 +7,8 @@ optional methods the loop calls (each receives the `DecodeState` of the batch be
   sampled token's logprob is that of the fully processed distribution (as the engines report it).
 * `residual_hooks(model) -> {layer_index: fn(hidden [B, T, H], state) -> hidden}`: forward hooks on the
   output of decoder layers (the residual stream), for the prefill and every decode step.
+* `forward_hooks(model, state) -> list[handle]`: any other hooks on the model's modules (e.g. reading each
+  attention layer's queries), registered before the prefill and removed when the call ends.
 * `kv_policy(cache, state) -> None`: between steps, may evict or compress cache entries; it changes the
   cache's key/value tensors along the sequence dimension and `state.attention_mask` to match (see
   `keep_cache_positions`). Positions of new tokens keep counting real tokens, whatever was evicted.
@@ -159,6 +161,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                         torch.zeros(B, dtype=torch.bool, device=device), tokenizer=tokenizer)
     logps: list[list[float]] = [[] for _ in range(B)]
     hooks = install_residual_hooks(model, method, state)
+    if getattr(method, "forward_hooks", None) is not None:
+        hooks += list(method.forward_hooks(model, state))
     process = getattr(method, "process_logits", None)
     kv_policy = getattr(method, "kv_policy", None)
     insert = getattr(method, "insert", None)

@@ -1,0 +1,43 @@
+"""Inference-time methods through a recipe on Ray: DenseSteer's vectors extracted by the `steer_extract` stage and
+used to steer RL rollouts (the gap to the learner's unsteered logprobs is logged), and BeaconKV compressing the KV
+cache of the held-out evaluation."""
+
+import json
+
+import torch
+
+
+def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(ray_cluster, tmp_path):
+    from rl import config
+    from rl.pipeline import run
+    from tests.rl.test_pipeline import ROOT, TINY
+    out = tmp_path / "run"
+    vectors = f"{out}/stages/steer_extract/steering_vectors.pt"
+    summary = run(config.load(ROOT / "recipes/densesteer_tiny.yaml", [
+        f"output_dir={out}", *TINY, "model.tiny.num_layers=2", "sft.steps=5", "sft.batch_size=16",
+        "data.synthetic.params.num_pairs=12", "trainer.steps=1",
+        "rollout.decoding=steer", f"rollout.decoding_params={{vectors: {vectors}, layer: 1, strength: 200.0}}",
+        "rollout.eval_decoding=kv_beacon",
+        "rollout.eval_decoding_params={budget: 4, sink: 1, recent: 2, n_recent_queries: 2, n_beacon: 2}",
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: steer_extract}, {name: rl}, {name: evaluate}]"]))
+    saved = torch.load(vectors, weights_only=True)
+    assert sorted(saved) == [0, 1] and saved[1].shape == (32,)
+    report = json.loads((out / "stages" / "steer_extract" / "steering_report.json").read_text())
+    assert report["pairs"] == 12 and report["pair_file"].endswith("steer_pairs.jsonl")
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # the engine sampled from the steered model, the learner scored with the unsteered one: the gap is logged
+    assert metrics[0]["actor/mismatch_kl"] > 1e-3
+    assert summary["steps"] == 1 and summary["eval_examples_after_rl"]
+
+
+def test_a_steering_pair_file_with_a_bad_row_is_named(tmp_path):
+    import pytest
+
+    from rl.densesteer_stage import read_pairs
+    from rl.stages import StageError
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "dense": "a", "sparse": "b"}) + "\n"
+                    + json.dumps({"prompt": "2+2=", "dense": "", "sparse": "b"}) + "\n")
+    assert len(read_pairs(str(path), 1)) == 1
+    with pytest.raises(StageError, match=r"pairs.jsonl:2: .*\['dense'\]"):
+        read_pairs(str(path), 50)

@@ -15,7 +15,11 @@ optional methods the loop calls (each receives the `DecodeState` of the batch be
 * `insert(state) -> list[list[int]] | None`: after a token is sampled, token ids to append to some rows'
   responses (one list per row, empty for none). They are fed to the model together with the next step's
   input (re-prefill of the inserted span), are marked in the batch's `observation_mask` (never trained on)
-  and have logprob 0.
+  and have logprob 0. It is also called once after the prefill, before the first token (`state.step` 0), where
+  what it returns is fed at once.
+* `state.lookahead(n) -> [B][n]`: available to the hooks, the greedy continuation of `n` tokens of every row
+  from the current state (after the token just sampled), the cache and mask restored afterwards: a peek at what
+  the model is about to write; it costs `n` forward tokens per row.
 
 `plain` is the loop with no hooks: greedy tokens and logprobs equal to transformers' `generate`.
 """
@@ -45,6 +49,7 @@ class DecodeState:
     step: int = 0  # decode steps done
     tokenizer: Any = None
     positions: torch.Tensor | None = None  # [B, k] the position ids of the tokens being fed (their index in the sequence)
+    lookahead: Any = None  # fn(n) -> per row, the greedy next n tokens from here (nothing committed); set by `decode`
     scratch: dict = field(default_factory=dict)  # per-call state a method may keep
 
 
@@ -76,6 +81,13 @@ def install_residual_hooks(model: torch.nn.Module, method: Any, state: DecodeSta
             return fn(output, state)
         hooks.append(layers[index].register_forward_hook(hook))
     return hooks
+
+
+def _truncate_cache(cache: Any, length: int) -> None:
+    """Drop every cache entry after the first `length` (the write position moves back with it)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
 def keep_cache_positions(cache: Any, state: DecodeState, keep: torch.Tensor) -> None:
@@ -170,8 +182,46 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     cache = reserved_cache(prompt_ids.shape[1] + max_new_tokens + 1)
     next_pos = torch.zeros(B, dtype=torch.long, device=device)
     capped = torch.zeros(B, dtype=torch.bool, device=device)  # rows whose response reached max_new_tokens
+    current: dict[str, Any] = {"logits": None, "pending": None}  # what the lookahead starts from
+
+    def lookahead(n: int) -> list[list[int]]:
+        saved_len, saved_mask, saved_positions = cache.get_seq_length(), state.attention_mask, state.positions
+        pos = next_pos.clone()
+        ones = torch.ones((B, 1), dtype=torch.long, device=device)
+        out: list[torch.Tensor] = []
+        try:
+            cur = (current["logits"] if current["pending"] is None
+                   else _feed(model, current["pending"][:, None], ones, pos, state, cache, forward_kwargs))
+            for k in range(n):
+                out.append(cur.argmax(-1))
+                if k < n - 1:
+                    cur = _feed(model, out[-1][:, None], ones, pos, state, cache, forward_kwargs)
+        finally:
+            _truncate_cache(cache, saved_len)
+            state.attention_mask, state.positions = saved_mask, saved_positions
+        return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
+    state.lookahead = lookahead
     try:
         logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
+        if insert is not None:  # before the first token: what the method inserts is fed at once
+            current["logits"] = logits
+            first = insert(state)
+            if first is not None and any(first):
+                first = [list(x)[:max_new_tokens] for x in first]
+                width = max(len(x) for x in first)
+                ids = torch.full((B, width), pad_token_id, dtype=torch.long, device=device)
+                mask = torch.zeros((B, width), dtype=torch.long, device=device)
+                for i, x in enumerate(first):
+                    if x:
+                        ids[i, width - len(x):] = torch.tensor(x, device=device)
+                        mask[i, width - len(x):] = 1
+                    state.responses[i].extend(x)
+                    state.inserted[i].extend([True] * len(x))
+                    logps[i].extend([0.0] * len(x))
+                    capped[i] = len(state.responses[i]) >= max_new_tokens
+                fed = _feed(model, ids, mask, next_pos, state, cache, forward_kwargs)
+                has = torch.tensor([bool(x) for x in first], device=device)
+                logits = torch.where(has[:, None], fed, logits)  # a row with nothing fed keeps its logits
         while not bool((state.finished | capped).all()):
             if process is not None:
                 logits = process(logits, state).float()
@@ -197,6 +247,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                         text = tokenizer.decode(state.responses[i], skip_special_tokens=True)
                         if text.endswith(tuple(stop)):
                             state.finished[i] = True
+            current["pending"] = tokens
             extra = insert(state) if insert is not None else None
             blocks = []
             for i in range(B):

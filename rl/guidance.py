@@ -215,3 +215,37 @@ def strip_citations(answer: str) -> str:
     return re.sub(r"</?statement>", " ", CITE.sub("", answer)).strip()
 
 
+
+
+class LLMCitationJudge:
+    """LongBench-Cite's judge questions put to a language model (`generate(prompts) -> texts`, e.g. a frozen judge
+    engine of `reward.judges`; LongBench-Cite uses GPT-4o at temperature 0). The prompts follow the structure of
+    LongCite's auto_scorer (a rating word in double brackets); their wording is looprl's."""
+
+    SUPPORT = ("You check citations. Evidence:\n{evidence}\n\nStatement: {statement}\n\nIs the statement supported "
+               "by the evidence? Answer with one of [[Fully supported]], [[Partially supported]], [[No support]].")
+    RELEVANT = ("You check citations. Cited text:\n{evidence}\n\nStatement: {statement}\n\nIs the cited text "
+                "relevant to the statement? Answer with [[Relevant]] or [[Unrelevant]].")
+    NEEDS = ("Statement from an answer: {statement}\n\nDoes this statement make a factual claim that needs a "
+             "citation? Answer with [[Yes]] or [[No]].")
+
+    def __init__(self, generate: Any):
+        self.generate = generate
+
+    def _ask(self, prompt: str, scores: dict[str, float]) -> float:
+        text = self.generate([prompt])[0].lower()
+        for label, value in scores.items():  # the first label the answer names, in the order given
+            if f"[[{label}]]" in text:
+                return value
+        return 0.0
+
+    def support(self, statement: str, evidence: str) -> float:
+        return self._ask(self.SUPPORT.format(evidence=evidence, statement=statement),
+                         {"fully supported": 1.0, "partially supported": 0.5, "no support": 0.0})
+
+    def relevant(self, statement: str, evidence: str) -> float:
+        return self._ask(self.RELEVANT.format(evidence=evidence, statement=statement),
+                         {"unrelevant": 0.0, "relevant": 1.0})
+
+    def needs_citation(self, statement: str) -> float:
+        return self._ask(self.NEEDS.format(statement=statement), {"yes": 1.0, "no": 0.0})

@@ -41,3 +41,24 @@ def test_a_steering_pair_file_with_a_bad_row_is_named(tmp_path):
     assert len(read_pairs(str(path), 1)) == 1
     with pytest.raises(StageError, match=r"pairs.jsonl:2: .*\['dense'\]"):
         read_pairs(str(path), 50)
+
+
+def test_cite_eval_scores_plain_post_hoc_and_guided_answers_through_the_recipe(ray_cluster, tmp_path):
+    """recipes/guidance_tiny.yaml at test size (a barely trained model: the plumbing; tests/rollout/test_citation.py
+    measures the insertions on a model that states facts)."""
+    from rl import config
+    from rl.guidance import post_hoc_cite, strip_citations
+    from rl.pipeline import run
+    from tests.rl.test_pipeline import ROOT, TINY
+    out = tmp_path / "run"
+    summary = run(config.load(ROOT / "recipes/guidance_tiny.yaml", [
+        f"output_dir={out}", *TINY, "sft.steps=3", "sft.batch_size=8", "trainer.eval_max_prompts=4",
+        "rollout.max_new_tokens=40"]))
+    report = json.loads((out / "stages" / "cite_eval" / "cite_eval.json").read_text())
+    assert report["prompts"] == 4 and set(report["arms"]) == {"plain", "post_hoc", "guidance"}
+    for arm in report["arms"].values():
+        assert 0 <= arm["f1"] <= 1 and 0 <= arm["recall"] <= 1 and 0 <= arm["precision"] <= 1
+    rows = [json.loads(x) for x in (out / "data" / "eval.jsonl").read_text().splitlines()]
+    plain, post_hoc = report["arms"]["plain"]["examples"], report["arms"]["post_hoc"]["examples"]
+    assert post_hoc == [post_hoc_cite(strip_citations(a), r["prompt"]) for a, r in zip(plain, rows)]
+    assert set(summary["cite_eval"]) == {"plain", "post_hoc", "guidance"}

@@ -1,0 +1,117 @@
+"""The `cite_eval` stage: citation quality and correctness of the policy's answers on the held-out prompts
+(`data.eval_path` or the synthetic task's held-out split; `trainer.eval_max_prompts` of them), per arm:
+
+* `plain`: greedy answers as the model writes them (its own citations, if it makes any);
+* `post_hoc`: the plain answers with citations removed, each sentence then cited with its best-overlapping chunk;
+* `guidance`: greedy decoding with `citation_guidance` (`rl.guidance`, `rollout.citation`; `guidance_params`).
+
+Scores (`rl.guidance.score_citations`, LongBench-Cite): citation recall, precision and F1 per answer, averaged;
+correctness = the recipe's training reward on the answer with citations stripped (e.g. `fact_numbers`, or a
+judge-based reward at real scale). The judge: `containment` (deterministic; CPU tests and the synthetic task) or
+the name of a `reward.judges` entry (a frozen engine asked LongBench-Cite's questions). The report is
+`stages/<name>/cite_eval.json` with the first answers of each arm.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+from rl.registry import register
+from rl.stages import Stage, StageContext, StageError, say
+
+ARMS = ("plain", "post_hoc", "guidance")
+
+
+@register("stage", "cite_eval")
+class CiteEvalStage(Stage):
+    config_keys = ("data", "rollout", "trainer.eval_max_prompts", "reward")
+    runs_in_driver = True
+
+    def __init__(self, arms: list[str] = ARMS, guidance_params: dict[str, Any] | None = None,
+                 judge: str = "containment", max_statements: int = 40, examples: int = 3):
+        """`arms`: of plain, post_hoc, guidance; `guidance_params`: of the citation_guidance decoding method;
+        `judge`: containment | a name in `reward.judges`; `max_statements` scored per answer (LongBench-Cite: 40)."""
+        bad = [a for a in arms if a not in ARMS]
+        if bad or not arms:
+            raise ValueError(f"cite_eval: arms must be among {list(ARMS)}, got {list(arms)}")
+        self.arms, self.guidance_params = list(arms), dict(guidance_params or {})
+        self.judge, self.max_statements, self.examples = judge, max_statements, examples
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        import ray
+        from omegaconf import OmegaConf
+
+        from rl.guidance import (
+            ContainmentJudge,
+            LLMCitationJudge,
+            post_hoc_cite,
+            score_citations,
+            strip_citations,
+        )
+        from rl.pipeline import _rows, prompt_row_columns, stage_cfg
+        from rl.trainer import generate, make_rollout_workers
+        from rollout.base import load_tokenizer
+        cfg, rt = stage_cfg(ctx), ctx.runtime
+        rows = _rows(ctx, "eval", prompt_row_columns(cfg.data))[:cfg.trainer.eval_max_prompts]
+        if not rows:
+            raise StageError(f"{ctx.name}: no held-out prompts (data.eval_path or a synthetic task's eval split)")
+        if cfg.rollout.engine != "hf" and "guidance" in self.arms:
+            raise StageError(f"{ctx.name}: the guidance arm decodes with citation_guidance, which the "
+                             f"{cfg.rollout.engine!r} engine cannot serve: set rollout.engine: hf")
+        clients: dict[str, Any] = {}
+        if self.judge == "containment":
+            judge: Any = ContainmentJudge()
+        else:
+            if self.judge not in cfg.reward.judges:
+                raise StageError(f"{ctx.name}: judge {self.judge!r} is neither 'containment' nor a reward.judges "
+                                 f"entry ({sorted(cfg.reward.judges)})")
+            from rewards.judges import start_judges
+            from rl.config import as_container
+            clients = start_judges({self.judge: as_container(cfg.reward.judges[self.judge])}, ctx.require("policy"))
+            judge = LLMCitationJudge(lambda prompts: clients[self.judge].generate(prompts, temperature=0.0))
+        workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)
+        if own:
+            workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
+        tokenizer = load_tokenizer(ctx.require("base_model"))
+        report: dict[str, Any] = {"prompts": len(rows), "judge": self.judge, "arms": {}}
+        try:
+            answers: dict[str, list[str]] = {}
+            decodings = {"plain": (None, {}), "guidance": ("citation_guidance", self.guidance_params)}
+            for arm in [a for a in ("plain", "guidance") if a in self.arms or (a == "plain" and "post_hoc" in self.arms)]:
+                name, params = decodings[arm]
+                arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": name, "eval_decoding_params": params,
+                                                            "eval_runs": 1}})
+                batch = generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
+                answers[arm] = list(batch.responses)
+                if arm == "plain" and "post_hoc" in self.arms:
+                    answers["post_hoc"] = [post_hoc_cite(strip_citations(a), r[cfg.data.prompt_column])
+                                           for a, r in zip(batch.responses, rows)]
+            for arm in self.arms:
+                scores = [score_citations(a, r[cfg.data.prompt_column], judge, self.max_statements)
+                          for a, r in zip(answers[arm], rows)]
+                items = [{"prompt": r[cfg.data.prompt_column], "response": strip_citations(a),
+                          "ground_truth": r.get(cfg.data.answer_column), "metadata": {}, "truncated": False}
+                         for a, r in zip(answers[arm], rows)]
+                scored = ray.get(rt.reward_service.score.remote(items, evaluation=True))
+                correct = [s["score"] for s in scored if not s["failed"]]
+                report["arms"][arm] = {
+                    **{k: statistics.mean(s[k] for s in scores) for k in ("recall", "precision", "f1")},
+                    "correctness": statistics.mean(correct) if correct else None,
+                    "examples": answers[arm][:self.examples]}
+        finally:
+            if own:
+                for w in workers:
+                    ray.kill(w)
+            for client in clients.values():
+                for w in client.workers:
+                    ray.kill(w)
+        path = ctx.stage_dir / "cite_eval.json"
+        path.write_text(json.dumps(report, indent=1))
+        ctx.summary[ctx.name] = {arm: {k: v for k, v in r.items() if k != "examples"}
+                                 for arm, r in report["arms"].items()}
+        for arm, r in report["arms"].items():
+            say(f"{ctx.name}: {arm}: citation F1 {r['f1']:.3f} (recall {r['recall']:.3f}, precision "
+                f"{r['precision']:.3f}), correctness {r['correctness']}")
+        return {"cite_report": str(path)}

@@ -1,0 +1,430 @@
+"""DSR (shared/specs/stages.md §13; confirmed from the released code): Decompose, Structure, Repair for
+autoformalization. This module holds the model-free parts:
+
+* **LeanLite**, a small typed expression language of looprl's own with a real checker (`check`), standing in for
+  Lean 4 + Mathlib where no Lean toolchain is installed (the CPU tests and the effect run; labelled as such
+  wherever it appears). Statements read as Lean's do: `theorem test (x : Real) (h1 : x > 0) : x ^ 2 > 0 := by
+  sorry`. Types Nat, Int, Real and Prop; arithmetic `+ - * / ^` on one numeric type (a numeral takes the type of
+  the other side); comparisons `= ≠ < > ≤ ≥` give Prop; `∧ ∨ → ¬` on Prop; `∀ x : T, P` and `∃ x : T, P`;
+  functions `abs` (1), `max` and `min` (2), `sqrt` (1, Real). Errors carry the column where they start, as Lean's
+  first-error JSON does.
+* The operator tree (OPT) of a component: nodes with `formal_content` holding `<SLOT>` placeholders and ordered
+  `children`; structure-first assembly by slot filling (`assemble`), each node's span in the text (`spans`), the
+  smallest node containing an error column (`smallest_containing`), the repair ladder node → parent → grandparent
+  … → component → statement skipping redundant wrappers (`repair_ladder`).
+* Splicing components into a statement with hypotheses renamed h1, h2, … (`splice`).
+* LeanScorer's Sugeno aggregation of per-condition grades (`sugeno_score`, pass ≥ 0.6).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+NUMERIC = ("Nat", "Int", "Real")
+TYPES = (*NUMERIC, "Prop")
+FUNCTIONS = {"abs": 1, "max": 2, "min": 2, "sqrt": 1}
+SLOT = "<SLOT>"
+
+
+@dataclass
+class LeanLiteError:
+    column: int  # 0-based offset in the checked text
+    message: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"pos": {"column": self.column}, "severity": "error", "data": self.message}
+
+
+_TOKEN = re.compile(r"\s*(?:(?P<num>\d+(?:\.\d+)?)|(?P<id>[A-Za-z_][A-Za-z_0-9']*)|(?P<op>:=|≤|≥|≠|→|∧|∨|¬|∀|∃|[-+*/^()<>=:,]))")
+
+
+class _ParseError(Exception):
+    def __init__(self, column: int, message: str):
+        super().__init__(message)
+        self.column, self.message = column, message
+
+
+def _tokens(text: str) -> list[tuple[str, str, int]]:
+    out, pos = [], 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = _TOKEN.match(text, pos)
+        if not m:
+            col = pos + len(text[pos:]) - len(text[pos:].lstrip())
+            raise _ParseError(col, f"unexpected character {text[col]!r}")
+        kind = m.lastgroup
+        out.append((kind, m.group(kind), m.start(kind)))
+        pos = m.end()
+    out.append(("end", "", len(text)))
+    return out
+
+
+@dataclass
+class _Node:
+    kind: str  # num | var | app | bin | unary | quant
+    value: str
+    column: int
+    args: list[_Node] = field(default_factory=list)
+    binder_type: str | None = None
+
+
+class _Parser:
+    PREC = [("→",), ("∨",), ("∧",), ("=", "≠", "<", ">", "≤", "≥"), ("+", "-"), ("*", "/"), ("^",)]
+
+    def __init__(self, text: str):
+        self.toks, self.i = _tokens(text), 0
+
+    def peek(self) -> tuple[str, str, int]:
+        return self.toks[self.i]
+
+    def take(self, value: str | None = None) -> tuple[str, str, int]:
+        tok = self.toks[self.i]
+        if value is not None and tok[1] != value:
+            raise _ParseError(tok[2], f"expected {value!r}, found {tok[1] or 'end of input'!r}")
+        self.i += 1
+        return tok
+
+    def expr(self, level: int = 0) -> _Node:
+        if level == len(self.PREC):
+            return self.unary()
+        if self.PREC[level] == ("→",):  # right-associative
+            left = self.expr(level + 1)
+            if self.peek()[1] == "→":
+                op = self.take()
+                return _Node("bin", "→", left.column, [left, self.expr(level)])
+            return left
+        left = self.expr(level + 1)
+        while self.peek()[1] in self.PREC[level]:
+            op = self.take()
+            left = _Node("bin", op[1], left.column, [left, self.expr(level + 1)])  # errors start where it does
+        return left
+
+    def unary(self) -> _Node:
+        kind, value, col = self.peek()
+        if value in ("¬", "-"):
+            self.take()
+            return _Node("unary", value, col, [self.unary()])
+        if value in ("∀", "∃"):
+            self.take()
+            _, name, ncol = self.take()
+            self.take(":")
+            _, typ, tcol = self.take()
+            if typ not in NUMERIC:
+                raise _ParseError(tcol, f"unknown type {typ!r}")
+            self.take(",")
+            return _Node("quant", value, col, [_Node("var", name, ncol), self.expr()], binder_type=typ)
+        if kind == "num":
+            self.take()
+            return _Node("num", value, col)
+        if kind == "id":
+            self.take()
+            if self.peek()[1] == "(" and value in FUNCTIONS:
+                self.take("(")
+                args = [self.expr()]
+                while self.peek()[1] == ",":
+                    self.take(",")
+                    args.append(self.expr())
+                self.take(")")
+                return _Node("app", value, col, args)
+            return _Node("var", value, col)
+        if value == "(":
+            self.take("(")
+            inner = self.expr()
+            self.take(")")
+            return inner
+        raise _ParseError(col, f"unexpected {value or 'end of input'!r}")
+
+
+def _type_of(node: _Node, env: dict[str, str], errors: list[LeanLiteError], want: str | None = None) -> str | None:
+    """The node's type (None when unknown after an error); numerals take `want` when it is numeric."""
+    if node.kind == "num":
+        if want in NUMERIC:
+            if want != "Real" and "." in node.value:
+                errors.append(LeanLiteError(node.column, f"numeral {node.value} is not a {want}"))
+            return want
+        return "Real" if "." in node.value else "Nat"
+    if node.kind == "var":
+        if node.value not in env:
+            errors.append(LeanLiteError(node.column, f"unknown identifier '{node.value}'"))
+            return None
+        return env[node.value]
+    if node.kind == "app":
+        arity = FUNCTIONS[node.value]
+        if len(node.args) != arity:
+            errors.append(LeanLiteError(node.column, f"function '{node.value}' expects {arity} arguments, got "
+                                                     f"{len(node.args)}"))
+            return None
+        types = _numeric_operands(node.args, env, errors, node.value)
+        if types is None:
+            return None
+        if node.value == "sqrt" and types != "Real":
+            errors.append(LeanLiteError(node.column, f"sqrt expects a Real, got {types}"))
+            return None
+        return types
+    if node.kind == "unary":
+        if node.value == "¬":
+            _expect_prop(node.args[0], env, errors)
+            return "Prop"
+        t = _type_of(node.args[0], env, errors, want)
+        if t is not None and t not in NUMERIC:
+            errors.append(LeanLiteError(node.column, f"negation of a {t}"))
+            return None
+        if t == "Nat":
+            errors.append(LeanLiteError(node.column, "negation of a Nat (use Int)"))
+        return t
+    if node.kind == "quant":
+        inner = dict(env)
+        inner[node.args[0].value] = node.binder_type or "Real"
+        _expect_prop(node.args[1], inner, errors)
+        return "Prop"
+    op = node.value
+    if op in ("→", "∧", "∨"):
+        for a in node.args:
+            _expect_prop(a, env, errors)
+        return "Prop"
+    t = _numeric_operands(node.args, env, errors, op, want if op in "+-*/^" else None)
+    if op in ("=", "≠", "<", ">", "≤", "≥"):
+        return "Prop"
+    return t
+
+
+def _expect_prop(node: _Node, env: dict[str, str], errors: list[LeanLiteError]) -> None:
+    t = _type_of(node, env, errors)
+    if t is not None and t != "Prop":
+        errors.append(LeanLiteError(node.column, f"type mismatch: expected a Prop, got {t}"))
+
+
+def _numeric_operands(args: list[_Node], env: dict[str, str], errors: list[LeanLiteError], what: str,
+                      want: str | None = None) -> str | None:
+    """The common numeric type of `args` (numerals follow the others), or None after an error."""
+    known = [_type_of(a, env, []) for a in args if a.kind != "num"]
+    target = next((t for t in known if t is not None), want)
+    types = [_type_of(a, env, errors, target) for a in args]
+    if any(t is None for t in types):
+        return None
+    bad = [(a, t) for a, t in zip(args, types) if t not in NUMERIC]
+    if bad:
+        errors.append(LeanLiteError(bad[0][0].column, f"'{what}' expects numbers, got {bad[0][1]}"))
+        return None
+    if len(set(types)) > 1:
+        a, t = next((a, t) for a, t in zip(args, types) if t != types[0])
+        errors.append(LeanLiteError(a.column, f"type mismatch in '{what}': {types[0]} and {t}"))
+        return None
+    return types[0]
+
+
+_STATEMENT = re.compile(r"^\s*theorem\s+\w+\s*(?P<binders>.*?)\s*:\s*(?P<goal>[^:].*?)\s*:=\s*by\s+sorry\s*$", re.S)
+
+
+def check(statement: str) -> list[LeanLiteError]:
+    """Check a LeanLite statement `theorem NAME (binders…) : goal := by sorry`; returns its errors (empty: it
+    compiles). Binders `(x y : T)` declare variables, `(h : P)` hypotheses (P must be a Prop over declared
+    variables); the goal must be a Prop. Parsing stops at the first syntax error; type errors are all reported."""
+    errors: list[LeanLiteError] = []
+    head = re.match(r"\s*theorem\s+\w+", statement)
+    if not head:
+        return [LeanLiteError(0, "expected 'theorem NAME'")]
+    pos, env = head.end(), {}
+    while True:
+        m = re.match(r"\s*\(", statement[pos:])
+        if not m:
+            break
+        start = pos + m.end()
+        depth, end = 1, start
+        while end < len(statement) and depth:
+            depth += {"(": 1, ")": -1}.get(statement[end], 0)
+            end += 1
+        if depth:
+            return [LeanLiteError(start - 1, "unclosed '('")]
+        inner = statement[start:end - 1]
+        if ":" not in inner:
+            return [LeanLiteError(start, "expected ':' in binder")]
+        names, body = inner.split(":", 1)
+        body_col = start + len(names) + 1
+        names_list = names.split()
+        if not names_list:
+            return [LeanLiteError(start, "binder without a name")]
+        if body.strip() in TYPES:
+            for n in names_list:
+                env[n] = body.strip()
+        else:
+            errors += _check_expr(body, body_col, env, prop=True)
+            for n in names_list:
+                env[n] = "Proof"
+        pos = end
+    rest = statement[pos:]
+    m = re.match(r"\s*:(?!=)", rest)
+    if not m:
+        return errors + [LeanLiteError(pos + len(rest) - len(rest.lstrip()), "expected ':' before the goal")]
+    goal_start = pos + m.end()
+    tail = statement.rfind(":=")
+    if tail < goal_start or not re.match(r":=\s*by\s+sorry\s*$", statement[tail:]):
+        return errors + [LeanLiteError(len(statement.rstrip()), "expected ':= by sorry'")]
+    errors += _check_expr(statement[goal_start:tail], goal_start, env, prop=True)
+    return sorted(errors, key=lambda e: e.column)
+
+
+def _check_expr(text: str, offset: int, env: dict[str, str], prop: bool) -> list[LeanLiteError]:
+    errors: list[LeanLiteError] = []
+    try:
+        parser = _Parser(text)
+        node = parser.expr()
+        kind, value, col = parser.peek()
+        if kind != "end":
+            raise _ParseError(col, f"unexpected {value!r} after the expression")
+    except _ParseError as e:
+        return [LeanLiteError(offset + e.column, e.message)]
+    visible = {k: v for k, v in env.items() if v != "Proof"}
+    if prop:
+        _expect_prop(node, visible, errors)
+    else:
+        _type_of(node, visible, errors)
+    for e in errors:
+        e.column += offset
+    return errors
+
+
+def sugeno_score(grades: list[str]) -> float:
+    """LeanScorer's Sugeno integral over per-condition grades A (1), B (0.5), C (0): max over α ∈ {1, 0.5} of
+    min(α, μ(conditions graded ≥ α)), μ(S) = 0 if S holds a C; 1 if S is every condition and all are A; else
+    (#A / n) × the B penalty (one B: 0.9; k ≥ 2: max(1 − 0.2k, 0))."""
+    n = len(grades)
+    if n == 0 or "C" in grades:
+        return 0.0
+    if all(g == "A" for g in grades):
+        return 1.0
+    n_b = grades.count("B")
+    penalty = 1.0 if n_b == 0 else 0.9 if n_b == 1 else max(1 - 0.2 * n_b, 0.0)
+
+    def mu(subset_grades: list[str]) -> float:
+        if "C" in subset_grades:
+            return 0.0
+        if len(subset_grades) == n and all(g == "A" for g in subset_grades):
+            return 1.0
+        return (subset_grades.count("A") / n) * (penalty if "B" in subset_grades else 1.0)
+    at_1 = [g for g in grades if g == "A"]
+    at_half = [g for g in grades if g in ("A", "B")]
+    return max(min(1.0, mu(at_1) if at_1 else 0.0), min(0.5, mu(at_half)))
+
+
+# -- operator trees ------------------------------------------------------------------------------------------------
+Path_ = tuple[int, ...]  # a node's address: child indices from the component's root
+
+
+class TreeError(ValueError):
+    """An operator tree that cannot be assembled (slot count against children, malformed node): the caller falls
+    back to the component's linear code."""
+
+
+def assemble(node: dict[str, Any]) -> str:
+    """Structure-first assembly: the node's `formal_content` with each `<SLOT>` filled, in order, by its children's
+    assembled text."""
+    if not isinstance(node, dict) or not isinstance(node.get("formal_content"), str):
+        raise TreeError(f"not an operator-tree node: {node!r}")
+    children = node.get("children") or []
+    parts = node["formal_content"].split(SLOT)
+    if len(parts) - 1 != len(children):
+        raise TreeError(f"{len(parts) - 1} slots but {len(children)} children in {node['formal_content']!r}")
+    out = parts[0]
+    for child, rest in zip(children, parts[1:]):
+        out += assemble(child) + rest
+    return out
+
+
+def spans(node: dict[str, Any], offset: int = 0, path: Path_ = ()) -> dict[Path_, tuple[int, int]]:
+    """Every node's [start, end) in its component's assembled text, by path."""
+    out: dict[Path_, tuple[int, int]] = {}
+    parts = node["formal_content"].split(SLOT)
+    pos = offset + len(parts[0])
+    for i, (child, rest) in enumerate(zip(node.get("children") or [], parts[1:])):
+        sub = spans(child, pos, (*path, i))
+        out.update(sub)
+        pos = sub[(*path, i)][1] + len(rest)
+    out[path] = (offset, pos)
+    return out
+
+
+def node_at(tree: dict[str, Any], path: Path_) -> dict[str, Any]:
+    for i in path:
+        tree = tree["children"][i]
+    return tree
+
+
+def smallest_containing(tree: dict[str, Any], column: int) -> Path_:
+    """The deepest node whose span contains `column` (a column of the component's text); the root when none
+    does (e.g. a column at the very end)."""
+    best: Path_ = ()
+    for path, (start, end) in spans(tree).items():
+        if start <= column < end and len(path) > len(best):
+            best = path
+    return best
+
+
+_WRAPPER = re.compile(r"^\s*\(\s*<SLOT>\s*\)\s*$|^\s*\(\s*h\w*\s*:\s*<SLOT>\s*\)\s*$")
+
+
+def is_wrapper(node: dict[str, Any]) -> bool:
+    """A redundant wrapper: a parenthesised single child, or a hypothesis label `(hN : <SLOT>)`."""
+    return bool(_WRAPPER.match(node["formal_content"])) and len(node.get("children") or []) == 1
+
+
+def repair_ladder(tree: dict[str, Any], error_node: Path_) -> list[Path_]:
+    """The nodes tree-guided repair tries, in order: the error node's parent, then each ancestor up to the
+    component's root, skipping redundant wrappers (the root is never skipped). The caller goes on to component
+    repair (with the NL) and the statement-level global repair."""
+    ladder: list[Path_] = []
+    path = error_node[:-1] if error_node else ()
+    while True:
+        if path == () or not is_wrapper(node_at(tree, path)):
+            ladder.append(path)
+        if path == ():
+            return ladder
+        path = path[:-1]
+
+
+def replace_node(tree: dict[str, Any], path: Path_, text: str) -> dict[str, Any]:
+    """A copy of the tree with the node at `path` replaced by a leaf holding `text` (a repaired snippet)."""
+    import copy
+    out = copy.deepcopy(tree)
+    if path == ():
+        return {"formal_content": text, "children": []}
+    parent = node_at(out, path[:-1])
+    parent["children"][path[-1]] = {"formal_content": text, "children": []}
+    return out
+
+
+def rename_hypotheses(binders: list[str]) -> list[str]:
+    """Generic hypothesis labels `(h : …)` (and any `(hX : …)` on a Prop) renamed h1, h2, … in order."""
+    out, k = [], 0
+    for b in binders:
+        m = re.match(r"^\(\s*(h\w*)\s*:(.*)\)$", b.strip())
+        if m and m.group(2).strip() not in TYPES:
+            k += 1
+            out.append(f"(h{k} :{m.group(2)})")
+        else:
+            out.append(b.strip())
+    return out
+
+
+def splice(conditions: list[str], conclusion: str, name: str = "test") -> str:
+    """`theorem NAME <conditions…> : <conclusion> := by sorry`, hypotheses renamed h1, h2, …"""
+    binders = " ".join(rename_hypotheses(conditions))
+    return f"theorem {name} {binders} : {conclusion} := by sorry".replace("  ", " ")
+
+
+def component_of_column(conditions: list[str], conclusion: str, column: int, name: str = "test") -> int:
+    """Which component (index into conditions; len(conditions) for the conclusion) a column of `splice(...)` falls
+    in; -1 for the statement's own frame (`theorem NAME`, `:=`)."""
+    text = splice(conditions, conclusion, name)
+    pos = len(f"theorem {name} ")
+    for i, c in enumerate(rename_hypotheses(conditions)):
+        if pos <= column < pos + len(c):
+            return i
+        pos += len(c) + 1
+    goal_start = text.index(" : ", pos - 1) + 3 if conditions else text.index(" : ") + 3
+    if goal_start <= column < goal_start + len(conclusion):
+        return len(conditions)
+    return -1

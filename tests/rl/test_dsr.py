@@ -1,0 +1,106 @@
+"""DSR's model-free parts (shared/specs/stages.md §13): the LeanLite checker (looprl's small typed expression
+language standing in for Lean 4 where no toolchain is installed), operator-tree assembly, spans, the smallest
+containing node, the repair ladder, splicing with hypothesis renaming, and LeanScorer's Sugeno aggregation."""
+
+import pytest
+
+from rl.dsr import (
+    TreeError,
+    assemble,
+    check,
+    component_of_column,
+    repair_ladder,
+    replace_node,
+    smallest_containing,
+    spans,
+    splice,
+    sugeno_score,
+)
+
+
+def leaf(text):
+    return {"formal_content": text, "children": []}
+
+
+# x ^ 2 + abs(y) > 0, with a parenthesised wrapper around abs(y)
+TREE = {"formal_content": "<SLOT> > <SLOT>", "children": [
+    {"formal_content": "<SLOT> + <SLOT>", "children": [
+        {"formal_content": "<SLOT> ^ <SLOT>", "children": [leaf("x"), leaf("2")]},
+        {"formal_content": "(<SLOT>)", "children": [
+            {"formal_content": "abs(<SLOT>)", "children": [leaf("y")]}]}]},
+    leaf("0")]}
+LINEAR = "x ^ 2 + (abs(y)) > 0"
+
+
+def _errors(statement):
+    return [(e.column, e.message) for e in check(statement)]
+
+
+def test_leanlite_accepts_well_typed_statements():
+    assert check("theorem test (x : Real) (h1 : x > 0) : x ^ 2 > 0 := by sorry") == []
+    assert check("theorem test (n : Nat) : ∀ m : Nat, m + n ≥ n ∧ ¬ (n < 0) := by sorry") == []
+    assert check("theorem test (x y : Real) (h : x ≤ y) : max(x, y) = y → sqrt(abs(x)) ≥ 0 := by sorry") == []
+
+
+def test_leanlite_reports_each_error_at_its_column():
+    s = "theorem test (x : Real) : sqrt(x, 2) > y := by sorry"
+    assert _errors(s) == [(s.index("sqrt"), "function 'sqrt' expects 1 arguments, got 2"),
+                          (s.index("y :="), "unknown identifier 'y'")]
+    s = "theorem test (x : Real) (n : Nat) (h : x > n) : x > 0 := by sorry"
+    assert _errors(s) == [(s.index("n) :"), "type mismatch in '>': Real and Nat")]
+    s = "theorem test (n : Nat) : n + 1 ∧ n > 0 := by sorry"
+    assert _errors(s) == [(s.index("n + 1"), "type mismatch: expected a Prop, got Nat")]
+    s = "theorem test (x : Real) : x + > 1 := by sorry"
+    assert _errors(s) == [(s.index("> 1"), "unexpected '>'")]
+    s = "theorem test (n : Nat) : sqrt(n) > 0 := by sorry"
+    assert _errors(s) == [(s.index("sqrt"), "sqrt expects a Real, got Nat")]
+    assert _errors("theorem test (x : Real) : x > 0") == [(len("theorem test (x : Real) : x > 0"),
+                                                             "expected ':= by sorry'")]
+
+
+def test_assembling_the_tree_reproduces_the_linear_code():
+    assert assemble(TREE) == LINEAR
+    with pytest.raises(TreeError, match="2 slots but 1 children"):
+        assemble({"formal_content": "<SLOT> + <SLOT>", "children": [leaf("x")]})
+
+
+def test_spans_and_the_smallest_containing_node_is_the_deepest():
+    sp = spans(TREE)
+    assert sp[()] == (0, len(LINEAR))
+    for path, (a, b) in sp.items():
+        node = TREE
+        for i in path:
+            node = node["children"][i]
+        assert LINEAR[a:b] == assemble(node)
+    assert smallest_containing(TREE, LINEAR.index("y")) == (0, 1, 0, 0)  # the leaf y
+    assert smallest_containing(TREE, LINEAR.index("abs")) == (0, 1, 0)
+    assert smallest_containing(TREE, LINEAR.index(">")) == ()  # the root's own operator
+
+
+def test_the_repair_ladder_climbs_from_the_parent_and_skips_wrappers():
+    # the error at y: start at its parent abs(y); the wrapper (abs(y)) is skipped; then the sum, then the root
+    assert repair_ladder(TREE, (0, 1, 0, 0)) == [(0, 1, 0), (0,), ()]
+    assert repair_ladder(TREE, (0, 0, 1)) == [(0, 0), (0,), ()]
+    assert repair_ladder(TREE, ()) == [()]
+    fixed = replace_node(TREE, (0, 1, 0), "abs(z)")
+    assert assemble(fixed) == "x ^ 2 + (abs(z)) > 0" and assemble(TREE) == LINEAR  # the original is untouched
+
+
+def test_splicing_renames_hypotheses_and_maps_columns_to_components():
+    conditions = ["(x : Real)", "(h : x > 0)", "(hx : x < 5)"]
+    s = splice(conditions, "x ^ 2 < 25")
+    assert s == "theorem test (x : Real) (h1 : x > 0) (h2 : x < 5) : x ^ 2 < 25 := by sorry"
+    assert check(s) == []
+    assert component_of_column(conditions, "x ^ 2 < 25", s.index("h2")) == 2
+    assert component_of_column(conditions, "x ^ 2 < 25", s.index("25")) == 3  # the conclusion
+    assert component_of_column(conditions, "x ^ 2 < 25", s.index("theorem")) == -1
+
+
+@pytest.mark.parametrize("grades,score", [("AAB", 2 / 3), ("ABB", 1 / 3), ("AAC", 0.0), ("C", 0.0), ("AAA", 1.0),
+                                          ("B", 0.0), ("ABBBB", 0.2)])
+def test_sugeno_matches_hand_computed_cases(grades, score):
+    # AAB: max(min(1, 2/3), min(0.5, 2/3 * 0.9)) = 0.667, a pass; ABB: max(min(1, 1/3), min(0.5, 1/3 * 0.6)) =
+    # 0.333; a lone B: μ = (0 / 1) * 0.9 = 0; ABBBB: max(min(1, 1/5), min(0.5, 1/5 * max(1 - 0.8, 0))) = 0.2
+    got = sugeno_score(list(grades))
+    assert got == pytest.approx(score)
+    assert (got >= 0.6) == (score >= 0.6)

@@ -415,16 +415,166 @@ def splice(conditions: list[str], conclusion: str, name: str = "test") -> str:
     return f"theorem {name} {binders} : {conclusion} := by sorry".replace("  ", " ")
 
 
+def component_spans(conditions: list[str], conclusion: str, name: str = "test") -> list[tuple[int, int]]:
+    """Each component's [start, end) in `splice(conditions, conclusion, name)`: the conditions (as renamed), then
+    the conclusion."""
+    out, pos = [], len(f"theorem {name} ")
+    for c in rename_hypotheses(conditions):
+        out.append((pos, pos + len(c)))
+        pos += len(c) + 1
+    goal = (pos if conditions else len(f"theorem {name} ")) + 2  # past ": "
+    return [*out, (goal, goal + len(conclusion))]
+
+
 def component_of_column(conditions: list[str], conclusion: str, column: int, name: str = "test") -> int:
     """Which component (index into conditions; len(conditions) for the conclusion) a column of `splice(...)` falls
     in; -1 for the statement's own frame (`theorem NAME`, `:=`)."""
-    text = splice(conditions, conclusion, name)
-    pos = len(f"theorem {name} ")
-    for i, c in enumerate(rename_hypotheses(conditions)):
-        if pos <= column < pos + len(c):
+    for i, (start, end) in enumerate(component_spans(conditions, conclusion, name)):
+        if start <= column < end:
             return i
-        pos += len(c) + 1
-    goal_start = text.index(" : ", pos - 1) + 3 if conditions else text.index(" : ") + 3
-    if goal_start <= column < goal_start + len(conclusion):
-        return len(conditions)
     return -1
+
+
+# -- repair ----------------------------------------------------------------------------------------------------------
+@dataclass
+class RepairRequest:
+    """One call to the repair model. `kind`: subtree (the broken snippet, the error and the declared variables, no
+    NL: the "micro-surgeon"), component (the component's code, the error and its NL) or statement (the whole
+    statement, its errors and the NL: global repair)."""
+    kind: str
+    code: str
+    error: str
+    declared: str = ""
+    nl: str = ""
+
+
+@dataclass
+class RepairTrace:
+    statement: str
+    errors: int
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _declared(conditions: list[str], upto: int) -> str:
+    return " ".join(c for c in rename_hypotheses(conditions)[:upto])
+
+
+def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[str, Any] | None],
+                       nl_components: list[str], nl_statement: str, repair: Any, budget: int = 4,
+                       rng: Any = None) -> RepairTrace:
+    """DSR's repair within `budget` model calls (`repair(RepairRequest) -> str`): map the first error's column to
+    its component, find the smallest operator-tree node containing it, and repair from its parent up the ladder
+    (`repair_ladder`; a failed node is marked exhausted and the next rung is tried), then the component with its
+    NL; one call stays reserved for the statement-level global repair, which runs after a local success (the
+    semantic re-check) or when errors remain. A local attempt succeeds when the statement then compiles or its
+    first error lies outside the edited span (partial success); a global attempt is kept when it has fewer errors
+    (as many: kept with probability 0.5, `rng`). `trees[i]` None: component i has no valid tree (component repair)."""
+    import random
+    rng = rng or random.Random(0)
+    conditions, trees = list(conditions), list(trees)
+    name = "test"
+    statement = splice(conditions, conclusion, name)
+    errors = check(statement)
+    trace = RepairTrace(statement, len(errors))
+    exhausted: set[tuple[int, Path_ | str]] = set()
+    local_success = False
+    calls = 0
+
+    def comp_start(i: int) -> int:
+        return component_spans(conditions, conclusion, name)[i][0]
+
+    def text_of(i: int) -> str:
+        return rename_hypotheses(conditions)[i] if i < len(conditions) else conclusion
+
+    def set_text(i: int, text: str) -> None:
+        nonlocal conclusion
+        if i < len(conditions):
+            conditions[i] = text
+        else:
+            conclusion = text
+
+    while errors and calls < budget - 1:
+        err = errors[0]
+        comp = component_of_column(conditions, conclusion, err.column, name)
+        if comp < 0:
+            break
+        tree = trees[comp]
+        target: Path_ | str = "component"
+        if tree is not None:
+            try:
+                if assemble(tree) != text_of(comp):
+                    raise TreeError("the tree no longer spells the component")
+                node = smallest_containing(tree, err.column - comp_start(comp))
+                target = next((p for p in repair_ladder(tree, node) if (comp, p) not in exhausted), "component")
+            except TreeError:
+                target = "component"
+        if (comp, "component") in exhausted and target == "component":
+            break
+        if target == "component":
+            request = RepairRequest("component", text_of(comp), err.message, _declared(conditions, min(comp, len(conditions))),
+                                    nl_components[comp])
+            span = (comp_start(comp), comp_start(comp) + len(text_of(comp)))
+        else:
+            snippet = assemble(node_at(tree, target))
+            request = RepairRequest("subtree", snippet, err.message, _declared(conditions, min(comp, len(conditions))))
+            start = comp_start(comp) + spans(tree)[target][0]
+            span = (start, start + len(snippet))
+        fixed = repair(request)
+        calls += 1
+        if target == "component":
+            new_text, new_tree = fixed, None
+        else:
+            new_tree = replace_node(tree, target, fixed)
+            new_text = assemble(new_tree)
+        old = (text_of(comp), trees[comp])
+        set_text(comp, new_text)
+        new_errors = check(splice(conditions, conclusion, name))
+        edited_end = span[0] + len(fixed)
+        ok = not new_errors or not (span[0] <= new_errors[0].column < max(edited_end, span[0] + 1))
+        ok = ok and len(new_errors) <= len(errors)
+        trace.calls.append({"kind": request.kind, "component": comp, "node": None if target == "component" else list(target),
+                            "code": request.code, "fixed": fixed, "accepted": ok, "errors_after": len(new_errors)})
+        if ok:
+            trees[comp] = new_tree if target != "component" else None
+            errors, local_success = new_errors, True
+            if target != "component":
+                # the repaired node is now a leaf: the rungs above it stay available for a later error
+                exhausted = {e for e in exhausted if e[0] != comp}
+        else:
+            set_text(comp, old[0])
+            exhausted.add((comp, target))
+    statement = splice(conditions, conclusion, name)
+    global_done = False
+    while calls < budget and (errors or (local_success and not global_done)):
+        msg = "; ".join(e.message for e in errors[:3]) if errors else "no errors: check the statement against the NL"
+        fixed = repair(RepairRequest("statement", statement, msg, nl=nl_statement))
+        calls += 1
+        global_done = True
+        new_errors = check(fixed)
+        keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
+        trace.calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
+                            "errors_after": len(new_errors)})
+        if keep:
+            statement, errors = fixed, new_errors
+    trace.statement, trace.errors = statement, len(errors)
+    return trace
+
+
+def global_repair(statement: str, nl_statement: str, repair: Any, budget: int = 4, rng: Any = None) -> RepairTrace:
+    """The baseline at the same call budget: statement-level rewrites only, each kept as in `tree_guided_repair`."""
+    import random
+    rng = rng or random.Random(0)
+    errors = check(statement)
+    trace = RepairTrace(statement, len(errors))
+    calls = 0
+    while errors and calls < budget:
+        fixed = repair(RepairRequest("statement", statement, "; ".join(e.message for e in errors[:3]), nl=nl_statement))
+        calls += 1
+        new_errors = check(fixed)
+        keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
+        trace.calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
+                            "errors_after": len(new_errors)})
+        if keep:
+            statement, errors = fixed, new_errors
+    trace.statement, trace.errors = statement, len(errors)
+    return trace

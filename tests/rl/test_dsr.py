@@ -104,3 +104,58 @@ def test_sugeno_matches_hand_computed_cases(grades, score):
     got = sugeno_score(list(grades))
     assert got == pytest.approx(score)
     assert (got >= 0.6) == (score >= 0.6)
+
+
+# a conclusion "x ^ 2 + (abs(y)) > 0" over (x : Real): y is undeclared, the error sits at the leaf y
+CONDITIONS = ["(x : Real)", "(h1 : x > 0)"]
+NL = ["x is a real number", "x is positive", "x squared plus the absolute value of x is positive"]
+
+
+class Recorder:
+    """A test double of the repair model for the control flow alone (the effect run uses a taught model): it
+    records every request and answers with `answers(request)` (by default the code unchanged: a repair that fails)."""
+
+    def __init__(self, answers=None):
+        self.requests, self.answers = [], answers or (lambda r: r.code)
+
+    def __call__(self, request):
+        self.requests.append(request)
+        return self.answers(request)
+
+
+def test_failed_repairs_climb_node_parent_grandparent_component_statement_within_4_calls():
+    from rl.dsr import tree_guided_repair
+    rec = Recorder()
+    trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=4)
+    # y is at (0, 1, 0, 0): its parent abs(y), then (wrapper skipped) the sum, then the reserved global call
+    assert [(r.kind, r.code) for r in rec.requests] == [
+        ("subtree", "abs(y)"), ("subtree", "x ^ 2 + (abs(y))"), ("subtree", LINEAR), ("statement", splice(CONDITIONS, LINEAR))]
+    assert all(r.nl == "" for r in rec.requests[:3]) and rec.requests[3].nl  # local repair sees no NL
+    assert rec.requests[0].declared == "(x : Real) (h1 : x > 0)"
+    assert len(trace.calls) == 4 and trace.errors == 1
+    rec = Recorder()
+    tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=8)
+    # with room: the root, then the component with its NL, then global rewrites until the budget is spent
+    assert [r.kind for r in rec.requests] == ["subtree"] * 3 + ["component"] + ["statement"] * 4
+    assert rec.requests[3].nl == NL[2]
+
+
+def test_a_local_fix_is_kept_and_followed_by_the_mandatory_global_check():
+    from rl.dsr import tree_guided_repair
+    rec = Recorder(lambda r: "abs(x)" if r.code == "abs(y)" else r.code)
+    trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=4)
+    assert [r.kind for r in rec.requests] == ["subtree", "statement"]
+    assert trace.errors == 0 and trace.statement == splice(CONDITIONS, "x ^ 2 + (abs(x)) > 0")
+    assert trace.calls[0]["accepted"] and trace.calls[1]["errors_after"] == 0
+
+
+def test_global_repair_keeps_a_rewrite_only_when_it_has_fewer_errors():
+    from rl.dsr import global_repair
+    broken = splice(CONDITIONS, LINEAR)
+    worse = "theorem test (x : Real) : y + z > w := by sorry"  # three errors instead of one: never kept
+    rec = Recorder(lambda r: worse)
+    trace = global_repair(broken, " ".join(NL), rec, budget=4)
+    assert len(rec.requests) == 4 and trace.statement == broken and not any(c["accepted"] for c in trace.calls)
+    rec = Recorder(lambda r: r.code.replace("abs(y)", "abs(x)"))
+    trace = global_repair(broken, " ".join(NL), rec, budget=4)
+    assert len(rec.requests) == 1 and trace.errors == 0

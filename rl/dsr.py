@@ -546,18 +546,23 @@ def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[
     statement = splice(conditions, conclusion, name)
     global_done = False
     while calls < budget and (errors or (local_success and not global_done)):
-        msg = "; ".join(e.message for e in errors[:3]) if errors else "no errors: check the statement against the NL"
-        fixed = repair(RepairRequest("statement", statement, msg, nl=nl_statement))
+        statement, errors = _global_call(statement, errors, nl_statement, repair, rng, trace)
         calls += 1
         global_done = True
-        new_errors = check(fixed)
-        keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
-        trace.calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
-                            "errors_after": len(new_errors)})
-        if keep:
-            statement, errors = fixed, new_errors
     trace.statement, trace.errors = statement, len(errors)
     return trace
+
+
+def _global_call(statement: str, errors: list[LeanLiteError], nl: str, repair: Any, rng: Any, trace: RepairTrace
+                 ) -> tuple[str, list[LeanLiteError]]:
+    """One statement-level rewrite, kept when it has fewer errors (as many: with probability 0.5)."""
+    msg = "; ".join(e.message for e in errors[:3]) if errors else "no errors: check the statement against the NL"
+    fixed = repair(RepairRequest("statement", statement, msg, nl=nl))
+    new_errors = check(fixed)
+    keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
+    trace.calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
+                        "errors_after": len(new_errors)})
+    return (fixed, new_errors) if keep else (statement, errors)
 
 
 def global_repair(statement: str, nl_statement: str, repair: Any, budget: int = 4, rng: Any = None) -> RepairTrace:
@@ -568,13 +573,7 @@ def global_repair(statement: str, nl_statement: str, repair: Any, budget: int = 
     trace = RepairTrace(statement, len(errors))
     calls = 0
     while errors and calls < budget:
-        fixed = repair(RepairRequest("statement", statement, "; ".join(e.message for e in errors[:3]), nl=nl_statement))
+        statement, errors = _global_call(statement, errors, nl_statement, repair, rng, trace)
         calls += 1
-        new_errors = check(fixed)
-        keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
-        trace.calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
-                            "errors_after": len(new_errors)})
-        if keep:
-            statement, errors = fixed, new_errors
     trace.statement, trace.errors = statement, len(errors)
     return trace

@@ -28,6 +28,10 @@ evicting every step once full, at B ∈ {64, 128, 256, 512}. Measured after the 
 query's full-cache attention mass on the retained keys (recall) and the relative error of its attention output,
 for revisit and local queries. The paper's claims, in direction: BeaconKV's revisit recall ≫ SnapKV / H2O /
 recent-only at equal B with similar local recall, the advantage growing as B shrinks.
+`--only kv_memory`: the policies on the `hf` engine's decode loop with a tiny random GQA Llama (d = 256, 4 layers,
+8 query and 2 KV heads; the spec's API and memory check, no accuracy): 4 prompts, 512 greedy new tokens, peak KV
+bytes and tokens per second against the full cache, per policy at B = 64 (+ 4 sink + 16 recent), evicting every
+step, and BeaconKV evicting every 32 steps (the scoring amortised, as the paper's periodic eviction does).
 
 ## Guidance
 A labelled synthetic harness (§8's minimal implementation): per seed, `recipes/guidance_tiny.yaml` through Ray (a
@@ -184,6 +188,43 @@ def summarize_guidance(rows: list[dict]) -> dict:
     return out
 
 
+def kv_memory() -> dict:
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.tiny import build_tiny_tokenizer
+    from rollout.decoding import decode
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    enc = tok(["12+3*4=", "5+6*7=", "1+2*3=", "9+8*7="], return_tensors="pt", padding=True, add_special_tokens=False)
+    kw = dict(max_new_tokens=512, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id)
+    from rl.registry import get
+    out = {}
+    arms = {"plain": ("plain", {})}
+    arms.update({f"kv_{p}": (f"kv_{p}", {"budget": 64, "sink": 4, "recent": 16})
+                 for p in ("beacon", "snapkv", "h2o", "rkv", "streaming")})
+    arms["kv_beacon_every_32"] = ("kv_beacon", {"budget": 64, "sink": 4, "recent": 16, "interval": 32})
+    for name, (method_name, params) in arms.items():
+        method = get("decoding", method_name)(**params)
+        t0 = time.perf_counter()
+        resp, *_ = decode(model, enc["input_ids"], enc["attention_mask"], method=method, **kw)
+        dt = time.perf_counter() - t0
+        n_tokens = resp.numel()
+        full_bytes = 2 * 4 * enc["input_ids"].shape[0] * 2 * (enc["input_ids"].shape[1] + 512) * 32 * 4
+        peak = method.stats["peak_bytes"] if name != "plain" else full_bytes
+        out[name] = {"tokens_per_s": n_tokens / dt, "peak_kv_bytes": peak}
+    for name in out:
+        out[name]["memory_ratio_full_over"] = out["plain"]["peak_kv_bytes"] / out[name]["peak_kv_bytes"]
+        out[name]["speed_ratio_over_full"] = out[name]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+    return out
+
+
 def summarize_beaconkv(rows: list[dict]) -> dict:
     keys = ("recall_revisit", "recall_local", "output_error_revisit", "output_error_local")
     out: dict = {arm: {k: statistics.mean(r["arms"][arm][k] for r in rows) for k in keys} for arm in rows[0]["arms"]}
@@ -237,7 +278,7 @@ def _plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     p = seed_sweep_parser("inference_methods", [0, 1, 2], "overrides of the DenseSteer recipe")
-    p.add_argument("--only", choices=["densesteer", "beaconkv", "guidance"], default=None)
+    p.add_argument("--only", choices=["densesteer", "beaconkv", "kv_memory", "guidance"], default=None)
     args = p.parse_args()
     out = Path(args.out)
     report: dict = json.loads(out.read_text()) if out.exists() else {}
@@ -262,6 +303,12 @@ def main() -> None:
         report["beaconkv"] = {"seeds": args.seeds, "budgets": list(KV_BUDGETS), "per_seed": rows,
                               "summary": summarize_beaconkv(rows)}
         report["summary"]["beaconkv"] = report["beaconkv"]["summary"]
+    if args.only in (None, "kv_memory"):
+        import torch
+        torch.set_num_threads(1)
+        report["kv_memory"] = kv_memory()
+        report["summary"]["kv_memory"] = report["kv_memory"]
+        print(json.dumps(report["kv_memory"]), flush=True)
     if args.only in (None, "guidance"):
         rows = []
         for seed in args.seeds:

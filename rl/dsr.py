@@ -157,7 +157,7 @@ def _type_of(node: _Node, env: dict[str, str], errors: list[LeanLiteError], want
             errors.append(LeanLiteError(node.column, f"function '{node.value}' expects {arity} arguments, got "
                                                      f"{len(node.args)}"))
             return None
-        types = _numeric_operands(node.args, env, errors, node.value)
+        types = _numeric_operands(node.args, env, errors, node.value, "Real" if node.value == "sqrt" else want)
         if types is None:
             return None
         if node.value == "sqrt" and types != "Real":
@@ -191,6 +191,10 @@ def _type_of(node: _Node, env: dict[str, str], errors: list[LeanLiteError], want
     return t
 
 
+def _has_var(node: _Node) -> bool:
+    return node.kind == "var" or any(_has_var(a) for a in node.args if not (node.kind == "quant" and a is node.args[0]))
+
+
 def _expect_prop(node: _Node, env: dict[str, str], errors: list[LeanLiteError]) -> None:
     t = _type_of(node, env, errors)
     if t is not None and t != "Prop":
@@ -200,8 +204,11 @@ def _expect_prop(node: _Node, env: dict[str, str], errors: list[LeanLiteError]) 
 def _numeric_operands(args: list[_Node], env: dict[str, str], errors: list[LeanLiteError], what: str,
                       want: str | None = None) -> str | None:
     """The common numeric type of `args` (numerals follow the others), or None after an error."""
-    known = [_type_of(a, env, []) for a in args if a.kind != "num"]
+    known = [_type_of(a, env, []) for a in args if _has_var(a)]  # a variable-free side takes the other's type
     target = next((t for t in known if t is not None), want)
+    if target is None:  # variable-free on every side: the widest type a side forces (sqrt gives a Real)
+        probe = {_type_of(a, env, []) for a in args}
+        target = next((t for t in ("Real", "Int") if t in probe), None)
     types = [_type_of(a, env, errors, target) for a in args]
     if any(t is None for t in types):
         return None
@@ -577,3 +584,94 @@ def global_repair(statement: str, nl_statement: str, repair: Any, budget: int = 
         calls += 1
     trace.statement, trace.errors = statement, len(errors)
     return trace
+
+
+# -- synthetic statements (the effect run's data: LeanLite, labelled as such) -----------------------------------------
+_OPS = {"+": ("<SLOT> + <SLOT>", "{0} plus {1}", 1), "-": ("<SLOT> - <SLOT>", "{0} minus {1}", 1),
+        "*": ("<SLOT> * <SLOT>", "{0} times {1}", 2)}
+_FUNCS = {"abs": ("abs(<SLOT>)", "the absolute value of {0}"), "max": ("max(<SLOT>, <SLOT>)", "the maximum of {0} and {1}"),
+          "sqrt": ("sqrt(<SLOT>)", "the square root of {0}")}
+_CMPS = {">": "is greater than", "<": "is less than", "≥": "is at least", "≤": "is at most"}
+
+
+def _leaf(text: str) -> dict[str, Any]:
+    return {"formal_content": text, "children": []}
+
+
+def random_expression(rng: Any, variables: list[str], depth: int) -> tuple[dict[str, Any], str, int]:
+    """A Real-valued expression over `variables`: (operator tree, NL, precedence: 3 atom, 2 product, 1 sum)."""
+    if depth == 0 or rng.random() < 0.3:
+        if rng.random() < 0.7:
+            v = rng.choice(variables)
+            return _leaf(v), v, 3
+        n = str(rng.randint(1, 9))
+        return _leaf(n), n, 3
+    kind = rng.random()
+    if kind < 0.35:
+        name = rng.choice(list(_FUNCS))
+        content, nl = _FUNCS[name]
+        args = [random_expression(rng, variables, depth - 1) for _ in range(content.count(SLOT))]
+        return {"formal_content": content, "children": [a[0] for a in args]}, nl.format(*(a[1] for a in args)), 3
+    if kind < 0.45:
+        base = random_expression(rng, variables, 0)
+        return {"formal_content": "<SLOT> ^ <SLOT>", "children": [base[0], _leaf("2")]}, f"{base[1]} squared", 3
+    op = rng.choice(list(_OPS))
+    content, nl, prec = _OPS[op]
+    kids = []
+    for side in (0, 1):
+        tree, text, p = random_expression(rng, variables, depth - 1)
+        if p < prec or (op == "-" and side == 1 and p == prec):  # keep the reading: parenthesise
+            tree, text = {"formal_content": "(<SLOT>)", "children": [tree]}, f"({text})"
+        kids.append((tree, text))
+    return {"formal_content": content, "children": [k[0] for k in kids]}, nl.format(kids[0][1], kids[1][1]), prec
+
+
+def random_statement(rng: Any, n_vars: int = 2, n_hyps: int = 2, depth: int = 2) -> dict[str, Any]:
+    """A LeanLite statement over Real variables with hypotheses and a conclusion, each comparison component with its
+    operator tree and NL: {conditions, conclusion, trees (None for variable declarations), nl, nl_statement}."""
+    variables = ["x", "y", "z", "u"][:n_vars]
+    conditions, trees, nl = [f"({v} : Real)" for v in variables], [None] * n_vars, [f"{v} is a real number"
+                                                                                       for v in variables]
+    comps = []
+    for _ in range(n_hyps + 1):
+        (lt, ln, _), (rt, rn, _) = (random_expression(rng, variables, depth), random_expression(rng, variables, 0))
+        cmp = rng.choice(list(_CMPS))
+        comps.append(({"formal_content": f"<SLOT> {cmp} <SLOT>", "children": [lt, rt]}, f"{ln} {_CMPS[cmp]} {rn}"))
+    for k, (tree, text) in enumerate(comps[:-1], 1):
+        conditions.append(f"(h{k} : {assemble(tree)})")
+        trees.append({"formal_content": f"(h{k} : <SLOT>)", "children": [tree]})
+        nl.append(text)
+    conclusion_tree, conclusion_nl = comps[-1]
+    trees.append(conclusion_tree)
+    nl.append(conclusion_nl)
+    nl_statement = "Let " + ", ".join(variables) + " be real numbers. Suppose " + " and ".join(nl[n_vars:-1]) + \
+        f". Show that {conclusion_nl}."
+    return {"conditions": conditions, "conclusion": assemble(conclusion_tree), "trees": trees, "nl": nl,
+            "nl_statement": nl_statement}
+
+
+def inject_local_error(item: dict[str, Any], rng: Any) -> dict[str, Any]:
+    """The item with one local error in one comparison component (an undeclared variable, or a function given an
+    extra argument), its tree updated to spell the broken code; `error_component` names the component."""
+    import copy
+    out = copy.deepcopy(item)
+    def sites(tree: dict[str, Any]) -> tuple[list[Path_], list[Path_]]:
+        nodes = [(p, node_at(tree, p)) for p in spans(tree)]
+        return ([p for p, n in nodes if not n["children"] and n["formal_content"].isalpha()],
+                [p for p, n in nodes if n["formal_content"] in ("abs(<SLOT>)", "sqrt(<SLOT>)")])
+    comps = [i for i, t in enumerate(out["trees"]) if t is not None and any(sites(t))]
+    i = rng.choice(comps)
+    tree = out["trees"][i]
+    paths, funcs = sites(tree)
+    if funcs and (not paths or rng.random() < 0.5):
+        node = node_at(tree, rng.choice(funcs))
+        node["formal_content"] = node["formal_content"].replace(")", ", 1)")
+    else:
+        node_at(tree, rng.choice(paths))["formal_content"] = "w"
+    text = assemble(tree)
+    if i < len(out["conditions"]):
+        out["conditions"][i] = text
+    else:
+        out["conclusion"] = text
+    out["error_component"] = i
+    return out

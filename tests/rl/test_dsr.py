@@ -159,3 +159,24 @@ def test_global_repair_keeps_a_rewrite_only_when_it_has_fewer_errors():
     rec = Recorder(lambda r: r.code.replace("abs(y)", "abs(x)"))
     trace = global_repair(broken, " ".join(NL), rec, budget=4)
     assert len(rec.requests) == 1 and trace.errors == 0
+
+
+def test_generated_statements_compile_their_trees_spell_them_and_injected_errors_land_in_one_component():
+    import random
+
+    from rl.dsr import inject_local_error, random_statement
+    rng = random.Random(0)
+    for _ in range(200):
+        item = random_statement(rng)
+        codes = item["conditions"] + [item["conclusion"]]
+        assert check(splice(item["conditions"], item["conclusion"])) == []
+        assert all(t is None or assemble(t) == c for t, c in zip(item["trees"], codes))
+        assert len(item["nl"]) == len(codes) and item["nl_statement"].startswith("Let ")
+        broken = inject_local_error(item, rng)
+        i = broken["error_component"]
+        errors = check(splice(broken["conditions"], broken["conclusion"]))
+        assert errors and {component_of_column(broken["conditions"], broken["conclusion"], e.column)
+                           for e in errors} == {i}
+        b_codes = broken["conditions"] + [broken["conclusion"]]
+        assert [c for k, c in enumerate(b_codes) if k != i] == [c for k, c in enumerate(codes) if k != i]
+        assert assemble(broken["trees"][i]) == b_codes[i]

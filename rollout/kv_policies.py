@@ -182,9 +182,11 @@ class H2O(KVPolicy):
             acc = torch.cat([acc, acc.new_zeros(*acc.shape[:2], S - acc.shape[-1])], -1)
         for b, keys in enumerate(b_keys):
             n = min(n_new, layer["q"][b].shape[1])
-            q = self.recent_queries(layer, b, n)
-            probs = attention_probs(q, keys, valid[b])  # [Hq, n, S] (prefill queries see later keys: harmless
-            hkv = keys.shape[0]                          # at this size, H2O's own prefill scoring does the same)
+            q = self.recent_queries(layer, b, n)  # the last n fed queries: those of cache columns S - n .. S - 1
+            # causal: query i (column S - n + i) saw the keys up to its own column
+            seen = valid[b][None, :] & (torch.arange(S)[None, :] <= torch.arange(S - n, S)[:, None])
+            probs = torch.stack([attention_probs(q[:, i:i + 1], keys, seen[i])[:, 0] for i in range(n)], 1)
+            hkv = keys.shape[0]
             acc[b] += probs.sum(1).view(hkv, -1, S).sum(1)
         layer["acc"] = acc
 

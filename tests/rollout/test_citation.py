@@ -80,7 +80,7 @@ class Peek:
 def cite_engine(tmp_path_factory):
     """A tiny Llama taught in process (150 AdamW steps) to answer the citations task from its stale memory."""
     out = tmp_path_factory.mktemp("cite")
-    paths = write_citations_task(out / "data", num_people=4, num_sft=400, num_train=10, num_eval=8, chunks=6, seed=0)
+    paths = write_citations_task(out / "data", num_people=3, num_sft=300, num_train=10, num_eval=6, chunks=5, seed=0)
     rows = [json.loads(x) for x in open(paths["sft"])]
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def cite_engine(tmp_path_factory):
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
     world = json.loads(open(paths["citation_world"]).read())
-    evals = [json.loads(x) for x in open(paths["eval"])][:4]
+    evals = [json.loads(x) for x in open(paths["eval"])][:3]
     return HFEngine(str(out / "model")), evals, {p: {int(a): v for a, v in d.items()} for p, d in world["true"].items()}
 
 

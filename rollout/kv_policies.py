@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
+from models.blocks import decoder_layers
 from rl.kv_compress import QueryBuffer, key_importance, rkv_scores, rope, select_keep, snapkv_scores
 from rl.registry import register
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
-        raise TypeError(f"{type(model).__name__}: KV-cache policies need decoder layers with `self_attn` at "
-                        f"model.model.layers (Llama-style models)")
+    layers = decoder_layers(model)
+    if not all(hasattr(layer, "self_attn") for layer in layers):
+        raise TypeError(f"{type(model).__name__}: KV-cache policies need decoder layers with `self_attn` "
+                        f"(Llama-style models)")
     return [layer.self_attn for layer in layers]
 
 

@@ -1,6 +1,6 @@
 """Inference-time methods against their baselines, on tiny models made in code.
 
-    python benchmarks/inference_methods.py [--only densesteer|beaconkv|guidance] [--seeds 0 1 2]
+    python benchmarks/inference_methods.py [--only densesteer|beaconkv|kv_memory|guidance] [--seeds 0 1 2]
         [--out benchmarks/results/inference_methods.json] [--runs-dir runs/inference_methods] [key=value ...]
 
 Each section writes its part of the JSON (a section run alone keeps the others' last results).

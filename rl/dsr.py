@@ -675,3 +675,31 @@ def inject_local_error(item: dict[str, Any], rng: Any) -> dict[str, Any]:
         out["conclusion"] = text
     out["error_component"] = i
     return out
+
+
+def format_request(request: RepairRequest) -> str:
+    """The repair model's prompt for one request (the text a taught repairer reads before `=>`)."""
+    context = f"VARS {request.declared}" if request.kind == "subtree" else f"NL {request.nl}"
+    return f"{request.kind.upper()} {request.code} | ERROR {request.error} | {context} =>"
+
+
+def repair_examples(original: dict[str, Any], broken: dict[str, Any]) -> list[dict[str, str]]:
+    """Supervised rows {prompt, target} for a repair model from a statement and its broken copy
+    (`inject_local_error`): the subtree request at the first rung of the ladder (the broken snippet → the
+    original's), the component request and the statement request, each with the first error."""
+    i = broken["error_component"]
+    conds, concl = broken["conditions"], broken["conclusion"]
+    statement = splice(conds, concl)
+    err = check(statement)[0]
+    start = component_spans(conds, concl)[i][0]
+    tree, tree_ok = broken["trees"][i], original["trees"][i]
+    rung = repair_ladder(tree, smallest_containing(tree, err.column - start))[0]
+    declared = _declared(conds, min(i, len(conds)))
+    codes = original["conditions"] + [original["conclusion"]]
+    b_codes = conds + [concl]
+    requests = [(RepairRequest("subtree", assemble(node_at(tree, rung)), err.message, declared),
+                 assemble(node_at(tree_ok, rung))),
+                (RepairRequest("component", b_codes[i], err.message, declared, broken["nl"][i]), codes[i]),
+                (RepairRequest("statement", statement, err.message, nl=broken["nl_statement"]),
+                 splice(original["conditions"], original["conclusion"]))]
+    return [{"prompt": format_request(r), "target": " " + t, "kind": r.kind} for r, t in requests]

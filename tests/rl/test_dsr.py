@@ -180,3 +180,30 @@ def test_generated_statements_compile_their_trees_spell_them_and_injected_errors
         b_codes = broken["conditions"] + [broken["conclusion"]]
         assert [c for k, c in enumerate(b_codes) if k != i] == [c for k, c in enumerate(codes) if k != i]
         assert assemble(broken["trees"][i]) == b_codes[i]
+
+
+def test_repair_examples_teach_the_fix_at_each_level():
+    import random
+
+    from rl.dsr import inject_local_error, random_statement, repair_examples
+    rng = random.Random(1)
+    for _ in range(50):
+        item = random_statement(rng)
+        broken = inject_local_error(item, rng)
+        rows = repair_examples(item, broken)
+        assert [r["kind"] for r in rows] == ["subtree", "component", "statement"]
+        subtree, component, statement = rows
+        assert subtree["prompt"].startswith("SUBTREE ") and "| VARS (x : Real)" in subtree["prompt"]
+        assert "NL " in component["prompt"] and "NL Let " in statement["prompt"]
+        # the statement target is the original, which compiles; the subtree target spliced back in fixes it too
+        assert statement["target"].strip() == splice(item["conditions"], item["conclusion"])
+        assert check(statement["target"].strip()) == []
+        i = broken["error_component"]
+        fixed = (broken["conditions"] + [broken["conclusion"]])[:]
+        fixed[i] = (item["conditions"] + [item["conclusion"]])[i]
+        assert component["target"].strip() == fixed[i]
+        snippet = subtree["prompt"][len("SUBTREE "):subtree["prompt"].index(" | ERROR")]
+        broken_code = (broken["conditions"] + [broken["conclusion"]])[i]
+        assert snippet != subtree["target"].strip() and snippet in broken_code
+        if broken_code.count(snippet) == 1:  # the fix of the snippet is the fix of the component
+            assert broken_code.replace(snippet, subtree["target"].strip()) == fixed[i]

@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
+from rl.batch import pad_token_rows
 from rl.registry import register
 
 
@@ -208,18 +209,13 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
             first = insert(state)
             if first is not None and any(first):
                 first = [list(x)[:max_new_tokens] for x in first]
-                width = max(len(x) for x in first)
-                ids = torch.full((B, width), pad_token_id, dtype=torch.long, device=device)
-                mask = torch.zeros((B, width), dtype=torch.long, device=device)
                 for i, x in enumerate(first):
-                    if x:
-                        ids[i, width - len(x):] = torch.tensor(x, device=device)
-                        mask[i, width - len(x):] = 1
                     state.responses[i].extend(x)
                     state.inserted[i].extend([True] * len(x))
                     logps[i].extend([0.0] * len(x))
                     capped[i] = len(state.responses[i]) >= max_new_tokens
-                fed = _feed(model, ids, mask, next_pos, state, cache, forward_kwargs)
+                ids, mask = pad_token_rows(first, pad_token_id, "left")
+                fed = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
                 has = torch.tensor([bool(x) for x in first], device=device)
                 logits = torch.where(has[:, None], fed, logits)  # a row with nothing fed keeps its logits
         while not bool((state.finished | capped).all()):
@@ -263,13 +259,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                 break
             if kv_policy is not None:
                 kv_policy(cache, state)
-            width = max(len(b) for b in blocks)
-            ids = torch.full((B, width), pad_token_id, dtype=torch.long, device=device)
-            mask = torch.zeros((B, width), dtype=torch.long, device=device)
-            for i, b in enumerate(blocks):  # left-padded: every row's last column is real
-                ids[i, width - len(b):] = torch.tensor(b, device=device)
-                mask[i, width - len(b):] = 1
-            logits = _feed(model, ids, mask, next_pos, state, cache, forward_kwargs)
+            ids, mask = pad_token_rows(blocks, pad_token_id, "left")  # every row's last column is real
+            logits = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
     finally:
         for h in hooks:
             h.remove()

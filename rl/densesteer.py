@@ -73,4 +73,9 @@ def extract_vectors(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[st
     layers = list(range(len(decoder_layers(model)))) if layers is None else list(layers)
     pos = last_token_states(model, tokenizer, prompts, dense, layers, chat_template=chat_template, batch_size=batch_size)
     neg = last_token_states(model, tokenizer, prompts, sparse, layers, chat_template=chat_template, batch_size=batch_size)
-    return {layer: (pos[layer] - neg[layer]).mean(0) for layer in layers}
+    return mean_difference(pos, neg)
+
+
+def mean_difference(pos: dict[int, torch.Tensor], neg: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per layer, the mean over pairs of `pos − neg` (`{layer: [N, H]}` each): the steering vectors."""
+    return {layer: (pos[layer] - neg[layer]).mean(0) for layer in pos}

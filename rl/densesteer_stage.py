@@ -54,7 +54,7 @@ def extract_in_task(model_path: str, pairs: list[dict[str, str]], layers: list[i
     from transformers import AutoModelForCausalLM
 
     from models.blocks import decoder_layers
-    from rl.densesteer import extract_vectors, last_token_states
+    from rl.densesteer import last_token_states, mean_difference
     from rollout.base import load_tokenizer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
@@ -66,10 +66,10 @@ def extract_in_task(model_path: str, pairs: list[dict[str, str]], layers: list[i
     if bad:
         raise ValueError(f"steer_extract: layers {bad} are not among the model's {n_layers} decoder blocks")
     prompts = [r["prompt"] for r in pairs]
-    vectors = extract_vectors(model, tokenizer, prompts, [r["dense"] for r in pairs], [r["sparse"] for r in pairs],
-                              chosen, chat_template=chat_template, batch_size=batch_size)
-    sparse_states = last_token_states(model, tokenizer, prompts, [r["sparse"] for r in pairs], chosen,
-                                      chat_template=chat_template, batch_size=batch_size)
+    dense_states, sparse_states = (last_token_states(model, tokenizer, prompts, [r[k] for r in pairs], chosen,
+                                                     chat_template=chat_template, batch_size=batch_size)
+                                   for k in ("dense", "sparse"))
+    vectors = mean_difference(dense_states, sparse_states)
     report = {"pairs": len(pairs), "layers": chosen, "num_layers": n_layers,
               "vector_norm": {str(k): float(v.norm()) for k, v in vectors.items()},
               "hidden_norm": {str(k): float(sparse_states[k].norm(dim=-1).mean()) for k in chosen}}

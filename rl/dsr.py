@@ -518,12 +518,12 @@ def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[
         if (comp, "component") in exhausted and target == "component":
             break
         if target == "component":
-            request = RepairRequest("component", text_of(comp), err.message, _declared(conditions, min(comp, len(conditions))),
+            request = RepairRequest("component", text_of(comp), err.message, _declared(conditions, comp),
                                     nl_components[comp])
             span = (comp_start(comp), comp_start(comp) + len(text_of(comp)))
         else:
             snippet = assemble(node_at(tree, target))
-            request = RepairRequest("subtree", snippet, err.message, _declared(conditions, min(comp, len(conditions))))
+            request = RepairRequest("subtree", snippet, err.message, _declared(conditions, comp))
             start = comp_start(comp) + spans(tree)[target][0]
             span = (start, start + len(snippet))
         fixed = repair(request)
@@ -694,7 +694,7 @@ def repair_examples(original: dict[str, Any], broken: dict[str, Any]) -> list[di
     start = component_spans(conds, concl)[i][0]
     tree, tree_ok = broken["trees"][i], original["trees"][i]
     rung = repair_ladder(tree, smallest_containing(tree, err.column - start))[0]
-    declared = _declared(conds, min(i, len(conds)))
+    declared = _declared(conds, i)
     codes = original["conditions"] + [original["conclusion"]]
     b_codes = conds + [concl]
     requests = [(RepairRequest("subtree", assemble(node_at(tree, rung)), err.message, declared),

@@ -22,7 +22,15 @@ from typing import Any
 import torch
 
 from models.blocks import decoder_layers
-from rl.kv_compress import QueryBuffer, key_importance, rkv_scores, rope, select_keep, snapkv_scores
+from rl.kv_compress import (
+    QueryBuffer,
+    attention_probs,
+    key_importance,
+    rkv_scores,
+    rope,
+    select_keep,
+    snapkv_scores,
+)
 from rl.registry import register
 
 
@@ -172,7 +180,6 @@ class H2O(KVPolicy):
         return {"q": None, "pos": None, "acc": None, "seen": 0}
 
     def after_step(self, layer, b_keys, valid, state):
-        from rl.kv_compress import attention_probs
         n_new = state.positions.shape[1]  # the queries of the last forward (the prefill, then one per step)
         S = b_keys[0].shape[1]
         acc = layer["acc"]

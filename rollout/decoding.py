@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from models.blocks import decoder_layers
 from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
 from rl.batch import pad_token_rows
 from rl.registry import register
@@ -59,22 +60,13 @@ class Plain:
     """No hooks: the project's decode loop as it is."""
 
 
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layer stack (`model.model.layers` for Llama-style and looped models)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: no decoder layer list at model.layers for residual-stream hooks")
-    return layers
-
-
 def install_residual_hooks(model: torch.nn.Module, method: Any, state: DecodeState) -> list[Any]:
     """Register the `method`'s residual-stream hooks (if it has any) as forward hooks on the model's decoder layers;
     returns the handles (`.remove()` each when done)."""
     residual = getattr(method, "residual_hooks", None)
     if residual is None:
         return []
-    layers, hooks = _decoder_layers(model), []
+    layers, hooks = decoder_layers(model), []
     for index, fn in residual(model).items():
         def hook(_module, _inputs, output, fn: Callable = fn):
             if isinstance(output, tuple):

@@ -155,7 +155,9 @@ LEARNER_CPU = ["learner.attn_implementation=eager", "learner.max_tokens_per_micr
 RACE_LOOPRL = {
     "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),
     "bfloat16_sync_previous": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER),
-    "bfloat16_sync_vllm": dict(dtype="bfloat16", threads=2, staleness=0, engine="vllm", extra=LEARNER_CPU),
+    # the quickstart recipe's hf engine parameters do not apply to vllm: replaced by none
+    "bfloat16_sync_vllm": dict(dtype="bfloat16", threads=2, staleness=0, engine="vllm",
+                               extra=["rollout.engine_params={}", *LEARNER_CPU]),
     "bfloat16_one_step_off": dict(dtype="bfloat16", threads=1, staleness=1, extra=ROLLOUT_EAGER + LEARNER_CPU),
     "float32_sync": dict(dtype="float32", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),
 }

@@ -1,6 +1,6 @@
 """Inference-time methods against their baselines, on tiny models made in code.
 
-    python benchmarks/inference_methods.py [--only densesteer|beaconkv|kv_memory|guidance] [--seeds 0 1 2]
+    python benchmarks/inference_methods.py [--only densesteer|beaconkv|kv_memory|guidance|dsr] [--seeds 0 1 2]
         [--out benchmarks/results/inference_methods.json] [--runs-dir runs/inference_methods] [key=value ...]
 
 Each section writes its part of the JSON (a section run alone keeps the others' last results).
@@ -188,6 +188,26 @@ def summarize_guidance(rows: list[dict]) -> dict:
     return out
 
 
+DSR = "recipes/dsr_tiny.yaml"
+DSR_METRICS = ("sc", "cc", "kept", "exact", "calls")
+
+
+def dsr_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
+    run_dir = runs / f"seed{seed}" / "dsr"
+    summary = run_recipe(DSR, [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *overrides], run_dir,
+                         f"DSR recipe seed {seed}")
+    return {"inputs": summary["autoformalize"]}
+
+
+def summarize_dsr(rows: list[dict]) -> dict:
+    out: dict = {}
+    for inp, arms in rows[0]["inputs"].items():
+        out[inp] = {mode: {k: statistics.mean(r["inputs"][inp][mode][k] for r in rows)
+                           for k in (*DSR_METRICS, "sc_before_repair") if arms[mode].get(k) is not None}
+                    for mode in arms}
+    return out
+
+
 def kv_memory() -> dict:
     import time
 
@@ -278,7 +298,7 @@ def _plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     p = seed_sweep_parser("inference_methods", [0, 1, 2], "overrides of the DenseSteer recipe")
-    p.add_argument("--only", choices=["densesteer", "beaconkv", "kv_memory", "guidance"], default=None)
+    p.add_argument("--only", choices=["densesteer", "beaconkv", "kv_memory", "guidance", "dsr"], default=None)
     args = p.parse_args()
     out = Path(args.out)
     report: dict = json.loads(out.read_text()) if out.exists() else {}
@@ -319,6 +339,17 @@ def main() -> None:
         report["guidance"] = {"recipe": GUIDANCE, "seeds": args.seeds, "per_seed": rows,
                               "summary": summarize_guidance(rows)}
         report["summary"]["guidance"] = report["guidance"]["summary"]
+    if args.only in (None, "dsr"):
+        rows = []
+        for seed in args.seeds:
+            rows.append({"seed": seed, **dsr_seed(seed, Path(args.runs_dir), args.overrides)})
+            print(json.dumps({"seed": seed, **{f"{inp}/{mode}": {k: round(v[k], 3) for k in DSR_METRICS
+                                                                 if v.get(k) is not None}
+                                               for inp, arms in rows[-1]["inputs"].items()
+                                               for mode, v in arms.items()}}), flush=True)
+        report["dsr"] = {"recipe": DSR, "checker": "LeanLite (looprl's own; stands in for Lean 4 + Mathlib)",
+                         "seeds": args.seeds, "per_seed": rows, "summary": summarize_dsr(rows)}
+        report["summary"]["dsr"] = report["dsr"]["summary"]
     write_report(report, args.out, _plot)
 
 

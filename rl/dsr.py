@@ -19,6 +19,7 @@ autoformalization. This module holds the model-free parts:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -443,6 +444,10 @@ def component_of_column(conditions: list[str], conclusion: str, column: int, nam
 
 
 # -- repair ----------------------------------------------------------------------------------------------------------
+NO_ERRORS = "no errors: check the statement against the NL"  # the global re-check's request after a local success
+Checker = Callable[[str], list[LeanLiteError]]  # statement -> its errors, first first: `check` or a Lean compiler
+
+
 @dataclass
 class RepairRequest:
     """One call to the repair model. `kind`: subtree (the broken snippet, the error and the declared variables, no
@@ -466,10 +471,59 @@ def _declared(conditions: list[str], upto: int) -> str:
     return " ".join(c for c in rename_hypotheses(conditions)[:upto])
 
 
+RepairSteps = Generator[RepairRequest, str, RepairTrace]
+
+
+def drive(steps: RepairSteps, repair: Callable[[RepairRequest], str]) -> RepairTrace:
+    """Run one repair procedure (a generator of model calls) with `repair(request) -> fixed code`."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(repair(request))
+    except StopIteration as stop:
+        return stop.value
+
+
+def drive_batched(procedures: list[RepairSteps], repair_batch: Callable[[list[RepairRequest]], list[str]]
+                  ) -> list[RepairTrace]:
+    """Run many repair procedures in lockstep: each round sends every pending request to the repair model in one
+    batch (`repair_batch(requests) -> fixes`, e.g. one engine call), so a statement's calls stay sequential while
+    the model decodes the statements together."""
+    traces: list[RepairTrace | None] = [None] * len(procedures)
+    pending: dict[int, RepairRequest] = {}
+    for i, steps in enumerate(procedures):
+        try:
+            pending[i] = next(steps)
+        except StopIteration as stop:
+            traces[i] = stop.value
+    while pending:
+        order = sorted(pending)
+        fixes = repair_batch([pending[i] for i in order])
+        if len(fixes) != len(order):
+            raise ValueError(f"repair_batch returned {len(fixes)} fixes for {len(order)} requests")
+        for i, fixed in zip(order, fixes):
+            try:
+                pending[i] = procedures[i].send(fixed)
+            except StopIteration as stop:
+                traces[i] = stop.value
+                del pending[i]
+    return [t for t in traces if t is not None]
+
+
 def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[str, Any] | None],
                        nl_components: list[str], nl_statement: str, repair: Any, budget: int = 4,
                        rng: Any = None) -> RepairTrace:
-    """DSR's repair within `budget` model calls (`repair(RepairRequest) -> str`): map the first error's column to
+    """`tree_guided_repair_steps` run with `repair(RepairRequest) -> str`."""
+    return drive(tree_guided_repair_steps(conditions, conclusion, trees, nl_components, nl_statement, budget, rng),
+                 repair)
+
+
+
+def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list[dict[str, Any] | None],
+                             nl_components: list[str], nl_statement: str, budget: int = 4,
+                             rng: Any = None, check: Checker = check) -> RepairSteps:
+    """DSR's repair within `budget` model calls (a generator: it yields each `RepairRequest` and is sent the
+    model's fixed code; `drive`, `drive_batched`): map the first error's column to
     its component, find the smallest operator-tree node containing it, and repair from its parent up the ladder
     (`repair_ladder`; a failed node is marked exhausted and the next rung is tried), then the component with its
     NL; one call stays reserved for the statement-level global repair, which runs after a local success (the
@@ -526,7 +580,7 @@ def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[
             request = RepairRequest("subtree", snippet, err.message, _declared(conditions, comp))
             start = comp_start(comp) + spans(tree)[target][0]
             span = (start, start + len(snippet))
-        fixed = repair(request)
+        fixed = yield request
         calls += 1
         if target == "component":
             new_text, new_tree = fixed, None
@@ -553,18 +607,18 @@ def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[
     statement = splice(conditions, conclusion, name)
     global_done = False
     while calls < budget and (errors or (local_success and not global_done)):
-        statement, errors = _global_call(statement, errors, nl_statement, repair, rng, trace)
+        statement, errors = yield from _global_call(statement, errors, nl_statement, rng, trace, check)
         calls += 1
         global_done = True
     trace.statement, trace.errors = statement, len(errors)
     return trace
 
 
-def _global_call(statement: str, errors: list[LeanLiteError], nl: str, repair: Any, rng: Any, trace: RepairTrace
-                 ) -> tuple[str, list[LeanLiteError]]:
+def _global_call(statement: str, errors: list[LeanLiteError], nl: str, rng: Any, trace: RepairTrace,
+                 check: Checker) -> Generator[RepairRequest, str, tuple[str, list[LeanLiteError]]]:
     """One statement-level rewrite, kept when it has fewer errors (as many: with probability 0.5)."""
-    msg = "; ".join(e.message for e in errors[:3]) if errors else "no errors: check the statement against the NL"
-    fixed = repair(RepairRequest("statement", statement, msg, nl=nl))
+    msg = "; ".join(e.message for e in errors[:3]) if errors else NO_ERRORS
+    fixed = yield RepairRequest("statement", statement, msg, nl=nl)
     new_errors = check(fixed)
     keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
     trace.calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
@@ -573,14 +627,21 @@ def _global_call(statement: str, errors: list[LeanLiteError], nl: str, repair: A
 
 
 def global_repair(statement: str, nl_statement: str, repair: Any, budget: int = 4, rng: Any = None) -> RepairTrace:
-    """The baseline at the same call budget: statement-level rewrites only, each kept as in `tree_guided_repair`."""
+    """`global_repair_steps` run with `repair(RepairRequest) -> str`."""
+    return drive(global_repair_steps(statement, nl_statement, budget, rng), repair)
+
+
+def global_repair_steps(statement: str, nl_statement: str, budget: int = 4, rng: Any = None,
+                        check: Checker = check) -> RepairSteps:
+    """The baseline at the same call budget: statement-level rewrites only, each kept as in `tree_guided_repair`
+    (a generator of model calls, as `tree_guided_repair_steps`)."""
     import random
     rng = rng or random.Random(0)
     errors = check(statement)
     trace = RepairTrace(statement, len(errors))
     calls = 0
     while errors and calls < budget:
-        statement, errors = _global_call(statement, errors, nl_statement, repair, rng, trace)
+        statement, errors = yield from _global_call(statement, errors, nl_statement, rng, trace, check)
         calls += 1
     trace.statement, trace.errors = statement, len(errors)
     return trace
@@ -644,7 +705,7 @@ def random_statement(rng: Any, n_vars: int = 2, n_hyps: int = 2, depth: int = 2)
     conclusion_tree, conclusion_nl = comps[-1]
     trees.append(conclusion_tree)
     nl.append(conclusion_nl)
-    nl_statement = "Let " + ", ".join(variables) + " be real numbers. Suppose " + " and ".join(nl[n_vars:-1]) + \
+    nl_statement = "Let " + ", ".join(variables) + " be real numbers. Suppose " + "; ".join(nl[n_vars:-1]) + \
         f". Show that {conclusion_nl}."
     return {"conditions": conditions, "conclusion": assemble(conclusion_tree), "trees": trees, "nl": nl,
             "nl_statement": nl_statement}
@@ -703,3 +764,162 @@ def repair_examples(original: dict[str, Any], broken: dict[str, Any]) -> list[di
                 (RepairRequest("statement", statement, err.message, nl=broken["nl_statement"]),
                  splice(original["conditions"], original["conclusion"]))]
     return [{"prompt": format_request(r), "target": " " + t, "kind": r.kind} for r, t in requests]
+
+
+# -- the role models' texts -------------------------------------------------------------------------------------------
+# Two prompt styles: `tiny`, the compact formats the CPU models are taught in code (one model taught every role,
+# the role named first), and `llm`, instructions in the spirit of DSR's released prompts for instruction-tuned
+# models at real scale (looprl's wording; the operator tree as DSR's JSON).
+SEP = " <SEP> "
+
+
+def opt_to_text(tree: dict[str, Any]) -> str:
+    """The operator tree in the tiny formalizer's braced form: each node in braces, its slots replaced by its
+    children; deleting the braces gives the assembled code (LeanLite has no braces)."""
+    parts = tree["formal_content"].split(SLOT)
+    out = "{" + parts[0]
+    for child, rest in zip(tree.get("children") or [], parts[1:]):
+        out += opt_to_text(child) + rest
+    return out + "}"
+
+
+def opt_from_text(text: str) -> dict[str, Any]:
+    """Inverse of `opt_to_text`; TreeError on unbalanced braces or text outside the root."""
+    text = text.strip()
+    stack: list[dict[str, Any]] = []
+    root: dict[str, Any] | None = None
+    for ch in text:
+        if ch == "{":
+            if root is not None:
+                raise TreeError(f"text after the root node in {text!r}")
+            node = {"formal_content": "", "children": []}
+            if stack:
+                stack[-1]["formal_content"] += SLOT
+                stack[-1]["children"].append(node)
+            stack.append(node)
+        elif ch == "}":
+            if not stack:
+                raise TreeError(f"unbalanced '}}' in {text!r}")
+            node = stack.pop()
+            if not stack:
+                root = node
+        elif stack:
+            stack[-1]["formal_content"] += ch
+        else:
+            raise TreeError(f"text outside the tree in {text!r}")
+    if stack or root is None:
+        raise TreeError(f"unbalanced '{{' in {text!r}")
+    return root
+
+
+def opt_to_json(tree: dict[str, Any]) -> str:
+    import json
+    return json.dumps(tree, ensure_ascii=False)
+
+
+def decompose_prompt(nl_statement: str, style: str = "tiny") -> str:
+    if style == "tiny":
+        return f"DECOMPOSE {nl_statement} =>"
+    return ("Decompose the mathematical statement into atomic conditions and one conclusion. One atomic fact per "
+            "condition; declare every free variable with its domain; never split a quantifier from its predicate; "
+            "a 'find' or 'for all' statement goes entirely into the conclusion; write 'No conditions' when there are "
+            f"none.\nAnswer as:\nConditions:\n1. ...\n2. ...\nConclusion: ...\n\nStatement: {nl_statement}")
+
+
+def decompose_target(conditions: list[str], conclusion: str) -> str:
+    return " " + " ; ".join(conditions) + " || " + conclusion
+
+
+def parse_decomposition(text: str, style: str = "tiny") -> tuple[list[str], str]:
+    """(conditions, conclusion) from a decomposer's answer; ValueError when it names no conclusion."""
+    if style == "tiny":
+        if "||" not in text:
+            raise ValueError(f"no '||' before the conclusion in {text!r}")
+        conds, concl = text.split("||", 1)
+        return [c.strip() for c in conds.split(" ; ") if c.strip()], concl.strip()
+    m = re.search(r"Conclusion\s*:\s*(.+)", text)
+    if not m:
+        raise ValueError(f"no 'Conclusion:' in {text!r}")
+    head = text[:m.start()]
+    conds = [] if re.search(r"no conditions", head, re.I) else re.findall(r"^\s*\d+\.\s*(.+?)\s*$", head, re.M)
+    return conds, m.group(1).strip()
+
+
+def formalize_prompt(tag: str, nl: str, style: str = "tiny") -> str:
+    """`tag`: condition | conclusion."""
+    if style == "tiny":
+        return f"FORMALIZE {tag} {nl} =>"
+    return (f"Translate this {tag} of a theorem into a Lean 4 fragment ({'a binder such as (x : ℝ) or (h : …)' if tag == 'condition' else 'a proposition'}) "
+            "and its operator tree: JSON nodes {\"formal_content\": text with <SLOT> placeholders, \"children\": "
+            "[…]} whose slot filling spells the fragment exactly (keep parentheses as nodes).\nAnswer as:\n"
+            f"```lean\n<fragment>\n```\n```json\n<tree>\n```\n\n{tag.capitalize()}: {nl}")
+
+
+def formalize_target(code: str, tree: dict[str, Any] | None) -> str:
+    return " " + code + SEP + opt_to_text(tree or {"formal_content": code, "children": []})
+
+
+def parse_formalization(text: str, style: str = "tiny") -> tuple[str, dict[str, Any] | None]:
+    """(code, tree) from a formalizer's answer, structure first: the code is the tree's assembly when the tree
+    parses; otherwise the linear code with no tree (DSR's fallback)."""
+    if style == "tiny":
+        code, _, opt = text.partition(SEP.strip())
+        code = code.strip()
+        try:
+            tree = opt_from_text(opt)
+            return assemble(tree), tree
+        except TreeError:
+            return code, None
+    import json
+    lean = re.search(r"```lean\s*\n(.*?)```", text, re.S)
+    code = (lean.group(1) if lean else text).strip()
+    js = re.search(r"```json\s*\n(.*?)```", text, re.S)
+    if js:
+        try:
+            tree = json.loads(js.group(1))
+            return assemble(tree), tree
+        except (ValueError, TreeError):
+            pass
+    return code, None
+
+
+def judge_prompt(nl: str, code: str, style: str = "tiny") -> str:
+    if style == "tiny":
+        return f"JUDGE {nl} | {code} =>"
+    return ("Grade how faithfully the Lean fragment states the condition: A (perfect match), B (minor "
+            "inconsistency), C (major inconsistency or missing). Answer with the letter only.\n"
+            f"Condition: {nl}\nLean: {code}")
+
+
+def parse_grade(text: str) -> str:
+    """The first of A, B, C the judge answers (anything else grades C)."""
+    m = re.search(r"\b([ABC])\b", text)
+    return m.group(1) if m else "C"
+
+
+def statement_components(statement: str) -> tuple[list[str], str] | None:
+    """The binders and the conclusion of a `theorem name binders… : conclusion := by sorry` statement (None when
+    it does not read so): the judge pairs them with the decomposed NL."""
+    m = re.match(r"^\s*theorem\s+\w+\s*(.*?)\s*:=\s*by\s+sorry\s*$", statement, re.S)
+    if not m:
+        return None
+    body, binders, i = m.group(1), [], 0
+    while i < len(body):
+        if body[i].isspace():
+            i += 1
+        elif body[i] == "(":
+            depth, j = 0, i
+            while j < len(body):
+                depth += {"(": 1, ")": -1}.get(body[j], 0)
+                if depth == 0:
+                    break
+                j += 1
+            if depth:
+                return None
+            binders.append(body[i:j + 1])
+            i = j + 1
+        elif body[i] == ":":
+            return binders, body[i + 1:].strip()
+        else:
+            return None
+    return None

@@ -34,10 +34,10 @@ _BUILTIN_MODULES = {
     "optimizer": ["rl.optim", "rl.zo_finetuner"],
     "stage": ["rl.pipeline", "rl.reward_model", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage",
               "rl.ep_order_stage", "rl.bliss_stage", "rl.decomper_stage", "rl.fair_calib_stage", "rl.densesteer_stage",
-              "rl.guidance_stage"],
+              "rl.guidance_stage", "rl.dsr_stage"],
     "decoding": ["rollout.decoding", "rollout.steering", "rollout.kv_policies", "rollout.citation"],
     "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer", "rl.tasks.monoscale",
-             "rl.tasks.domains", "rl.tasks.styles", "rl.tasks.citations"],
+             "rl.tasks.domains", "rl.tasks.styles", "rl.tasks.citations", "rl.tasks.dsr"],
     "scheduler": ["rl.optim"],
     "sampler": ["rl.data", "rl.proposer"],
 }

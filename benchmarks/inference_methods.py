@@ -258,7 +258,7 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 7, figsize=(35, 4))
+    fig, axes = plt.subplots(1, 8, figsize=(40, 4))
     if "densesteer" in report:
         s = report["densesteer"]["summary"]
         for layer, color in zip(STEER_LAYERS, ("tab:gray", "tab:blue")):
@@ -292,6 +292,16 @@ def _plot(report: dict, path: Path) -> None:
         axes[6].set_xticks(list(xs), list(GUIDANCE_ARMS))
         axes[6].set_title(f"Guidance, cited-facts task ({len(report['guidance']['seeds'])} seeds)")
         axes[6].legend()
+    if "dsr" in report and "from_broken" in report["dsr"]["summary"]:
+        d = report["dsr"]["summary"]["from_broken"]
+        keys = [k for k in ("sc", "kept", "exact", "cc") if k in d["tree"]]
+        xs = range(len(keys))
+        for off, mode in ((-0.2, "tree"), (0.2, "global")):
+            axes[7].bar([x + off for x in xs], [d[mode][k] for k in keys], width=0.4,
+                        label="tree-guided (DSR)" if mode == "tree" else "global rewrite")
+        axes[7].set_xticks(list(xs), keys)
+        axes[7].set_title(f"DSR repair at 4 calls, LeanLite ({len(report['dsr']['seeds'])} seeds)")
+        axes[7].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -711,16 +711,26 @@ def random_statement(rng: Any, n_vars: int = 2, n_hyps: int = 2, depth: int = 2)
             "nl_statement": nl_statement}
 
 
+def _error_sites(tree: dict[str, Any]) -> tuple[list[Path_], list[Path_]]:
+    """A tree's variable leaves and its one-argument function nodes (where `inject_local_error` can break it)."""
+    nodes = [(p, node_at(tree, p)) for p in spans(tree)]
+    return ([p for p, n in nodes if not n["children"] and n["formal_content"].isalpha()],
+            [p for p, n in nodes if n["formal_content"] in ("abs(<SLOT>)", "sqrt(<SLOT>)")])
+
+
+def has_error_site(item: dict[str, Any]) -> bool:
+    return any(t is not None and any(_error_sites(t)) for t in item["trees"])
+
+
 def inject_local_error(item: dict[str, Any], rng: Any) -> dict[str, Any]:
     """The item with one local error in one comparison component (an undeclared variable, or a function given an
     extra argument), its tree updated to spell the broken code; `error_component` names the component."""
     import copy
     out = copy.deepcopy(item)
-    def sites(tree: dict[str, Any]) -> tuple[list[Path_], list[Path_]]:
-        nodes = [(p, node_at(tree, p)) for p in spans(tree)]
-        return ([p for p, n in nodes if not n["children"] and n["formal_content"].isalpha()],
-                [p for p, n in nodes if n["formal_content"] in ("abs(<SLOT>)", "sqrt(<SLOT>)")])
+    sites = _error_sites
     comps = [i for i, t in enumerate(out["trees"]) if t is not None and any(sites(t))]
+    if not comps:
+        raise ValueError("inject_local_error: no variable or one-argument function to break (has_error_site)")
     i = rng.choice(comps)
     tree = out["trees"][i]
     paths, funcs = sites(tree)

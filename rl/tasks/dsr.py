@@ -120,7 +120,7 @@ def write_dsr_task(out_dir: str | Path, num_train: int = 3000, num_eval: int = 2
             raise ValueError(f"dsr task: could not draw {num_train + num_eval} distinct statements")
         item = dsr.random_statement(rng, n_vars=n_vars, n_hyps=n_hyps, depth=depth)
         key = dsr.splice(item["conditions"], item["conclusion"])
-        if key not in seen:
+        if key not in seen and dsr.has_error_site(item):
             seen.add(key)
             items.append(item)
     eval_items, train_items = items[:num_eval], items[num_eval:]

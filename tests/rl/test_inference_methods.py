@@ -62,3 +62,58 @@ def test_cite_eval_scores_plain_post_hoc_and_guided_answers_through_the_recipe(r
     plain, post_hoc = report["arms"]["plain"]["examples"], report["arms"]["post_hoc"]["examples"]
     assert post_hoc == [post_hoc_cite(strip_citations(a), r["prompt"]) for a, r in zip(plain, rows)]
     assert set(summary["cite_eval"]) == {"plain", "post_hoc", "guidance"}
+
+
+def test_autoformalize_formalizes_repairs_and_judges_through_the_recipe(ray_cluster, tmp_path):
+    """DSR's stage on Ray with its four roles served by one barely taught model (the pipeline, not its quality):
+    every statement's repair stays within the budget, SC is the checker's verdict on the final statement, and the
+    reference comparison (kept, exact) is recorded for the broken inputs."""
+    from rl import config, dsr
+    from rl.pipeline import run
+    from tests.rl.test_pipeline import ROOT
+    out = tmp_path / "run"
+    summary = run(config.load(ROOT / "recipes/dsr_tiny.yaml", [
+        f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+        "model.tiny.intermediate_size=64", "sft.steps=3", "sft.batch_size=8", "data.synthetic.num_train=40",
+        "data.synthetic.num_eval=4", "reward.judges.dsr.max_new_tokens=24", "learner.micro_batch_size=8"]))
+    report = json.loads((out / "stages" / "autoformalize" / "autoformalize.json").read_text())
+    assert report["statements"] == 4 and report["compiler"] == "leanlite"
+    assert set(report["inputs"]) == {"from_nl", "from_broken"}
+    for arms in report["inputs"].values():
+        assert set(arms) == {"tree", "global"}
+        for r in arms.values():
+            assert 0 <= r["calls"] <= 4 and all(len(it["calls"]) <= 4 for it in r["items"])
+            for it in r["items"]:
+                assert it["compiles"] == (dsr.check(it["statement"]) == [])
+            assert r["kept"] is not None and r["exact"] is not None  # the synthetic rows carry references
+    # the control rewrites whole statements only; DSR starts below the statement (subtree or component)
+    assert report["inputs"]["from_broken"]["global"]["items"][0]["calls"][0]["kind"] == "statement"
+    tree = report["inputs"]["from_broken"]["tree"]
+    assert tree["items"][0]["calls"][0]["kind"] in ("subtree", "component")
+    assert summary["autoformalize"]["from_broken"]["tree"]["calls"] == tree["calls"]
+
+
+def test_prime_files_load_and_bad_items_are_named(tmp_path):
+    import pytest
+
+    from rl.dsr_stage import LeanCompiler, load_prime
+    from rl.stages import StageError
+    items = [{"textbook": "Rudin", "domain": "Real Analysis", "theorem_index": "1.1",
+              "informal_statement": "Prove that 1 + 1 = 2.", "formal_statement": "theorem test : 1 + 1 = 2 := by sorry",
+              "informal_proof": "Compute."},
+             {"textbook": "Rudin", "domain": "Real Analysis", "theorem_index": "1.2",
+              "informal_statement": "Let x > 0. Show x ^ 2 > 0.",
+              "formal_statement": "theorem test (x : ℝ) (h : x > 0) : x ^ 2 > 0 := by sorry", "informal_proof": "."}]
+    path = tmp_path / "prime.json"
+    path.write_text(json.dumps(items))
+    rows = load_prime(path)
+    assert [r["answer"] for r in rows] == [i["formal_statement"] for i in items]
+    assert rows[1]["prompt"] == items[1]["informal_statement"] and rows[0]["metadata"]["theorem_index"] == "1.1"
+    path.write_text(json.dumps([items[0], {**items[1], "formal_statement": "example : True := trivial"}]))
+    with pytest.raises(StageError, match=r"item 1's formal_statement"):
+        load_prime(path)
+    path.write_text(json.dumps([{"informal_statement": "x"}]))
+    with pytest.raises(StageError, match=r"item 0 lacks \['formal_statement'\]"):
+        load_prime(path)
+    with pytest.raises(StageError, match="lean` and `lake` on PATH"):
+        LeanCompiler(str(tmp_path))

@@ -105,6 +105,10 @@ def densesteer_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
         for lam in STRENGTHS:
             method = SteerDecoding(vectors, layer=layer, strength=lam)
             out["arms"][f"L{layer}/{lam:g}"] = measure(method)
+    # the recipe's own choice on held-out training problems (steer_extract's select), on the evaluation split
+    report_path = summary["stages"]["steer_extract"]["artifacts"]["steering_report"]
+    out["selection"] = json.loads(Path(report_path).read_text())["selection"]
+    out["arms"]["selected"] = measure(SteerDecoding(vectors, selection=report_path))
     return out
 
 
@@ -136,6 +140,7 @@ def summarize_densesteer(rows: list[dict]) -> dict:
         out[arm] = {k: statistics.mean(r["arms"][arm][k] for r in rows)
                     for k in ("rho", "steps", "dense_share", "accuracy", "self_nll", "ended_share")}
     mid = [f"L2/{lam:g}" for lam in STRENGTHS if lam >= 0]
+    out["selected_per_seed"] = [r["selection"]["selected"] for r in rows if "selection" in r]
     out["middle_rho_monotone_per_seed"] = [all(r["arms"][a]["rho"] <= r["arms"][b]["rho"] + 1e-9
                                                for a, b in zip(mid, mid[1:])) for r in rows]
     return out

@@ -79,3 +79,13 @@ def extract_vectors(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[st
 def mean_difference(pos: dict[int, torch.Tensor], neg: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Per layer, the mean over pairs of `pos − neg` (`{layer: [N, H]}` each): the steering vectors."""
     return {layer: (pos[layer] - neg[layer]).mean(0) for layer in pos}
+
+
+def select_steering(candidates: Sequence[dict[str, Any]], tolerance: float = 0.0) -> dict[str, Any]:
+    """The paper's selection on held-out training problems: among `candidates` ({layer, strength, rho, accuracy};
+    the unsteered one has strength 0), the highest density ρ whose accuracy is at least the unsteered accuracy
+    minus `tolerance`; ties go to the smaller |λ|. With no unsteered candidate the best accuracy is the bar."""
+    base = [c for c in candidates if c["strength"] == 0]
+    bar = (max(c["accuracy"] for c in base) if base else max(c["accuracy"] for c in candidates)) - tolerance
+    ok = [c for c in candidates if c["accuracy"] >= bar - 1e-12]
+    return max(ok, key=lambda c: (c["rho"], -abs(c["strength"])))

@@ -78,22 +78,85 @@ def extract_in_task(model_path: str, pairs: list[dict[str, str]], layers: list[i
 
 @register("stage", "steer_extract")
 class SteerExtractStage(Stage):
-    config_keys = ("seed", "model", "data")
+    config_keys = ("seed", "model", "data", "rollout", "reward")
     runs_in_driver = True
 
     def __init__(self, pairs: str | None = None, max_pairs: int = 50, layers: list[int] | None = None,
-                 chat_template: bool = False, batch_size: int = 16, num_gpus: float = 0.0):
+                 chat_template: bool = False, batch_size: int = 16, num_gpus: float = 0.0,
+                 select: dict[str, Any] | None = None):
         """`pairs`: JSONL of {prompt, dense, sparse} (none: the `steer_pairs` artifact); `max_pairs`: pairs used
         (the paper's N = 50); `layers`: decoder blocks (0-based) to extract for (none: all); `chat_template`: wrap
-        each text as a user and an assistant turn; `num_gpus`: of the extraction task."""
+        each text as a user and an assistant turn; `num_gpus`: of the extraction task; `select`: choose the layer
+        and strength on held-out training problems as the paper does ({layers, strengths, num_problems,
+        tolerance}: greedy answers to the first `num_problems` prompts of the training split, unsteered and at
+        each layer × strength; the densest whose reward accuracy is within `tolerance` of the unsteered one),
+        written to the report's `selected` (decoding `steer` reads it through `selection`)."""
         if max_pairs < 1:
             raise ValueError(f"max_pairs must be >= 1, got {max_pairs}")
+        select = dict(select or {})
+        unknown = sorted(set(select) - {"layers", "strengths", "num_problems", "tolerance"})
+        if unknown:
+            raise ValueError(f"steer_extract: select has no keys {unknown} (layers, strengths, num_problems, "
+                             f"tolerance)")
+        if select and (not select.get("layers") or not select.get("strengths")):
+            raise ValueError("steer_extract: select needs non-empty layers and strengths")
+        self.select = select
         self.pairs, self.max_pairs = pairs, max_pairs
         self.layers = None if layers is None else [int(x) for x in layers]
         self.chat_template, self.batch_size, self.num_gpus = chat_template, batch_size, num_gpus
 
     def input_files(self, cfg: Any) -> list[str | None]:
         return [self.pairs]
+
+    def _select(self, ctx: StageContext, vectors: str) -> dict[str, Any]:
+        """Greedy answers to held-out training prompts, unsteered and at each candidate; accuracy by the recipe's
+        reward, density ρ by `rl.densesteer.density`; `rl.densesteer.select_steering` picks."""
+        import statistics
+
+        import ray
+        from omegaconf import OmegaConf
+
+        from rl.densesteer import density, select_steering
+        from rl.pipeline import _rows, prompt_row_columns
+        from rl.trainer import generate, make_rollout_workers
+        from rollout.base import load_tokenizer
+        cfg, rt = ctx.cfg, ctx.runtime
+        rows = _rows(ctx, "train", prompt_row_columns(cfg.data))[:int(self.select.get("num_problems", 50))]
+        if not rows:
+            raise StageError(f"{ctx.name}: select needs training prompts (data.train_path or a synthetic task)")
+        workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)
+        if own:
+            workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
+        tokenizer = load_tokenizer(ctx.require("base_model"))
+        arms = [(int(self.select["layers"][0]), 0.0)] + [(int(layer), float(lam)) for layer in self.select["layers"]
+                                                        for lam in self.select["strengths"] if float(lam) != 0.0]
+        candidates = []
+        min_index = int((cfg.rollout.eval_decoding_params or {}).get("min_token_index", 0)) \
+            if cfg.rollout.eval_decoding == "steer" else 0
+        try:
+            for layer, lam in arms:
+                arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": "steer", "eval_runs": 1}})
+                # replaced, not merged: a `selection` in the recipe's parameters would override the candidate
+                arm_cfg.rollout.eval_decoding_params = {"vectors": vectors, "layer": layer, "strength": lam,
+                                                        "min_token_index": min_index}
+                batch = generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
+                items = [{"prompt": r[cfg.data.prompt_column], "response": t, "ground_truth": r.get(cfg.data.answer_column),
+                          "metadata": {}, "truncated": False} for t, r in zip(batch.responses, rows)]
+                scored = ray.get(rt.reward_service.score.remote(items, evaluation=True))
+                candidates.append({
+                    "layer": layer, "strength": lam,
+                    "rho": statistics.mean(density(t)["rho"] for t in batch.responses),
+                    "accuracy": statistics.mean(float(s["score"] > 0) for s in scored if not s["failed"])})
+                say(f"{ctx.name}: select L{layer} λ={lam:g}: ρ {candidates[-1]['rho']:.2f}, accuracy "
+                    f"{candidates[-1]['accuracy']:.3f}")
+        finally:
+            if own:
+                for w in workers:
+                    ray.kill(w)
+        chosen = select_steering(candidates, float(self.select.get("tolerance", 0.0)))
+        say(f"{ctx.name}: selected layer {chosen['layer']}, strength {chosen['strength']:g} on {len(rows)} held-out "
+            f"training problems")
+        return {"problems": len(rows), "candidates": candidates, "selected": chosen}
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         import ray
@@ -116,4 +179,12 @@ class SteerExtractStage(Stage):
         (out / "steering_report.json").write_text(json.dumps(report, indent=1))
         ctx.summary[ctx.name] = {"pairs": report["pairs"], "vector_norm": report["vector_norm"]}
         say(f"{ctx.name}: vector norms " + ", ".join(f"L{k} {v:.2f}" for k, v in report["vector_norm"].items()))
+        if self.select:
+            bad = [x for x in self.select["layers"] if int(x) not in vectors]
+            if bad:
+                raise StageError(f"{ctx.name}: select.layers {bad} were not extracted (layers: {report['layers']})")
+            report["selection"] = self._select(ctx, str(out / "steering_vectors.pt"))
+            report["selected"] = {k: report["selection"]["selected"][k] for k in ("layer", "strength")}
+            (out / "steering_report.json").write_text(json.dumps(report, indent=1))
+            ctx.summary[ctx.name]["selected"] = report["selected"]
         return {"steering_vectors": str(out / "steering_vectors.pt"), "steering_report": str(out / "steering_report.json")}

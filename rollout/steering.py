@@ -49,9 +49,21 @@ def steer_hidden(hidden: torch.Tensor, vector: torch.Tensor, strength: float, po
 @register("decoding", "steer")
 class SteerDecoding:
     """DenseSteer: add `strength` × the steering vector of decoder block `layer` (0-based, from `vectors`) to that
-    block's output at every position ≥ `min_token_index` (0: every position, the paper's setting)."""
+    block's output at every position ≥ `min_token_index` (0: every position, the paper's setting). `selection`: the
+    `steer_extract` stage's report; its held-out choice (`selected`: layer and strength) replaces both."""
 
-    def __init__(self, vectors: str, layer: int, strength: float = 4.0, min_token_index: int = 0):
+    def __init__(self, vectors: str, layer: int | None = None, strength: float = 4.0, min_token_index: int = 0,
+                 selection: str | None = None):
+        if selection is not None:
+            import json
+            from pathlib import Path
+            chosen = json.loads(Path(selection).read_text()).get("selected")
+            if not chosen:
+                raise ValueError(f"decoding steer: {selection!r} holds no `selected` layer and strength (run "
+                                 f"steer_extract with params.select)")
+            layer, strength = chosen["layer"], chosen["strength"]
+        if layer is None:
+            raise ValueError("decoding steer: give `layer` (and `strength`) or a `selection` report")
         self.vector = load_steering_vector(vectors, int(layer))
         self.layer, self.strength, self.min_token_index = int(layer), float(strength), int(min_token_index)
 

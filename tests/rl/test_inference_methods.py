@@ -19,11 +19,19 @@ def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(r
         "rollout.decoding=steer", f"rollout.decoding_params={{vectors: {vectors}, layer: 1, strength: 200.0}}",
         "rollout.eval_decoding=kv_beacon",
         "rollout.eval_decoding_params={budget: 4, sink: 1, recent: 2, n_recent_queries: 2, n_beacon: 2}",
-        "stages=[{name: model}, {name: data}, {name: sft}, {name: steer_extract}, {name: rl}, {name: evaluate}]"]))
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: steer_extract, params: {select: {layers: [1], "
+        "strengths: [200.0], num_problems: 4}}}, {name: rl}, {name: evaluate}]"]))
     saved = torch.load(vectors, weights_only=True)
     assert sorted(saved) == [0, 1] and saved[1].shape == (32,)
     report = json.loads((out / "stages" / "steer_extract" / "steering_report.json").read_text())
     assert report["pairs"] == 12 and report["pair_file"].endswith("steer_pairs.jsonl")
+    # the held-out choice: the unsteered arm and the candidate, scored on 4 training prompts; the pick follows the rule
+    from rl.densesteer import select_steering
+    cands = report["selection"]["candidates"]
+    assert [(c["layer"], c["strength"]) for c in cands] == [(1, 0.0), (1, 200.0)] and report["selection"]["problems"] == 4
+    assert report["selected"] == {k: select_steering(cands)[k] for k in ("layer", "strength")}
+    # λ = 200 on a 32-wide model changes what it writes: the densities differ
+    assert cands[0]["rho"] != cands[1]["rho"]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # the engine sampled from the steered model, the learner scored with the unsteered one: the gap is logged
     assert metrics[0]["actor/mismatch_kl"] > 1e-3

@@ -107,6 +107,35 @@ def test_steer_names_a_bad_vectors_file_or_layer(tmp_path, engine, vectors_file)
         SteerDecoding(str(path), layer=7)
 
 
+def test_a_selection_report_sets_layer_and_strength(tmp_path, vectors_file):
+    path, _ = vectors_file
+    report = tmp_path / "steering_report.json"
+    report.write_text(json.dumps({"selected": {"layer": 1, "strength": -4.0}}))
+    method = SteerDecoding(str(path), layer=0, strength=9.0, selection=str(report))
+    assert (method.layer, method.strength) == (1, -4.0)
+    report.write_text(json.dumps({"pairs": 3}))
+    with pytest.raises(ValueError, match="no `selected`"):
+        SteerDecoding(str(path), selection=str(report))
+    with pytest.raises(ValueError, match="give `layer`"):
+        SteerDecoding(str(path))
+
+
+def test_held_out_selection_takes_the_densest_arm_that_keeps_accuracy():
+    from rl.densesteer import select_steering
+    cands = [{"layer": 2, "strength": 0.0, "rho": 10.0, "accuracy": 0.8},
+             {"layer": 2, "strength": 8.0, "rho": 14.0, "accuracy": 0.7},    # denser, but loses accuracy
+             {"layer": 2, "strength": 4.0, "rho": 12.0, "accuracy": 0.8},
+             {"layer": 1, "strength": -4.0, "rho": 12.0, "accuracy": 0.85},  # the same ρ and |λ| as the one above
+             {"layer": 1, "strength": -8.0, "rho": 11.0, "accuracy": 0.9}]
+    assert select_steering(cands) in (cands[2], cands[3]) and select_steering(cands)["rho"] == 12.0
+    assert select_steering(cands, tolerance=0.1) is cands[1]  # 0.7 ≥ 0.8 − 0.1
+    cands[3]["strength"] = -6.0  # same ρ, larger |λ|: the smaller one wins
+    assert select_steering(cands) is cands[2]
+    # a reversed vector: only negative λ densifies, and the rule finds the sign
+    rev = [{"layer": 2, "strength": s, "rho": 10.0 - s / 4, "accuracy": 0.8} for s in (0.0, -8.0, -4.0, 4.0, 8.0)]
+    assert select_steering(rev)["strength"] == -8.0
+
+
 def test_the_styles_task_mixes_styles_and_keeps_pairs_apart(tmp_path):
     paths = write_styles_task(tmp_path, num_train=400, num_eval=20, num_pairs=10, seed=3)
     rows = {k: [json.loads(x) for x in open(v)] for k, v in paths.items()}

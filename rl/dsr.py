@@ -822,11 +822,6 @@ def opt_from_text(text: str) -> dict[str, Any]:
     return root
 
 
-def opt_to_json(tree: dict[str, Any]) -> str:
-    import json
-    return json.dumps(tree, ensure_ascii=False)
-
-
 def decompose_prompt(nl_statement: str, style: str = "tiny") -> str:
     if style == "tiny":
         return f"DECOMPOSE {nl_statement} =>"

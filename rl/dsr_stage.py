@@ -154,6 +154,8 @@ class AutoformalizeStage(Stage):
                 conds, concl = dsr.parse_decomposition(answer, self.style)
             except ValueError:
                 conds, concl = [], ""
+            if not concl:  # no conclusion: nothing to formalize (the statement stays empty and fails to compile)
+                conds = []
             drafts.append({"nl": row["prompt"], "conditions_nl": conds, "conclusion_nl": concl})
             prompts += [dsr.formalize_prompt("condition", c, self.style) for c in conds]
             prompts += [dsr.formalize_prompt("conclusion", concl, self.style)] if concl else []

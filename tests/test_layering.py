@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("rl", "rollout", "rewards", "models", "cluster")
 CORE = {"rl", "rl.batch", "rl.registry", "rl.config", "rl.data", "rl.advantages", "rl.losses", "rl.rltt", "rl.optim", "rl.memo", "rl.proposer", "rl.monoscale",
-        "rl.sft_data", "rl.ep_order", "rl.bliss", "rl.zo_finetuner", "rl.curvature", "rl.kv_compress", "rl.guidance"}
+        "rl.sft_data", "rl.ep_order", "rl.bliss", "rl.zo_finetuner", "rl.curvature", "rl.kv_compress", "rl.guidance", "rl.dsr"}
 # what each layer may import (its own layer included)
 ALLOWED = {
     "core": {"core"},

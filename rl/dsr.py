@@ -748,10 +748,19 @@ def inject_local_error(item: dict[str, Any], rng: Any) -> dict[str, Any]:
     return out
 
 
-def format_request(request: RepairRequest) -> str:
-    """The repair model's prompt for one request (the text a taught repairer reads before `=>`)."""
-    context = f"VARS {request.declared}" if request.kind == "subtree" else f"NL {request.nl}"
-    return f"{request.kind.upper()} {request.code} | ERROR {request.error} | {context} =>"
+def format_request(request: RepairRequest, style: str = "tiny") -> str:
+    """The repair model's prompt for one request: `tiny`, the text a taught repairer reads before `=>`; `llm`,
+    DSR's repair instructions (looprl's wording): the micro-surgeon sees the snippet, the error and the declared
+    variables only; component and statement repair also see the NL."""
+    if style == "tiny":
+        context = f"VARS {request.declared}" if request.kind == "subtree" else f"NL {request.nl}"
+        return f"{request.kind.upper()} {request.code} | ERROR {request.error} | {context} =>"
+    if request.kind == "subtree":
+        return ("Fix this Lean 4 expression so that it compiles. Change as little as possible and answer with the "
+                f"fixed expression only.\nDeclared: {request.declared}\nExpression: {request.code}\nError: {request.error}")
+    what = "binder or proposition" if request.kind == "component" else "theorem statement"
+    return (f"Fix this Lean 4 {what} so that it compiles and states the natural-language text faithfully. Answer "
+            f"with the fixed code only.\nText: {request.nl}\nCode: {request.code}\nError: {request.error}")
 
 
 def repair_examples(original: dict[str, Any], broken: dict[str, Any]) -> list[dict[str, str]]:

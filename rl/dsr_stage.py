@@ -201,7 +201,7 @@ class AutoformalizeStage(Stage):
             else:
                 procs.append(dsr.global_repair_steps(it["statement"], it["nl"], self.budget, rng, check))
         return dsr.drive_batched(procs, lambda reqs: [s.strip() for s in ask["repairer"](
-            [dsr.format_request(r) if self.style == "tiny" else _llm_repair_prompt(r) for r in reqs])])
+            [dsr.format_request(r, self.style) for r in reqs])])
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         import ray
@@ -304,14 +304,3 @@ class AutoformalizeStage(Stage):
                                     [dsr.splice(r["item"]["conditions"], r["item"]["conclusion"]) for r in rows],
                                     [r["broken"]["error_component"] for r in rows])
         return out
-
-
-def _llm_repair_prompt(request: dsr.RepairRequest) -> str:
-    """DSR's repair prompts for instruction-tuned models (looprl's wording): the micro-surgeon sees the snippet, the
-    error and the declared variables only; component and statement repair also see the NL."""
-    if request.kind == "subtree":
-        return ("Fix this Lean 4 expression so that it compiles. Change as little as possible and answer with the "
-                f"fixed expression only.\nDeclared: {request.declared}\nExpression: {request.code}\nError: {request.error}")
-    what = "binder or proposition" if request.kind == "component" else "theorem statement"
-    return (f"Fix this Lean 4 {what} so that it compiles and states the natural-language text faithfully. Answer "
-            f"with the fixed code only.\nText: {request.nl}\nCode: {request.code}\nError: {request.error}")

@@ -107,6 +107,13 @@ class JudgeClient:
         return ray.get([w.weights_sha256.remote() for w in self.workers], timeout=self.timeout_s)
 
 
+def stop_judges(clients: Any) -> None:
+    """Kill every worker of the judge clients (a dict of them by name, or any iterable of clients)."""
+    for client in (clients.values() if isinstance(clients, dict) else clients):
+        for w in client.workers:
+            ray.kill(w)
+
+
 def start_judges(judges: dict[str, Any], policy_path: str, env: dict[str, str] | None = None) -> dict[str, JudgeClient]:
     """Start every judge group of `reward.judges` (a null `model_path` is the run's initial policy; a null
     `chat_template` must have been resolved by the caller)."""

@@ -117,42 +117,33 @@ class SteerExtractStage(Stage):
         from omegaconf import OmegaConf
 
         from rl.densesteer import density, select_steering
-        from rl.pipeline import _rows, prompt_row_columns
-        from rl.trainer import generate, make_rollout_workers
+        from rl.pipeline import _rows, prompt_row_columns, stage_rollout_workers
+        from rl.trainer import generate, reward_items
         from rollout.base import load_tokenizer
         cfg, rt = ctx.cfg, ctx.runtime
         rows = _rows(ctx, "train", prompt_row_columns(cfg.data))[:int(self.select.get("num_problems", 50))]
         if not rows:
             raise StageError(f"{ctx.name}: select needs training prompts (data.train_path or a synthetic task)")
-        workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)
-        if own:
-            workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
         tokenizer = load_tokenizer(ctx.require("base_model"))
         arms = [(int(self.select["layers"][0]), 0.0)] + [(int(layer), float(lam)) for layer in self.select["layers"]
                                                         for lam in self.select["strengths"] if float(lam) != 0.0]
         candidates = []
         min_index = int((cfg.rollout.eval_decoding_params or {}).get("min_token_index", 0)) \
             if cfg.rollout.eval_decoding == "steer" else 0
-        try:
+        with stage_rollout_workers(ctx, cfg) as workers:
             for layer, lam in arms:
                 arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": "steer", "eval_runs": 1}})
                 # replaced, not merged: a `selection` in the recipe's parameters would override the candidate
                 arm_cfg.rollout.eval_decoding_params = {"vectors": vectors, "layer": layer, "strength": lam,
                                                         "min_token_index": min_index}
                 batch = generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
-                items = [{"prompt": r[cfg.data.prompt_column], "response": t, "ground_truth": r.get(cfg.data.answer_column),
-                          "metadata": {}, "truncated": False} for t, r in zip(batch.responses, rows)]
-                scored = ray.get(rt.reward_service.score.remote(items, evaluation=True))
+                scored = ray.get(rt.reward_service.score.remote(reward_items(batch), evaluation=True))
                 candidates.append({
                     "layer": layer, "strength": lam,
                     "rho": statistics.mean(density(t)["rho"] for t in batch.responses),
                     "accuracy": statistics.mean(float(s["score"] > 0) for s in scored if not s["failed"])})
                 say(f"{ctx.name}: select L{layer} λ={lam:g}: ρ {candidates[-1]['rho']:.2f}, accuracy "
                     f"{candidates[-1]['accuracy']:.3f}")
-        finally:
-            if own:
-                for w in workers:
-                    ray.kill(w)
         chosen = select_steering(candidates, float(self.select.get("tolerance", 0.0)))
         say(f"{ctx.name}: selected layer {chosen['layer']}, strength {chosen['strength']:g} on {len(rows)} held-out "
             f"training problems")
@@ -176,7 +167,6 @@ class SteerExtractStage(Stage):
         out = ctx.stage_dir
         torch.save({int(k): v.contiguous() for k, v in vectors.items()}, out / "steering_vectors.pt")
         report["pair_file"] = path
-        (out / "steering_report.json").write_text(json.dumps(report, indent=1))
         ctx.summary[ctx.name] = {"pairs": report["pairs"], "vector_norm": report["vector_norm"]}
         say(f"{ctx.name}: vector norms " + ", ".join(f"L{k} {v:.2f}" for k, v in report["vector_norm"].items()))
         if self.select:
@@ -185,6 +175,6 @@ class SteerExtractStage(Stage):
                 raise StageError(f"{ctx.name}: select.layers {bad} were not extracted (layers: {report['layers']})")
             report["selection"] = self._select(ctx, str(out / "steering_vectors.pt"))
             report["selected"] = {k: report["selection"]["selected"][k] for k in ("layer", "strength")}
-            (out / "steering_report.json").write_text(json.dumps(report, indent=1))
             ctx.summary[ctx.name]["selected"] = report["selected"]
+        (out / "steering_report.json").write_text(json.dumps(report, indent=1))
         return {"steering_vectors": str(out / "steering_vectors.pt"), "steering_report": str(out / "steering_report.json")}

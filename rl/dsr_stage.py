@@ -204,9 +204,7 @@ class AutoformalizeStage(Stage):
             [dsr.format_request(r, self.style) for r in reqs])])
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        import ray
-
-        from rewards.judges import start_judges
+        from rewards.judges import start_judges, stop_judges
         from rl.config import as_container
         from rl.pipeline import _rows, prompt_row_columns, stage_cfg
         cfg = stage_cfg(ctx)
@@ -241,9 +239,7 @@ class AutoformalizeStage(Stage):
             if "from_broken" in self.inputs:
                 report["inputs"]["from_broken"] = self._from_broken(rows, ask, check)
         finally:
-            for client in clients.values():
-                for w in client.workers:
-                    ray.kill(w)
+            stop_judges(clients)
         path = ctx.stage_dir / "autoformalize.json"
         path.write_text(json.dumps(report, indent=1, ensure_ascii=False))
         ctx.summary[ctx.name] = {inp: {mode: {k: v for k, v in r.items() if k not in ("items",)}
@@ -256,9 +252,9 @@ class AutoformalizeStage(Stage):
         return {"autoformalize_report": str(path)}
 
     def _score(self, traces: list[dsr.RepairTrace], drafts: list[dict[str, Any]], ask: dict[str, Any],
-               check: Any, references: list[str | None], erroneous: list[int | None]) -> dict[str, Any]:
+               references: list[str | None], erroneous: list[int | None]) -> dict[str, Any]:
         finals = [t.statement for t in traces]
-        sc = [not check(s) for s in finals]
+        sc = [t.errors == 0 for t in traces]  # the checker's verdict on the final statement, kept by the trace
         cc = [score >= 0.6 for score in self.judge(drafts, finals, ask)]
         kept, exact = [], []
         for final, ref, bad in zip(finals, references, erroneous):
@@ -286,7 +282,7 @@ class AutoformalizeStage(Stage):
         out = {}
         for mode in self.modes:
             out[mode] = {"sc_before_repair": statistics.mean(first),
-                         **self._score(self.repair(items, mode, ask, check), drafts, ask, check,
+                         **self._score(self.repair(items, mode, ask, check), drafts, ask,
                                        [r.get("answer") for r in rows], [None] * len(rows))}
         return out
 
@@ -300,7 +296,7 @@ class AutoformalizeStage(Stage):
             drafts.append({"conditions_nl": b["nl"][:-1], "conclusion_nl": b["nl"][-1]})
         out = {}
         for mode in self.modes:
-            out[mode] = self._score(self.repair(items, mode, ask, check), drafts, ask, check,
+            out[mode] = self._score(self.repair(items, mode, ask, check), drafts, ask,
                                     [dsr.splice(r["item"]["conditions"], r["item"]["conclusion"]) for r in rows],
                                     [r["broken"]["error_component"] for r in rows])
         return out

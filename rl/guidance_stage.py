@@ -43,6 +43,7 @@ class CiteEvalStage(Stage):
         import ray
         from omegaconf import OmegaConf
 
+        from rewards.judges import stop_judges
         from rl.guidance import (
             ContainmentJudge,
             LLMCitationJudge,
@@ -50,8 +51,8 @@ class CiteEvalStage(Stage):
             score_citations,
             strip_citations,
         )
-        from rl.pipeline import _rows, prompt_row_columns, stage_cfg
-        from rl.trainer import generate, make_rollout_workers
+        from rl.pipeline import _rows, prompt_row_columns, stage_cfg, stage_rollout_workers
+        from rl.trainer import generate
         from rollout.base import load_tokenizer
         cfg, rt = stage_cfg(ctx), ctx.runtime
         rows = _rows(ctx, "eval", prompt_row_columns(cfg.data))[:cfg.trainer.eval_max_prompts]
@@ -71,23 +72,21 @@ class CiteEvalStage(Stage):
             from rl.config import as_container
             clients = start_judges({self.judge: as_container(cfg.reward.judges[self.judge])}, ctx.require("policy"))
             judge = LLMCitationJudge(lambda prompts: clients[self.judge].generate(prompts, temperature=0.0))
-        workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)
-        if own:
-            workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
         tokenizer = load_tokenizer(ctx.require("base_model"))
         report: dict[str, Any] = {"prompts": len(rows), "judge": self.judge, "arms": {}}
         try:
-            answers: dict[str, list[str]] = {}
-            decodings = {"plain": (None, {}), "guidance": ("citation_guidance", self.guidance_params)}
-            for arm in [a for a in ("plain", "guidance") if a in self.arms or (a == "plain" and "post_hoc" in self.arms)]:
-                name, params = decodings[arm]
-                arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": name, "eval_decoding_params": params,
-                                                            "eval_runs": 1}})
-                batch = generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
-                answers[arm] = list(batch.responses)
-                if arm == "plain" and "post_hoc" in self.arms:
-                    answers["post_hoc"] = [post_hoc_cite(strip_citations(a), r[cfg.data.prompt_column])
-                                           for a, r in zip(batch.responses, rows)]
+            with stage_rollout_workers(ctx, cfg) as workers:
+                answers: dict[str, list[str]] = {}
+                decodings = {"plain": (None, {}), "guidance": ("citation_guidance", self.guidance_params)}
+                for arm in [a for a in ("plain", "guidance") if a in self.arms or (a == "plain" and "post_hoc" in self.arms)]:
+                    name, params = decodings[arm]
+                    arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": name, "eval_decoding_params": params,
+                                                                "eval_runs": 1}})
+                    batch = generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
+                    answers[arm] = list(batch.responses)
+                    if arm == "plain" and "post_hoc" in self.arms:
+                        answers["post_hoc"] = [post_hoc_cite(strip_citations(a), r[cfg.data.prompt_column])
+                                               for a, r in zip(batch.responses, rows)]
             for arm in self.arms:
                 scores = [score_citations(a, r[cfg.data.prompt_column], judge, self.max_statements)
                           for a, r in zip(answers[arm], rows)]
@@ -101,12 +100,7 @@ class CiteEvalStage(Stage):
                     "correctness": statistics.mean(correct) if correct else None,
                     "examples": answers[arm][:self.examples]}
         finally:
-            if own:
-                for w in workers:
-                    ray.kill(w)
-            for client in clients.values():
-                for w in client.workers:
-                    ray.kill(w)
+            stop_judges(clients)
         path = ctx.stage_dir / "cite_eval.json"
         path.write_text(json.dumps(report, indent=1))
         ctx.summary[ctx.name] = {arm: {k: v for k, v in r.items() if k != "examples"}

@@ -296,6 +296,7 @@ class MemoStage(Stage):
 
     # ------------------------------------------------------------------ driver
     def run(self, ctx: StageContext) -> dict[str, str]:
+        from rewards.judges import stop_judges
         from rl.trainer import make_rollout_workers
         from rollout.base import load_tokenizer
         cfg, rt = ctx.cfg, ctx.runtime
@@ -319,9 +320,7 @@ class MemoStage(Stage):
         finally:
             for w in workers:
                 ray.kill(w)
-            for client in judges.values():
-                for w in client.workers:
-                    ray.kill(w)
+            stop_judges(judges)
 
     def _start_judges(self, cfg: Any, policy: str) -> dict[str, Any]:
         from cluster.ray_utils import actor_env

@@ -19,8 +19,6 @@ import json
 import shutil
 from typing import Any
 
-import ray
-
 from rl.monoscale import (
     LMDistiller,
     LMFamiliarizer,
@@ -59,7 +57,7 @@ class MonoScaleStage(Stage):
         from dataclasses import asdict
 
         from cluster.ray_utils import actor_env
-        from rewards.judges import start_judges
+        from rewards.judges import start_judges, stop_judges
         from rl.config import as_container
         from rl.pipeline import engine_actor_config
         cfg, out = ctx.cfg, ctx.stage_dir
@@ -95,8 +93,7 @@ class MonoScaleStage(Stage):
                 report["runs"][mode] = result
                 say(f"{ctx.name}: {mode}: J by round {[round(j, 3) for j in result['j']]}")
         finally:
-            for w in (w for c in clients for w in c.workers):
-                ray.kill(w)
+            stop_judges(clients)
         (out / "report.json").write_text(json.dumps(report, indent=2))
         memory = report["runs"].get("monoscale", next(iter(report["runs"].values())))["memory"]
         (out / "router_memory.json").write_text(memory)

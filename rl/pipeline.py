@@ -16,6 +16,8 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +254,22 @@ def stage_cfg(ctx: StageContext) -> DictConfig:
 def prompt_row_columns(d: DictConfig) -> list[str]:
     """The columns of a train/eval row: the prompt, the answer and `data.metadata_columns`."""
     return [d.prompt_column, d.answer_column, *d.metadata_columns]
+
+
+@contextmanager
+def stage_rollout_workers(ctx: StageContext, cfg: DictConfig) -> Iterator[list[Any]]:
+    """The RL run's rollout workers when this run trains (`ctx.runtime.trainer`); otherwise workers started on the
+    stage's policy for the stage's work and killed after it."""
+    rt = ctx.runtime
+    if rt.trainer is not None:
+        yield rt.trainer.rollout
+        return
+    workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            ray.kill(w)
 
 
 def _rows(ctx: StageContext, split: str, columns: list[str]) -> list[dict]:
@@ -508,20 +526,14 @@ class EvaluateStage(Stage):
         eval_rows = _rows(ctx, "eval", prompt_row_columns(d))
         if not eval_rows:
             return {}
-        workers, own = (rt.trainer.rollout, False) if rt.trainer is not None else (None, True)
-        if own:  # RL was reused: evaluate its exported policy
-            if ctx.artifact("checkpoint") is not None and not cfg.trainer.save_hf:
-                raise StageError("stage 'evaluate' needs the RL policy: set trainer.save_hf (export) or re-run rl")
-            workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
+        # RL was reused: evaluate its exported policy
+        if rt.trainer is None and ctx.artifact("checkpoint") is not None and not cfg.trainer.save_hf:
+            raise StageError("stage 'evaluate' needs the RL policy: set trainer.save_hf (export) or re-run rl")
         tokenizer = load_tokenizer(ctx.require("base_model"))
-        try:
+        with stage_rollout_workers(ctx, cfg) as workers:
             after = evaluate(workers, rt.reward_service, tokenizer, cfg, eval_rows)
             if self.runs or self.loops:
                 after["protocol"] = self.protocol(ctx, workers, tokenizer, eval_rows)
-        finally:
-            if own:
-                for w in workers:
-                    ray.kill(w)
         ctx.summary.update(accuracy_after_rl=after["accuracy"], heldout_rewards_after_rl=after["components"],
                            eval_examples_after_rl=after["examples"])
         if "protocol" in after:

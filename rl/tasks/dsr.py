@@ -41,8 +41,9 @@ def perturb(code: str, grade: str, rng: random.Random) -> str | None:
     if not ops:
         return None
     op = ops[-1]
+    head, _, tail = code.rpartition(op)  # the comparison is the last operator of that kind in the fragment
     if grade == "B":
-        return code[::-1].replace(op[::-1], _FLIP_STRICT[op][::-1], 1)[::-1]
+        return head + _FLIP_STRICT[op] + tail
     kind = rng.choice(["direction", "variable", "numeral"])
     if kind == "variable":
         names = [c for c in "xyzu" if f" {c}" in f" {code}" or f"({c}" in code]
@@ -57,7 +58,7 @@ def perturb(code: str, grade: str, rng: random.Random) -> str | None:
         if digits:
             i = rng.choice(digits)
             return code[:i] + str((int(code[i]) % 9) + 1) + code[i + 1:]
-    return code[::-1].replace(op[::-1], _FLIP_DIRECTION[op][::-1], 1)[::-1]
+    return head + _FLIP_DIRECTION[op] + tail
 
 
 def formal_components(item: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any] | None]]:

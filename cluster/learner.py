@@ -87,6 +87,11 @@ class LearnerWorker(ActorProbes):
         self.backward_passes = 0
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce op when it starts (about a minute
+            # on a cold cache, again whenever the compiler's view of the build changes). Only its
+            # `inference_all_reduce` uses that op; training collectives go through torch.distributed (gloo).
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=backend)
         self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
         torch.manual_seed(seed)

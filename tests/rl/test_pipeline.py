@@ -211,8 +211,16 @@ def _cli(*args, timeout=300):
                           timeout=timeout)
 
 
+def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path):
+    """The `looprl` process itself: exit status 2, the error on stderr, no traceback (a check that needs Ray)."""
+    res = _cli("run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o",
+               "data.train_path=/nonexistent/train.jsonl")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "data.train_path: dataset '/nonexistent/train.jsonl' does not exist" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 @pytest.mark.parametrize("overrides,expected", [
-    (["data.train_path=/nonexistent/train.jsonl"], "data.train_path: dataset '/nonexistent/train.jsonl' does not exist"),
     (["reward.functions=[{name: 'no_such_reward_fn'}]"], "unknown reward 'no_such_reward_fn'"),
     (["reward.functions=[{name: '/nonexistent/plugin.py:fn'}]"], "does not exist"),
     (["learner.zero_stage=5"], "learner.zero_stage"),
@@ -224,11 +232,13 @@ def _cli(*args, timeout=300):
     (["reward.failed_samples=drop"], "reward.failed_samples"),
     (["reward.judges={g: {engine_params: {kv_cache_gb: 2}}}"], "reward.judges.g.engine_params.kv_cache_gb"),
 ])
-def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path, overrides, expected):
-    res = _cli("run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", *overrides)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert expected in res.stderr
-    assert "Traceback" not in res.stderr
+def test_bad_recipe_values_are_refused_at_start_up_with_one_clear_error(tmp_path, capsys, overrides, expected):
+    """The CLI's entry point in process (`python -m rl.cli` exits with what `main` returns): these are refused
+    at start-up, before Ray starts."""
+    from rl.cli import main
+    assert main(["run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
 
 
 def test_missing_column_is_named(tmp_path):

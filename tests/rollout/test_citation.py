@@ -87,6 +87,10 @@ def cite_engine(tmp_path_factory):
     model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                              max_position_embeddings=512)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # both cores for this in-process training (the suite keeps one thread per process for its actors); a fixed
+    # count, so the taught model is the same on any machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     for step in range(150):
         seqs, masks = [], []
         for r in random.Random(step).sample(rows, 16):
@@ -104,6 +108,7 @@ def cite_engine(tmp_path_factory):
         opt.zero_grad()
         loss.backward()
         opt.step()
+    torch.set_num_threads(threads)
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
     world = json.loads(open(paths["citation_world"]).read())

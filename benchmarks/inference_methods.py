@@ -1,6 +1,6 @@
 """Inference-time methods against their baselines, on tiny models made in code.
 
-    python benchmarks/inference_methods.py [--only densesteer|beaconkv|kv_memory|guidance|dsr] [--seeds 0 1 2]
+    python benchmarks/inference_methods.py [--only densesteer|beaconkv|kv_memory|kv_recall|guidance|dsr] [--seeds 0 1 2]
         [--out benchmarks/results/inference_methods.json] [--runs-dir runs/inference_methods] [key=value ...]
 
 Each section writes its part of the JSON (a section run alone keeps the others' last results).
@@ -32,6 +32,13 @@ recent-only at equal B with similar local recall, the advantage growing as B shr
 8 query and 2 KV heads; the spec's API and memory check, no accuracy): 4 prompts, 512 greedy new tokens, peak KV
 bytes and tokens per second against the full cache, per policy at B = 64 (+ 4 sink + 16 recent), evicting every
 step, and BeaconKV evicting every 32 steps (the scoring amortised, as the paper's periodic eviction does).
+`--only kv_recall`: accuracy on a long-range recall task (`rl.kv_recall`, a labelled synthetic harness): per seed a
+tiny GQA Llama (d = 64, 2 blocks, 4 query and 2 KV heads) is taught in process (3,000 AdamW steps of 64) to read a
+table of 8 single-letter keys with digit values (the prompt, random order) and write the values back in
+alphabetical order with 8 filler characters after each (the answer, 80 tokens), so each value is read from a
+prompt position written up to ~95 tokens before while the model's own filler fills the cache. Greedy decoding of
+100 held-out tables with the full cache and with each policy at B ∈ {4, 8, 16} (+ 4 sink + 16 recent), evicting
+every 4 tokens: mean share of values right, share of tables right in full, peak KV bytes and tokens/s against the full cache.
 
 ## Guidance
 A labelled synthetic harness (§8's minimal implementation): per seed, `recipes/guidance_tiny.yaml` through Ray (a
@@ -250,6 +257,32 @@ def kv_memory() -> dict:
     return out
 
 
+RECALL_BUDGETS = (4, 8, 16)
+RECALL = {"n_keys": 8, "filler": 8, "steps": 3000, "held_out": 100, "interval": 4}
+
+
+def kv_recall_seed(seed: int) -> dict:
+    from rl.kv_recall import evaluate_recall, tiny_recall_lm
+    from rl.registry import get
+    model, tok, held_out = tiny_recall_lm(seed, RECALL["steps"], n_keys=RECALL["n_keys"], filler=RECALL["filler"],
+                                          log=lambda line: print(line, flush=True))
+    examples = held_out(RECALL["held_out"])
+    arms = {"full": evaluate_recall(model, tok, examples)}
+    for policy in KV_POLICIES:
+        for budget in RECALL_BUDGETS:
+            method = get("decoding", f"kv_{policy}")(budget=budget, sink=4, recent=16, interval=RECALL["interval"])
+            arms[f"{policy}/{budget}"] = evaluate_recall(model, tok, examples, method)
+    for arm in arms.values():
+        arm["memory_ratio_full_over"] = arms["full"]["peak_kv_bytes"] / arm["peak_kv_bytes"]
+        arm["speed_ratio_over_full"] = arm["tokens_per_s"] / arms["full"]["tokens_per_s"]
+    return arms
+
+
+def summarize_kv_recall(rows: list[dict]) -> dict:
+    keys = ("accuracy", "all_correct", "memory_ratio_full_over", "speed_ratio_over_full")
+    return {arm: {k: statistics.mean(r["arms"][arm][k] for r in rows) for k in keys} for arm in rows[0]["arms"]}
+
+
 def summarize_beaconkv(rows: list[dict]) -> dict:
     keys = ("recall_revisit", "recall_local", "output_error_revisit", "output_error_local")
     out: dict = {arm: {k: statistics.mean(r["arms"][arm][k] for r in rows) for k in keys} for arm in rows[0]["arms"]}
@@ -263,7 +296,7 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 8, figsize=(40, 4))
+    fig, axes = plt.subplots(1, 9, figsize=(45, 4))
     if "densesteer" in report:
         s = report["densesteer"]["summary"]
         for layer, color in zip(STEER_LAYERS, ("tab:gray", "tab:blue")):
@@ -307,13 +340,25 @@ def _plot(report: dict, path: Path) -> None:
         axes[7].set_xticks(list(xs), keys)
         axes[7].set_title(f"DSR repair at 4 calls, LeanLite ({len(report['dsr']['seeds'])} seeds)")
         axes[7].legend()
+    if "kv_recall" in report:
+        r = report["kv_recall"]["summary"]
+        budgets = report["kv_recall"]["budgets"]
+        for policy in KV_POLICIES:
+            axes[8].plot(budgets, [r[f"{policy}/{b}"]["accuracy"] for b in budgets], marker="o", label=policy)
+        axes[8].axhline(r["full"]["accuracy"], color="black", linestyle="--", label="full cache")
+        axes[8].set_xscale("log", base=2)
+        axes[8].set_xlabel("budget B (kept keys besides 4 sink + 16 recent)")
+        axes[8].set_ylabel("values recalled")
+        axes[8].set_title(f"KV policies, taught recall task ({len(report['kv_recall']['seeds'])} seeds)")
+        axes[8].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     p = seed_sweep_parser("inference_methods", [0, 1, 2], "overrides of the DenseSteer recipe")
-    p.add_argument("--only", choices=["densesteer", "beaconkv", "kv_memory", "guidance", "dsr"], default=None)
+    p.add_argument("--only", choices=["densesteer", "beaconkv", "kv_memory", "kv_recall", "guidance", "dsr"],
+                   default=None)
     args = p.parse_args()
     out = Path(args.out)
     report: dict = json.loads(out.read_text()) if out.exists() else {}
@@ -344,6 +389,17 @@ def main() -> None:
         report["kv_memory"] = kv_memory()
         report["summary"]["kv_memory"] = report["kv_memory"]
         print(json.dumps(report["kv_memory"]), flush=True)
+    if args.only in (None, "kv_recall"):
+        import torch
+        torch.set_num_threads(2)  # the in-process training; every arm decodes with the same threads
+        rows = []
+        for seed in args.seeds:
+            rows.append({"seed": seed, "arms": kv_recall_seed(seed)})
+            print(json.dumps({"seed": seed, **{a: round(v["accuracy"], 3) for a, v in rows[-1]["arms"].items()}}),
+                  flush=True)
+        report["kv_recall"] = {"seeds": args.seeds, "budgets": list(RECALL_BUDGETS), "task": RECALL,
+                               "per_seed": rows, "summary": summarize_kv_recall(rows)}
+        report["summary"]["kv_recall"] = report["kv_recall"]["summary"]
     if args.only in (None, "guidance"):
         rows = []
         for seed in args.seeds:

@@ -12,7 +12,8 @@ positions). Each head keeps its own positions; left padding is evicted first.
 Queries are read before RoPE (the output of `q_proj`, or of `q_norm` where the attention has one, as in Qwen3) and
 rotated here with the model's own rotary embedding: recent queries at their own positions, BeaconKV's beacons at
 the current position. `stats` after a call: the largest cache length left by the policy, the number of
-evictions, and the peak bytes of the cache's keys and values.
+evictions, and the peak bytes of the cache's keys and values (in the forward after the policy ran, which adds the
+fed token).
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ class KVPolicy:
             kv["evictions"] += 1
         length = cache.get_seq_length()
         kv["max_cache"] = max(kv["max_cache"], length)
+        # the peak comes in the next forward, which appends the token it feeds to what is left here
         kv["peak_bytes"] = max(kv["peak_bytes"], sum(cl.keys.numel() * cl.keys.element_size() * 2
-                                                     for cl in cache.layers))
+                                                     for cl in cache.layers) * (length + 1) // length)
         self.stats = {k: kv[k] for k in ("max_cache", "evictions", "peak_bytes")}
 
     def evicted(self, layer: dict[str, Any], idx: torch.Tensor) -> None:

@@ -148,7 +148,8 @@ def test_every_policy_keeps_the_cache_within_its_bound_on_the_engine(gqa_engine,
     out = _gen(gqa_engine, policy, params)
     method = gqa_engine.decoding_method(policy, params)
     assert method.stats["max_cache"] <= 8 + 2 + 4 and method.stats["evictions"] > 0
-    assert method.stats["peak_bytes"] == 2 * 2 * 2 * 3 * 14 * 16 * 4  # k and v, 2 layers, B 3, 2 KV heads, 14 x 16 fp32
+    # k and v, 2 layers, B 3, 2 KV heads, the 14 kept and the fed token x 16 fp32
+    assert method.stats["peak_bytes"] == 2 * 2 * 2 * 3 * 15 * 16 * 4
     assert out.response_ids.shape[0] == 3 and not torch.equal(out.rollout_logp, plain.rollout_logp)
 
 
@@ -168,3 +169,37 @@ def test_beacons_are_rotated_at_the_current_position_with_the_models_rope(gqa_en
     q = torch.randn(4, 3, 16)
     cos, sin = rope_tables(torch.tensor([50, 50, 50]), 16, theta=model.config.rope_parameters["rope_theta"])
     torch.testing.assert_close(method.rotate(q, torch.tensor([50, 50, 50])), rope(q, cos, sin), atol=1e-5, rtol=1e-5)
+
+
+def test_the_recall_task_asks_every_key_in_alphabetical_order_and_scores_by_hand():
+    import random
+
+    from rl.kv_recall import recall_example, score_recall
+    prompt, answer, table = recall_example(random.Random(3), n_keys=5, filler=2)
+    assert sorted(table) == list("abcde") and prompt.endswith(";") and len(prompt) == 11
+    assert answer == "".join(f"{k}{table[k]}.." for k in "abcde")
+    assert all(f"{k}{v}" in prompt for k, v in table.items())
+    # the first value written for a key counts; a key never written is wrong
+    assert score_recall("a2..b5..a3..", {"a": "2", "b": "6", "c": "1"}) == pytest.approx(1 / 3)
+    assert score_recall(answer, table) == 1.0
+
+
+def test_recall_evaluation_counts_the_full_cache_as_a_policy_that_never_evicts_would():
+    import random
+
+    from rl.kv_recall import evaluate_recall, recall_example
+    from rl.registry import get
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    rng = random.Random(0)
+    examples = [recall_example(rng, n_keys=6, filler=3) for _ in range(3)]
+    full = evaluate_recall(model, tok, examples)
+    never = evaluate_recall(model, tok, examples, get("decoding", "kv_streaming")(budget=1000))
+    small = evaluate_recall(model, tok, examples, get("decoding", "kv_streaming")(budget=4, sink=2, recent=4))
+    assert never["peak_kv_bytes"] == full["peak_kv_bytes"]
+    assert never["accuracy"] == full["accuracy"]  # nothing evicted: the same greedy answers
+    assert small["peak_kv_bytes"] < full["peak_kv_bytes"]

@@ -15,9 +15,10 @@ task: a+b= with two-digit a and b and a three-digit sum), then on its 200 held-o
 tokens (the sum's digits and EOS; G = 4) decoded in G steps:
 
 FAIR-Calib: W4A4 fake quantization calibrated block by block (`rl.fair_calib`, 64 teacher probes, 64 calibration
-sequences, 15 epochs) with the uniform block MSE, each single term of the prior, and both; round-to-nearest (RTN) as
-the floor. Exact-match accuracy, trajectory KL to full precision on the teacher's trajectories, frontier flip rate.
-The paper's ordering: both > single term > uniform.
+sequences, 15 epochs) with the uniform block MSE, each single term of the prior, and both, learning the clipping
+ratios; the uniform MSE and both terms again with FlatQuant's learned flattening (`+kron`, the paper's base
+quantizer); round-to-nearest (RTN) as the floor. Exact-match accuracy, trajectory KL to full precision on the
+teacher's trajectories, frontier flip rate. The paper's ordering: both > single term > uniform.
 
 CORE: decoding with G steps plus 2 probes (G + 2 forwards): CORE against compute-matched controls (random and
 low-margin remasking at the same probes, and no remasking with G + 2 steps). Accuracy, and the precision of each
@@ -37,6 +38,8 @@ from recipe_runs import run_recipe, seed_sweep_parser, write_report
 LLADA = "recipes/llada_sft_tiny.yaml"
 RATIOS = (0.2, 0.4, 0.6)
 WEIGHTINGS = ("uniform", "frontier", "reliability", "fair")
+# calibrations: each weighting with the clipping ratios alone, and the two ends with FlatQuant's learned flattening
+FAIR_ARMS = (*WEIGHTINGS, "uniform+kron", "fair+kron")
 
 
 def decomper_seed(seed: int) -> dict:
@@ -102,11 +105,13 @@ def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     quantize_blocks(rtn, 4, 4)
     out: dict = {"fp": {"accuracy": _accuracy(tok, _decode(fp, tok, prompts, **kw).tokens, answers)},
                  "arms": {"rtn": {"accuracy": _accuracy(tok, _decode(rtn, tok, prompts, **kw).tokens, answers)}}}
-    for arm in WEIGHTINGS:
+    for arm in FAIR_ARMS:
+        weighting, _, transform = arm.partition("+")
         folder = run_dir / "quantized" / arm
         report = quantize_model(str(model_dir), str(folder), calib, diag, tok.pad_token_id, tok.mask_token_id,
-                                w_bits=4, a_bits=4, weighting=arm, probes=64, window=256, floor_frac=0.01, beta=1.0,
-                                lambda1=1.0, epochs=15, lr=5e-3, batch_size=8, seed=seed, **kw)
+                                w_bits=4, a_bits=4, weighting=weighting, transform=transform or "none", probes=64,
+                                window=256, floor_frac=0.01, beta=1.0, lambda1=1.0, epochs=15, lr=5e-3, batch_size=8,
+                                seed=seed, **kw)
         q = load_fake_quant(AutoModel.from_pretrained(folder), folder).eval()
         out["arms"][arm] = {"accuracy": _accuracy(tok, _decode(q, tok, prompts, **kw).tokens, answers),
                             **report["calibrated"]}
@@ -156,7 +161,7 @@ def summarize(report: dict) -> dict:
                            for a in arms}
     if rows and "fair" in rows[0]:
         out["fair"] = {"fp_accuracy": mean(mean(r["fair"]["fp"]["accuracy"]) for r in rows)}
-        for a in ("rtn", *WEIGHTINGS):
+        for a in ("rtn", *(a for a in FAIR_ARMS if a in rows[0]["fair"]["arms"])):
             out["fair"][a] = {k: mean(mean(r["fair"]["arms"][a][k]) if k == "accuracy" else r["fair"]["arms"][a][k]
                                       for r in rows)
                               for k in ("accuracy", "trajectory_kl", "frontier_flip_rate", "post_commit_mismatch")}
@@ -185,7 +190,7 @@ def _plot(report: dict, path: Path) -> None:
         axes[0].set_title("Decomper")
         axes[0].legend(fontsize=7)
     if "fair" in s:
-        names = ["rtn", *WEIGHTINGS]
+        names = [a for a in s["fair"] if a != "fp_accuracy"]
         axes[1].bar(names, [s["fair"][a]["accuracy"] for a in names], color="tab:blue")
         axes[1].axhline(s["fair"]["fp_accuracy"], color="k", linestyle="--", label="full precision")
         axes[1].set_ylabel("exact-match accuracy (W4A4)")

@@ -1,10 +1,18 @@
 """Fake quantization of a model's block projections (symmetric integer weights per output channel, activations per
-token), with learnable clipping ratios, and its save format.
+token), with learnable clipping ratios, an optional learnable affine flattening transform (FlatQuant's), and its
+save format.
 
 The rounding follows compressed-tensors (the quantization format vLLM and llm-compressor read): symmetric int-b with
 scale = max|x| / ((2^b − 1) / 2) and values clamped to [−2^(b−1), 2^(b−1) − 1]; at clipping ratio 1 the fake-quantized
 tensors equal `compressed_tensors.quantization.lifecycle.forward.fake_quantize` (tested). The clipping ratios scale
 that max and are trained by calibration through a straight-through rounding (LSQ-style gradients reach the ratio).
+
+The flattening transform (`transform="kron"`, FlatQuant: Sun et al. 2024) is a learnable invertible matrix
+P = P1 ⊗ P2 per layer, Kronecker-factored (n = n1·n2, n1 the largest divisor of n up to √n): the input is quantized
+as x̃ = x·P and the weight as W̃ = W·P⁻ᵀ, so x̃·W̃ᵀ = x·Wᵀ before rounding. P starts at the identity (the plain
+quantizer) and is trained by calibration with the clipping ratios, spreading outlier channels before they are
+rounded. [RECONSTRUCTION] of FlatQuant's defaults: no per-channel scaling beside P, P1 and P2 inverted exactly in
+each forward (they are at most ~64 × 64 at 4096 channels).
 
 A folder saved by `save_fake_quant` is the full-precision model (`save_pretrained`) plus `fake_quant.json` (bits and
 the quantized modules) and `fake_quant.safetensors` (the clipping ratios); `load_fake_quant` wraps a loaded model
@@ -37,25 +45,58 @@ def fake_quant(x: torch.Tensor, max_abs: torch.Tensor, bits: int) -> torch.Tenso
     return torch.clamp(round_ste(x / scale), qmin, qmax) * scale
 
 
+TRANSFORMS = ("none", "kron")
+
+
+def kron_factors(n: int) -> tuple[int, int]:
+    """(n1, n2) with n1·n2 = n, n1 the largest divisor of n that is at most √n."""
+    n1 = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
+    return n1, n // n1
+
+
+def flatten_input(x: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor) -> torch.Tensor:
+    """x·(P1 ⊗ P2) for rows x `[..., n1·n2]`: P1ᵀ·X·P2 on each row reshaped to `[n1, n2]`."""
+    X = x.reshape(*x.shape[:-1], p1.shape[0], p2.shape[0])
+    return (p1.T @ X @ p2).reshape(x.shape)
+
+
+def flatten_weight(w: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor) -> torch.Tensor:
+    """W·(P1 ⊗ P2)⁻ᵀ for `w [out, n1·n2]`: P1⁻¹·W_r·P2⁻ᵀ on each row, so that flatten_input(x)·W̃ᵀ = x·Wᵀ."""
+    W = w.reshape(w.shape[0], p1.shape[0], p2.shape[0])
+    return (torch.linalg.inv(p1) @ W @ torch.linalg.inv(p2).T).reshape(w.shape)
+
+
 class FakeQuantLinear(nn.Module):
     """A linear layer whose weight (per output channel) and input (per token) are fake-quantized. `w_clip [out, 1]`
-    and `a_clip [1]` are the learnable clipping ratios (start at 1: the plain round-to-nearest quantizer); the
-    full-precision weight and bias are the wrapped layer's, frozen."""
+    and `a_clip [1]` are the learnable clipping ratios (start at 1: the plain round-to-nearest quantizer);
+    `transform="kron"` adds FlatQuant's learnable flattening `p1 [n1, n1]`, `p2 [n2, n2]` (start at the identity);
+    the full-precision weight and bias are the wrapped layer's, frozen."""
 
-    def __init__(self, linear: nn.Linear, w_bits: int = 4, a_bits: int = 4):
+    def __init__(self, linear: nn.Linear, w_bits: int = 4, a_bits: int = 4, transform: str = "none"):
         super().__init__()
+        if transform not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         self.linear = linear
         for p in linear.parameters():
             p.requires_grad_(False)
-        self.w_bits, self.a_bits = w_bits, a_bits
-        self.w_clip = nn.Parameter(torch.ones(linear.out_features, 1, device=linear.weight.device))
-        self.a_clip = nn.Parameter(torch.ones(1, device=linear.weight.device))
+        self.w_bits, self.a_bits, self.transform = w_bits, a_bits, transform
+        device = linear.weight.device
+        self.w_clip = nn.Parameter(torch.ones(linear.out_features, 1, device=device))
+        self.a_clip = nn.Parameter(torch.ones(1, device=device))
+        if transform == "kron":
+            n1, n2 = kron_factors(linear.in_features)
+            self.p1 = nn.Parameter(torch.eye(n1, device=device))
+            self.p2 = nn.Parameter(torch.eye(n2, device=device))
 
     def quantized_weight(self) -> torch.Tensor:
         w = self.linear.weight
+        if self.transform == "kron":
+            w = flatten_weight(w.float(), self.p1, self.p2).to(w.dtype)
         return fake_quant(w, self.w_clip.clamp(0.05, 1.0) * w.abs().amax(1, keepdim=True), self.w_bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transform == "kron":
+            x = flatten_input(x.float(), self.p1, self.p2).to(x.dtype)
         if self.a_bits < 16:
             x = fake_quant(x, self.a_clip.clamp(0.05, 1.0) * x.abs().amax(-1, keepdim=True).detach(), self.a_bits)
         return F.linear(x, self.quantized_weight(), self.linear.bias)
@@ -68,14 +109,15 @@ def block_linear_names(model: nn.Module) -> list[tuple[int, str]]:
             for name, mod in block.named_modules() if isinstance(mod, nn.Linear)]
 
 
-def quantize_blocks(model: nn.Module, w_bits: int = 4, a_bits: int = 4) -> dict[str, FakeQuantLinear]:
+def quantize_blocks(model: nn.Module, w_bits: int = 4, a_bits: int = 4, transform: str = "none"
+                    ) -> dict[str, FakeQuantLinear]:
     """Replace every block projection by a `FakeQuantLinear` in place; returns them by `"{block}.{name}"`."""
     out = {}
     blocks = decoder_layers(model)
     for i, name in block_linear_names(model):
         parent_name, _, child = name.rpartition(".")
         parent = blocks[i].get_submodule(parent_name) if parent_name else blocks[i]
-        wrapped = FakeQuantLinear(getattr(parent, child), w_bits, a_bits)
+        wrapped = FakeQuantLinear(getattr(parent, child), w_bits, a_bits, transform)
         setattr(parent, child, wrapped)
         out[f"{i}.{name}"] = wrapped
     return out
@@ -98,28 +140,38 @@ def unwrap_fake_quant(model: nn.Module) -> nn.Module:
     return model
 
 
+def _quantizer_state(mods: dict[str, FakeQuantLinear]) -> dict[str, torch.Tensor]:
+    return {f"{k}.{name}": p.detach().cpu().contiguous() for k, m in mods.items()
+            for name, p in m.named_parameters() if not name.startswith("linear.")}
+
+
+def _load_quantizer_state(mods: dict[str, FakeQuantLinear], state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, m in mods.items():
+            for name, p in m.named_parameters():
+                if not name.startswith("linear."):
+                    p.copy_(state[f"{k}.{name}"])
+
+
 def save_fake_quant(model: nn.Module, out_dir: str | Path, extra: dict | None = None) -> None:
-    """Save a fake-quantized model: the full-precision model, its clipping ratios and bits."""
+    """Save a fake-quantized model: the full-precision model, its quantizers' parameters (clipping ratios, and the
+    flattening transforms) and bits."""
     from safetensors.torch import save_file
     out = Path(out_dir)
     mods = quantized_modules(model)
     if not mods:
         raise ValueError("save_fake_quant: the model has no fake-quantized layers")
     any_mod = next(iter(mods.values()))
-    state = {f"{k}.w_clip": m.w_clip.detach().cpu().contiguous() for k, m in mods.items()}
-    state |= {f"{k}.a_clip": m.a_clip.detach().cpu().contiguous() for k, m in mods.items()}
+    state = _quantizer_state(mods)
     unwrap_fake_quant(model)
     try:
         model.save_pretrained(out)
     finally:
-        quantize_blocks(model, any_mod.w_bits, any_mod.a_bits)
-        with torch.no_grad():
-            for k, m in quantized_modules(model).items():
-                m.w_clip.copy_(state[f"{k}.w_clip"])
-                m.a_clip.copy_(state[f"{k}.a_clip"])
+        _load_quantizer_state(quantize_blocks(model, any_mod.w_bits, any_mod.a_bits, any_mod.transform), state)
     save_file(state, str(out / STATE_FILE))
     (out / CONFIG_FILE).write_text(json.dumps({"w_bits": any_mod.w_bits, "a_bits": any_mod.a_bits,
-                                               "modules": sorted(mods), **(extra or {})}, indent=1))
+                                               "transform": any_mod.transform, "modules": sorted(mods),
+                                               **(extra or {})}, indent=1))
 
 
 def load_fake_quant(model: nn.Module, folder: str | Path) -> nn.Module:
@@ -130,13 +182,9 @@ def load_fake_quant(model: nn.Module, folder: str | Path) -> nn.Module:
     if not (folder / CONFIG_FILE).exists():
         return model
     spec = json.loads((folder / CONFIG_FILE).read_text())
-    mods = quantize_blocks(model, spec["w_bits"], spec["a_bits"])
+    mods = quantize_blocks(model, spec["w_bits"], spec["a_bits"], spec.get("transform", "none"))
     if sorted(mods) != spec["modules"]:
         raise ValueError(f"{folder / CONFIG_FILE}: quantized modules {spec['modules'][:3]}... do not match the "
                          f"model's block projections {sorted(mods)[:3]}...")
-    state = load_file(str(folder / STATE_FILE))
-    with torch.no_grad():
-        for k, m in mods.items():
-            m.w_clip.copy_(state[f"{k}.w_clip"])
-            m.a_clip.copy_(state[f"{k}.a_clip"])
+    _load_quantizer_state(mods, load_file(str(folder / STATE_FILE)))
     return model

@@ -6,8 +6,8 @@ early boost, plus the masked-stage reliability), aligned to a window of the last
 floor outside; Stage II calibrates the quantizers block by block, earlier blocks calibrated and frozen, minimising the
 w̄-weighted hidden-state MSE on teacher-forced (unmasked) sequences. [RECONSTRUCTION]: λ0(t) = 1 + β(1 − t/T),
 λ1 = 1, c̃ = the top-1 probability divided by its largest value over the row's masked positions, floor =
-0.01·mean(w̄); the quantizer is `models.quant` (per-channel weights, per-token activations, learnable clipping ratios;
-FlatQuant's learnable affine flattening transform is not implemented).
+0.01·mean(w̄); the quantizer is `models.quant` (per-channel weights, per-token activations, learnable clipping ratios,
+and with `transform="kron"` FlatQuant's learnable Kronecker-factored flattening, trained with the ratios).
 
 Diagnostics on the teacher's own low-confidence trajectories: the frontier flip rate (the quantized model's argmax
 differs from the token the teacher commits, in the same state), the trajectory KL (KL(p_fp ‖ p_q) at the committed
@@ -111,14 +111,15 @@ def position_weights(attention_mask: torch.Tensor, answer_start: torch.Tensor, p
 
 def calibrate_blocks(fp: nn.Module, quant: nn.Module, batches: list[dict[str, torch.Tensor]],
                      weights: list[torch.Tensor], *, epochs: int = 15, lr: float = 5e-3, log=None) -> list[dict]:
-    """Stage II: block by block, the clipping ratios of block ℓ's quantizers (AdamW, `lr`, `epochs` passes over
-    `batches`) minimise Σ_i w_i ‖h^q_ℓ,i − h*_ℓ,i‖² / Σ_i w_i, the quantized block fed by the calibrated quantized
-    prefix; the ratios of the best epoch are kept. Returns per block the loss before and after."""
+    """Stage II: block by block, the clipping ratios (and flattening transforms) of block ℓ's quantizers (AdamW,
+    `lr`, `epochs` passes over `batches`) minimise Σ_i w_i ‖h^q_ℓ,i − h*_ℓ,i‖² / Σ_i w_i, the quantized block fed by
+    the calibrated quantized prefix; the parameters of the best epoch are kept. Returns per block the loss before and
+    after."""
     for p in quant.parameters():
         p.requires_grad_(False)
     history = []
     for j, block in enumerate(decoder_layers(quant)):
-        params = [p for name, p in block.named_parameters() if name.endswith(("w_clip", "a_clip"))]
+        params = [p for name, p in block.named_parameters() if name.endswith(("w_clip", "a_clip", ".p1", ".p2"))]
         for p in params:
             p.requires_grad_(True)
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

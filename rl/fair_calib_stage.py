@@ -5,8 +5,8 @@ The SFT data gives the sequences: `calib_sequences` teacher-forced prompt+answer
 (cycled) drive the `probes` random-commit rollouts of Stage I, and `diag_sequences` other prompts measure the
 diagnostics. A Ray task in the run's first learner bundle builds the prior (`weighting`: fair = both terms,
 frontier, reliability, or uniform = FlatQuant's plain block MSE), wraps every block projection in a fake quantizer
-(`w_bits`/`a_bits`), records the round-to-nearest diagnostics, calibrates the clipping ratios block by block, records
-the diagnostics again and saves the quantized folder.
+(`w_bits`/`a_bits`, with FlatQuant's flattening when `transform: kron`), records the round-to-nearest diagnostics,
+calibrates the quantizers block by block, records the diagnostics again and saves the quantized folder.
 
 Artifacts: `policy` (the fake-quantized model folder; the `hf` engine serves it quantized, e.g. in the evaluation
 stage) and `quantization_report` (JSON: the prior, per-block losses, diagnostics of RTN and of the calibrated model).
@@ -27,7 +27,7 @@ from rl.stages import Stage, StageContext, StageError, say
 def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], list[int]]], diag: list[list[int]],
                    pad_id: int, mask_id: int, *, w_bits: int, a_bits: int, weighting: str, probes: int, window: int,
                    floor_frac: float, beta: float, lambda1: float, gen_length: int, block_length: int, steps: int,
-                   epochs: int, lr: float, batch_size: int, seed: int) -> dict[str, Any]:
+                   epochs: int, lr: float, batch_size: int, seed: int, transform: str = "none") -> dict[str, Any]:
     """Build the prior, quantize, calibrate and save the model at `model_path` into `out_dir`; returns the report."""
     import copy
 
@@ -45,7 +45,7 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
     from rollout.base import load_tokenizer
     torch.manual_seed(seed)
     fp = AutoModel.from_pretrained(model_path).eval()
-    report: dict[str, Any] = {"w_bits": w_bits, "a_bits": a_bits, "weighting": weighting}
+    report: dict[str, Any] = {"w_bits": w_bits, "a_bits": a_bits, "weighting": weighting, "transform": transform}
     prior = None
     if weighting != "uniform":
         prompts, pmask = pad_token_rows([p for p, _ in calib], pad_id, "left")
@@ -61,7 +61,7 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
         batches.append({"input_ids": ids, "attention_mask": mask})
         weights.append(position_weights(mask, torch.tensor([len(p) for p, _ in chunk]), prior))
     quant = copy.deepcopy(fp)
-    quantize_blocks(quant, w_bits, a_bits)
+    quantize_blocks(quant, w_bits, a_bits, transform)
     dprompts, dmask = pad_token_rows(diag, pad_id, "left")
     dkw = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length, steps=steps)
     report["rtn"] = trajectory_diagnostics(fp, quant, dprompts, dmask, **dkw)
@@ -82,17 +82,23 @@ class QuantizeFairStage(Stage):
     def __init__(self, w_bits: int = 4, a_bits: int = 4, weighting: str = "fair", probes: int = 512,
                  window: int = 256, floor_frac: float = 0.01, beta: float = 1.0, lambda1: float = 1.0,
                  calib_sequences: int = 128, diag_sequences: int = 32, epochs: int = 15, lr: float = 5e-3,
-                 batch_size: int = 8, num_gpus: float = 0.0):
+                 batch_size: int = 8, transform: str = "none", num_gpus: float = 0.0):
         """`w_bits`/`a_bits`: integer bits of weights (per output channel) and activations (per token);
         `weighting`: fair (frontier hits + masked-stage reliability) | frontier | reliability | uniform; `probes`
         random-commit rollouts of the teacher (the paper's 512), the prior over the last `window` generation
         positions with `floor_frac` outside, `beta` the early boost, `lambda1` the reliability weight;
         `calib_sequences` teacher-forced sequences, `epochs` and `lr` of each block's AdamW over its clipping ratios
-        (FlatQuant's ~15 and 5e-3); `diag_sequences` prompts for the diagnostics. The generation length is
-        `rollout.max_new_tokens`, block length and steps are `rollout.eval_decoding_params`'."""
+        (FlatQuant's ~15 and 5e-3); `transform`: none | kron (FlatQuant's learnable Kronecker-factored flattening
+        of each projection's input and weight, trained with the clipping ratios; the paper's base quantizer);
+        `diag_sequences` prompts for the diagnostics. The generation length is `rollout.max_new_tokens`, block
+        length and steps are `rollout.eval_decoding_params`'."""
+        from models.quant import TRANSFORMS
         from rl.fair_calib import WEIGHTINGS
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        if transform not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
+        self.transform = transform
         if not (2 <= w_bits <= 8 and 2 <= a_bits <= 16):
             raise ValueError(f"w_bits must be in 2..8 and a_bits in 2..16 (16: activations unquantized), got "
                              f"{w_bits}, {a_bits}")
@@ -127,7 +133,7 @@ class QuantizeFairStage(Stage):
             w_bits=self.w_bits, a_bits=self.a_bits, weighting=self.weighting, probes=self.probes,
             window=self.window, floor_frac=self.floor_frac, beta=self.beta, lambda1=self.lambda1, gen_length=gen,
             block_length=int(dp.get("block_length") or gen), steps=int(dp.get("steps") or gen), epochs=self.epochs,
-            lr=self.lr, batch_size=self.batch_size, seed=cfg.seed))
+            lr=self.lr, batch_size=self.batch_size, seed=cfg.seed, transform=self.transform))
         report_path = out / "quantization_report.json"
         report_path.write_text(json.dumps(report, indent=1))
         ctx.summary[ctx.name] = {"weighting": self.weighting, "rtn": report["rtn"], "calibrated": report["calibrated"]}

@@ -22,7 +22,7 @@ def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_di
     from rl.pipeline import run
     out = tmp_path / "llada"
     quantize = ("{name: quantize_fair, params: {probes: 4, calib_sequences: 8, diag_sequences: 4, epochs: 2, "
-                "batch_size: 4}}")
+                "batch_size: 4, transform: kron}}")
     summary = run(config.load(ROOT / "recipes/llada_sft_tiny.yaml", [
         f"output_dir={out}", *SMALL, f"stages=[{{name: model}}, {{name: data}}, {{name: sft}}, {quantize}, "
         "{name: evaluate}]"]))
@@ -32,7 +32,8 @@ def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_di
     assert all(b["loss_after"] <= b["loss_before"] for b in report["blocks"]) and len(report["blocks"]) == 2
     assert set(report["rtn"]) == set(report["calibrated"]) == {"frontier_flip_rate", "trajectory_kl",
                                                               "post_commit_mismatch"}
-    assert (out / "stages" / "quantize_fair" / "model" / "fake_quant.json").exists()  # evaluated quantized
+    saved = json.loads((out / "stages" / "quantize_fair" / "model" / "fake_quant.json").read_text())
+    assert saved["transform"] == "kron" and report["transform"] == "kron"  # evaluated quantized, flattened
     assert json.loads((out / "base_model" / "config.json").read_text())["model_type"] == "llada"
     hist = [json.loads(x) for x in (out / "sft_metrics.jsonl").read_text().splitlines()]
     assert len(hist) == 40

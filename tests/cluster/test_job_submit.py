@@ -96,6 +96,6 @@ def _stop_head(temp_dir: Path) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
+    _, alive = psutil.wait_procs(procs, timeout=5)  # a private head: nothing to shut down gracefully
     for p in alive:
         p.kill()

@@ -48,9 +48,10 @@ def tiny_recall_lm(seed: int = 0, steps: int = 3000, *, n_keys: int = 8, filler:
                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                    lr: float = 1.5e-3, log: Callable[[str], None] | None = None
                    ) -> tuple[nn.Module, Any, Callable[[int], list[tuple[str, str, dict[str, str]]]]]:
-    """A tiny GQA Llama taught the recall task for `steps` AdamW steps (loss on the answer tokens only; the
-    values stay at chance for the first ~800 steps of the defaults, until the model finds the lookup). Returns (model in eval mode, tokenizer, held_out(n)): held_out draws tables from a stream seeded apart from
-    the training stream."""
+    """A tiny GQA Llama taught the recall task for `steps` AdamW steps (loss on the answer tokens only; with the
+    defaults the values stay at chance for the first 400-1,000 steps, until the model finds the lookup). Returns
+    (model in eval mode, tokenizer, held_out(n)): held_out draws tables from a stream seeded apart from the training
+    stream."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from models.tiny import build_tiny_tokenizer

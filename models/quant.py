@@ -15,8 +15,8 @@ rounded. [RECONSTRUCTION] of FlatQuant's defaults: no per-channel scaling beside
 each forward (they are at most ~64 × 64 at 4096 channels).
 
 A folder saved by `save_fake_quant` is the full-precision model (`save_pretrained`) plus `fake_quant.json` (bits and
-the quantized modules) and `fake_quant.safetensors` (the clipping ratios); `load_fake_quant` wraps a loaded model
-again, and the `hf` engine does so by itself for such a folder.
+the quantized modules and transform) and `fake_quant.safetensors` (the clipping ratios and flattening transforms);
+`load_fake_quant` wraps a loaded model again, and the `hf` engine does so by itself for such a folder.
 """
 
 from __future__ import annotations

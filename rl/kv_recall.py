@@ -55,6 +55,7 @@ def tiny_recall_lm(seed: int = 0, steps: int = 3000, *, n_keys: int = 8, filler:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from models.tiny import build_tiny_tokenizer
+    from rl.batch import pad_token_rows
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = build_tiny_tokenizer()
@@ -74,11 +75,9 @@ def tiny_recall_lm(seed: int = 0, steps: int = 3000, *, n_keys: int = 8, filler:
             a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             ids.append(p + a)
             labels.append([-100] * len(p) + a)
-        width = max(map(len, ids))
-        pad = tok.pad_token_id
-        return {"input_ids": torch.tensor([[pad] * (width - len(x)) + x for x in ids]),
-                "attention_mask": torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]),
-                "labels": torch.tensor([[-100] * (width - len(x)) + x for x in labels])}
+        input_ids, attention_mask = pad_token_rows(ids, tok.pad_token_id, "left")
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "labels": pad_token_rows(labels, -100, "left")[0]}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * max(0.1, 1 - s / steps))
     model.train()

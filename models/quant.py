@@ -88,6 +88,10 @@ class FakeQuantLinear(nn.Module):
             self.p1 = nn.Parameter(torch.eye(n1, device=device))
             self.p2 = nn.Parameter(torch.eye(n2, device=device))
 
+    def quantizer_parameters(self) -> dict[str, nn.Parameter]:
+        """What calibration learns and the save format stores: the clipping ratios (and the flattening factors)."""
+        return {name: p for name, p in self.named_parameters() if not name.startswith("linear.")}
+
     def quantized_weight(self) -> torch.Tensor:
         w = self.linear.weight
         if self.transform == "kron":
@@ -142,15 +146,14 @@ def unwrap_fake_quant(model: nn.Module) -> nn.Module:
 
 def _quantizer_state(mods: dict[str, FakeQuantLinear]) -> dict[str, torch.Tensor]:
     return {f"{k}.{name}": p.detach().cpu().contiguous() for k, m in mods.items()
-            for name, p in m.named_parameters() if not name.startswith("linear.")}
+            for name, p in m.quantizer_parameters().items()}
 
 
 def _load_quantizer_state(mods: dict[str, FakeQuantLinear], state: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for k, m in mods.items():
-            for name, p in m.named_parameters():
-                if not name.startswith("linear."):
-                    p.copy_(state[f"{k}.{name}"])
+            for name, p in m.quantizer_parameters().items():
+                p.copy_(state[f"{k}.{name}"])
 
 
 def save_fake_quant(model: nn.Module, out_dir: str | Path, extra: dict | None = None) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from models.blocks import block_outputs, decoder_layers
 from models.diffusion import num_transfer_tokens
+from models.quant import FakeQuantLinear
 
 WEIGHTINGS = ("fair", "frontier", "reliability", "uniform")
 
@@ -119,7 +120,8 @@ def calibrate_blocks(fp: nn.Module, quant: nn.Module, batches: list[dict[str, to
         p.requires_grad_(False)
     history = []
     for j, block in enumerate(decoder_layers(quant)):
-        params = [p for name, p in block.named_parameters() if name.endswith(("w_clip", "a_clip", ".p1", ".p2"))]
+        params = [p for m in block.modules() if isinstance(m, FakeQuantLinear)
+                  for p in m.quantizer_parameters().values()]
         for p in params:
             p.requires_grad_(True)
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

@@ -105,8 +105,7 @@ def test_a_learned_flattening_spreads_an_outlier_channel_that_clipping_alone_can
     for transform in ("none", "kron"):
         q = FakeQuantLinear(lin, 4, 4, transform)
         start = float((q(x) - target).pow(2).mean().detach())
-        opt = torch.optim.AdamW([p for n, p in q.named_parameters() if not n.startswith("linear.")], lr=1e-2,
-                                weight_decay=0.0)
+        opt = torch.optim.AdamW(q.quantizer_parameters().values(), lr=1e-2, weight_decay=0.0)
         for _ in range(200):
             loss = (q(x) - target).pow(2).mean()
             opt.zero_grad()

@@ -37,8 +37,9 @@ tiny GQA Llama (d = 64, 2 blocks, 4 query and 2 KV heads) is taught in process (
 table of 8 single-letter keys with digit values (the prompt, random order) and write the values back in
 alphabetical order with 8 filler characters after each (the answer, 80 tokens), so each value is read from a
 prompt position written up to ~95 tokens before while the model's own filler fills the cache. Greedy decoding of
-100 held-out tables with the full cache and with each policy at B ∈ {4, 8, 16, 32} (+ 4 sink + 16 recent), evicting
-every 4 tokens: mean share of values right, share of tables right in full, peak KV bytes and tokens/s against the full cache.
+100 held-out tables with the full cache and with each policy at B ∈ {4, 8, 16, 32} (+ 4 sink + 16 recent),
+evicting every 4 tokens: mean share of values right, share of tables right in full, peak KV bytes and tokens/s
+against the full cache.
 
 ## Guidance
 A labelled synthetic harness (§8's minimal implementation): per seed, `recipes/guidance_tiny.yaml` through Ray (a

@@ -12,7 +12,7 @@ The learner knows no model and no method: it asks the recipe's family (`model.fa
   0 elsewhere, so the token-mean NLL the SFT step takes is the MDLM loss.
 
 `forward` takes anything with `model_inputs()`, `prompt_ids` and `response_ids` (a `rl.batch.Batch`);
-this module imports only torch and transformers.
+this module imports only torch and transformers (and DeepSpeed, lazily, to gather a partitioned frozen head).
 """
 
 from __future__ import annotations
@@ -36,27 +36,44 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)  # a DeepSpeed engine wraps the model
 
 
-def output_head(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+class OutputHead:
     """`hidden -> logits` as the model's own forward computes them from its last hidden state: the output
     embedding, then the output scalings some families apply (Cohere's `logit_scale`, Granite's
-    `logits_scaling`, Gemma's `final_logit_softcapping`). Calls the module (not its weight) so that ZeRO-3
-    gathers a partitioned weight, also when activation checkpointing recomputes it."""
-    head = module.get_output_embeddings()
-    cfg = getattr(module, "config", None)
-    scale = getattr(cfg, "logit_scale", None)
-    divide = getattr(cfg, "logits_scaling", None)
-    softcap = getattr(cfg, "final_logit_softcapping", None)
+    `logits_scaling`, Gemma's `final_logit_softcapping`). Calling it calls the module (not its weight) so that
+    ZeRO-3 gathers a partitioned weight, also when activation checkpointing recomputes it."""
 
-    def logits(h: torch.Tensor) -> torch.Tensor:
-        x = head(h)
-        if scale:
-            x = x * scale
-        if divide:
-            x = x / divide
-        if softcap:
-            x = torch.tanh(x / softcap) * softcap
+    def __init__(self, module: torch.nn.Module):
+        self.linear = module.get_output_embeddings()
+        cfg = getattr(module, "config", None)
+        self.scale = getattr(cfg, "logit_scale", None)
+        self.divide = getattr(cfg, "logits_scaling", None)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale:
+            x = x * self.scale
+        if self.divide:
+            x = x / self.divide
+        if self.softcap:
+            x = torch.tanh(x / self.softcap) * self.softcap
         return x
-    return logits
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.scaled(self.linear(h))
+
+    @property
+    def frozen_partitioned(self) -> bool:
+        """A frozen `nn.Linear` whose weight ZeRO-3 partitions (the base's head under an adapter). Recomputing
+        its projection in backward through the module does not work there: DeepSpeed releases the frozen weight
+        after the recomputed forward, before the backward reads it; `chunked_token_stats` then gathers it itself."""
+        params = list(self.linear.parameters())
+        return (type(self.linear) is torch.nn.Linear and all(hasattr(p, "ds_id") for p in params)
+                and not any(p.requires_grad for p in params))
+
+
+def output_head(module: torch.nn.Module) -> OutputHead:
+    """The model's `hidden -> logits` map (`OutputHead`)."""
+    return OutputHead(module)
 
 
 def _token_stats(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, labels: torch.Tensor,
@@ -88,6 +105,10 @@ def chunked_token_stats(head: Callable[[torch.Tensor], torch.Tensor], h: torch.T
     """`_token_stats` over `h [M, H]` in chunks of `chunk_tokens` tokens, recomputing the vocabulary
     projection in backward (activation checkpointing): at most one chunk's `[chunk, V]` logits exist,
     never `[N, L, V]`. The entropy keeps its graph only with `entropy_grad` (an entropy bonus)."""
+    if isinstance(head, OutputHead) and head.frozen_partitioned:
+        opts = (temperature, top_k, top_p, with_entropy, entropy_grad, max(1, chunk_tokens))
+        logp, entropy = _PartitionedHeadStats.apply(h, labels, head, opts)
+        return logp, (entropy if with_entropy else None)
     grad = torch.is_grad_enabled() and h.requires_grad
     logps, entropies = [], []
     for start in range(0, h.shape[0], max(1, chunk_tokens)):
@@ -100,6 +121,63 @@ def chunked_token_stats(head: Callable[[torch.Tensor], torch.Tensor], h: torch.T
         empty = h.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+class _PartitionedHeadStats(torch.autograd.Function):
+    """`chunked_token_stats` through a frozen output head that ZeRO-3 partitions: the weight is gathered once for
+    the forward's chunks and once for the backward's recomputation (one all-gather each per call, so ranks with
+    different numbers of chunks stay in step), and backward recomputes each chunk's logits from the saved hidden
+    states, as the checkpointed path does. Gradients flow to `h` only (the head is frozen)."""
+
+    @staticmethod
+    def _stats(head: OutputHead, h: torch.Tensor, labels: torch.Tensor, opts: tuple, out: list | None = None,
+               grads: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        import deepspeed
+        temperature, top_k, top_p, with_entropy, entropy_grad, chunk = opts
+        params = list(head.linear.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            weight, bias = head.linear.weight.detach(), (head.linear.bias.detach() if head.linear.bias is not None
+                                                         else None)
+
+            def logits(x: torch.Tensor) -> torch.Tensor:
+                return head.scaled(torch.nn.functional.linear(x, weight, bias))
+            if grads is None:  # forward: no graph, chunk by chunk
+                parts = [_token_stats(logits, h[s:s + chunk], labels[s:s + chunk], temperature, top_k, top_p,
+                                      with_entropy) for s in range(0, h.shape[0], chunk)]
+                if not parts:
+                    empty = h.new_zeros(0, dtype=torch.float32)
+                    return empty, empty
+                return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            g_logp, g_ent = grads
+            grad_h = torch.zeros_like(h)
+            for s in range(0, h.shape[0], chunk):
+                with torch.enable_grad():
+                    x = h[s:s + chunk].detach().requires_grad_(True)
+                    lp, ent = _token_stats(logits, x, labels[s:s + chunk], temperature, top_k, top_p, with_entropy)
+                    outs, outs_grad = [lp], [g_logp[s:s + chunk]]
+                    if with_entropy and entropy_grad and g_ent is not None:
+                        outs.append(ent)
+                        outs_grad.append(g_ent[s:s + chunk])
+                    grad_h[s:s + chunk] = torch.autograd.grad(outs, x, outs_grad)[0]
+            return grad_h
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, labels: torch.Tensor, head: OutputHead, opts: tuple
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(h, labels)
+        ctx.head, ctx.opts = head, opts
+        logp, entropy = _PartitionedHeadStats._stats(head, h, labels, opts)
+        if not (opts[3] and opts[4]):  # the entropy is a metric unless it is an entropy bonus
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: torch.Tensor, g_ent: torch.Tensor | None) -> tuple:
+        h, labels = ctx.saved_tensors
+        if g_logp is None:
+            g_logp = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+        grad_h = _PartitionedHeadStats._stats(ctx.head, h, labels, ctx.opts, grads=(g_logp, g_ent))
+        return grad_h, None, None, None
 
 
 def response_positions(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,10 +132,6 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
         if cfg.rollout.weight_sync == "cuda_ipc":
             raise ConfigError("learner.adapter: rollout.weight_sync cuda_ipc shares full weights; use object_store or "
                               "collective, which send the adapter's tensors alone")
-        if lc.zero_stage == 3:
-            raise ConfigError("learner.adapter: zero_stage 3 is not supported with an adapter yet (ZeRO-3 does not "
-                              "gather the frozen, partitioned output head when the log-prob projection is recomputed "
-                              "in backward); use zero_stage 0-2, where the frozen base is not partitioned")
         if lc.adapter.name == "ulora" and cfg.rollout.engine == "vllm":
             raise ConfigError("learner.adapter: ulora gates its directions per token, which vLLM's LoRA kernels do "
                               "not; the hf engine serves it unmerged (rollout.engine: hf)")

@@ -90,6 +90,7 @@ def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     from transformers import AutoModel
 
     from models.quant import load_fake_quant, quantize_blocks
+    from rl.fair_calib import lag_summary, stability_lags
     from rl.fair_calib_stage import quantize_model
     from rollout.base import load_tokenizer
     torch.manual_seed(seed)
@@ -103,7 +104,12 @@ def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     kw = _canvas(answers)
     rtn = copy.deepcopy(fp)
     quantize_blocks(rtn, 4, 4)
-    out: dict = {"fp": {"accuracy": _accuracy(tok, _decode(fp, tok, prompts, **kw).tokens, answers)},
+    # the teacher's own stability lags on the diagnostic prompts (the arms' come with their trajectory diagnostics)
+    enc = tok(prompts[:64], return_tensors="pt", padding=True)
+    own = _decode(fp, tok, prompts[:64], **kw)
+    fp_lags = lag_summary(*stability_lags(fp, enc["input_ids"], enc["attention_mask"], own.tokens, own.commit_step,
+                                          mask_id=tok.mask_token_id, steps=kw["steps"]))
+    out: dict = {"fp": {"accuracy": _accuracy(tok, _decode(fp, tok, prompts, **kw).tokens, answers), **fp_lags},
                  "arms": {"rtn": {"accuracy": _accuracy(tok, _decode(rtn, tok, prompts, **kw).tokens, answers)}}}
     for arm in FAIR_ARMS:
         weighting, _, transform = arm.partition("+")
@@ -161,10 +167,17 @@ def summarize(report: dict) -> dict:
                            for a in arms}
     if rows and "fair" in rows[0]:
         out["fair"] = {"fp_accuracy": mean(mean(r["fair"]["fp"]["accuracy"]) for r in rows)}
+        lag_keys = ("stability_lag_mean", "stability_lag_censored")
+        if all(k in r["fair"]["fp"] for r in rows for k in lag_keys):
+            out["fair"]["fp_lag"] = {k: mean(r["fair"]["fp"][k] for r in rows) for k in lag_keys}
+            out["fair"]["fp_lag"]["stability_lag_ccdf"] = _mean_ccdf([r["fair"]["fp"] for r in rows])
         for a in ("rtn", *(a for a in FAIR_ARMS if a in rows[0]["fair"]["arms"])):
-            out["fair"][a] = {k: mean(mean(r["fair"]["arms"][a][k]) if k == "accuracy" else r["fair"]["arms"][a][k]
-                                      for r in rows)
-                              for k in ("accuracy", "trajectory_kl", "frontier_flip_rate", "post_commit_mismatch")}
+            arms = [r["fair"]["arms"][a] for r in rows]
+            keys = ("accuracy", "trajectory_kl", "frontier_flip_rate", "post_commit_mismatch",
+                    *(k for k in lag_keys if all(k in x for x in arms)))
+            out["fair"][a] = {k: mean(mean(x[k]) if k == "accuracy" else x[k] for x in arms) for k in keys}
+            if all("stability_lag_ccdf" in x for x in arms):
+                out["fair"][a]["stability_lag_ccdf"] = _mean_ccdf(arms)
     if rows and "core" in rows[0]:
         out["core"] = {a: {"accuracy": mean(mean(r["core"][a]["accuracy"]) for r in rows),
                            "forwards": rows[0]["core"][a]["forwards"],
@@ -173,12 +186,19 @@ def summarize(report: dict) -> dict:
     return out
 
 
+def _mean_ccdf(rows: list[dict]) -> list[float]:
+    """The seeds' δ_lag CCDFs averaged pointwise (a shorter CCDF is 0 past its end)."""
+    n = max(len(r["stability_lag_ccdf"]) for r in rows)
+    return [statistics.mean(r["stability_lag_ccdf"][d] if d < len(r["stability_lag_ccdf"]) else 0.0 for r in rows)
+            for d in range(n)]
+
+
 def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     s = report["summary"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     if "decomper" in s:
         for method, style in (("plain", "--"), ("whitened", "-")):
             for comp, color in (("none", "tab:gray"), ("closed_form", "tab:orange"), ("learned", "tab:blue")):
@@ -190,12 +210,24 @@ def _plot(report: dict, path: Path) -> None:
         axes[0].set_title("Decomper")
         axes[0].legend(fontsize=7)
     if "fair" in s:
-        names = [a for a in s["fair"] if a != "fp_accuracy"]
+        names = [a for a in s["fair"] if a not in ("fp_accuracy", "fp_lag")]
         axes[1].bar(names, [s["fair"][a]["accuracy"] for a in names], color="tab:blue")
         axes[1].axhline(s["fair"]["fp_accuracy"], color="k", linestyle="--", label="full precision")
         axes[1].set_ylabel("exact-match accuracy (W4A4)")
         axes[1].set_title("FAIR-Calib")
         axes[1].legend(fontsize=8)
+    if "fair" in s and "fp_lag" in s["fair"]:
+        curves = {"full precision": s["fair"]["fp_lag"], **{a: s["fair"][a] for a in ("rtn", "uniform", "fair",
+                                                                                          "uniform+kron", "fair+kron")
+                                                             if "stability_lag_ccdf" in s["fair"].get(a, {})}}
+        for name, row in curves.items():
+            ccdf = row["stability_lag_ccdf"]
+            axes[3].plot(range(len(ccdf)), ccdf, marker="o", label=name)
+        axes[3].set_yscale("log")
+        axes[3].set_xlabel("stability lag δ_lag (steps)")
+        axes[3].set_ylabel("P(δ_lag ≥ d), own trajectories")
+        axes[3].set_title("FAIR-Calib: δ_lag CCDF")
+        axes[3].legend(fontsize=7)
     if "core" in s:
         names = list(s["core"])
         axes[2].bar(names, [s["core"][a]["accuracy"] for a in names], color="tab:green")

@@ -11,7 +11,12 @@ and with `transform="kron"` FlatQuant's learnable Kronecker-factored flattening,
 
 Diagnostics on the teacher's own low-confidence trajectories: the frontier flip rate (the quantized model's argmax
 differs from the token the teacher commits, in the same state), the trajectory KL (KL(p_fp ‖ p_q) at the committed
-positions), and the post-commit mismatch (the quantized model's own decoded tokens against the teacher's).
+positions), the post-commit mismatch (the quantized model's own decoded tokens against the teacher's), and the
+stability lag δ_lag of the quantized model's own trajectories with its CCDF: the steps from a position's commit until
+the model's top-1 prediction for it agrees with the final token and keeps agreeing. [RECONSTRUCTION]: a masked-diffusion
+model predicts masked positions only, so "its top-1 prediction" at a committed position is read leave-one-out: that
+position alone masked again in the state after each step (as CORE probes committed tokens); a position that still
+disagrees in the final state is censored at the steps left after its commit.
 """
 
 from __future__ import annotations
@@ -159,7 +164,7 @@ def _weighted_mse(model: nn.Module, batches: list, targets: list, weights: list,
 
 @torch.no_grad()
 def trajectory_diagnostics(fp: nn.Module, quant: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
-                           mask_id: int, gen_length: int, block_length: int, steps: int) -> dict[str, float]:
+                           mask_id: int, gen_length: int, block_length: int, steps: int) -> dict:
     """On the teacher's greedy low-confidence trajectories: the frontier flip rate, the mean KL(p_fp ‖ p_q) at the
     committed positions (the trajectory KL), and the quantized model's own greedy decode against the teacher's
     (the share of response tokens that differ: the post-commit mismatch)."""
@@ -185,4 +190,61 @@ def trajectory_diagnostics(fp: nn.Module, quant: nn.Module, prompt_ids: torch.Te
         kl += float((lf.exp() * (lf - lq)).sum(-1)[now].sum())
         count += int(now.sum())
     return {"frontier_flip_rate": flips / max(count, 1), "trajectory_kl": kl / max(count, 1),
-            "post_commit_mismatch": float((own.tokens != teacher.tokens).float().mean())}
+            "post_commit_mismatch": float((own.tokens != teacher.tokens).float().mean()),
+            **lag_summary(*stability_lags(quant, prompt_ids, prompt_mask, own.tokens, own.commit_step, mask_id=mask_id,
+                                          steps=steps))}
+
+
+def lags_from_agreement(agree: torch.Tensor, commit_step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """δ_lag per position from `agree [T, B, G]` (whether the top-1 prediction for the position after step t equals
+    its final token; steps before its commit are ignored) and `commit_step [B, G]`: the first step t ≥ commit from
+    which it agrees through the last step, minus the commit step. Positions that disagree in the last state are
+    censored at T − commit. Returns `(lags [B, G], censored [B, G])`."""
+    T = agree.shape[0]
+    # agrees_from[t] = agree[t] & agree[t+1] & ... & agree[T-1]: a reversed cumulative AND
+    agrees_from = agree.flip(0).long().cumprod(0).flip(0).bool()
+    steps = torch.arange(T).view(T, 1, 1)
+    after_commit = steps >= commit_step.unsqueeze(0)
+    first = torch.where(agrees_from & after_commit, steps, torch.full_like(steps.expand_as(agree), T)).amin(0)
+    censored = first >= T
+    return (first - commit_step).clamp(min=0), censored
+
+
+def lag_ccdf(lags: torch.Tensor, max_lag: int) -> list[float]:
+    """P(δ_lag ≥ d) for d = 0 … max_lag over every position of `lags`."""
+    flat = lags.flatten().float()
+    return [float((flat >= d).float().mean()) for d in range(max_lag + 1)]
+
+
+def lag_summary(lags: torch.Tensor, censored: torch.Tensor) -> dict:
+    """The diagnostics' δ_lag figures: its mean, the share of positions that never agreed, the CCDF up to the largest
+    lag (`stability_lag_ccdf[d]` = P(δ_lag ≥ d))."""
+    return {"stability_lag_mean": float(lags.float().mean()), "stability_lag_censored": float(censored.float().mean()),
+            "stability_lag_ccdf": lag_ccdf(lags, int(lags.max()) if lags.numel() else 0)}
+
+
+@torch.no_grad()
+def stability_lags(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: torch.Tensor,
+                   commit_step: torch.Tensor, *, mask_id: int, steps: int, rows_per_forward: int = 512
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """δ_lag of a finished trajectory without remasking (`tokens [B, G]` committed at `commit_step [B, G]`, as
+    `diffusion_generate` returns them): after each step t, every committed position is masked again alone in the
+    state of step t (what was committed up to t) and the model's argmax there is compared with its final token
+    (`lags_from_agreement`)."""
+    B, P = prompt_ids.shape
+    G = tokens.shape[1]
+    if bool((commit_step < 0).any()):
+        raise ValueError("stability_lags: every response position must be committed (a finished trajectory)")
+    attn = torch.cat([prompt_mask.long(), torch.ones(B, G, dtype=torch.long)], 1)
+    pos_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    agree = torch.zeros(steps, B, G, dtype=torch.bool)
+    for t in range(steps):
+        state = torch.cat([prompt_ids, torch.where(commit_step <= t, tokens, torch.full_like(tokens, mask_id))], 1)
+        rows, cols = (commit_step <= t).nonzero(as_tuple=True)
+        for s in range(0, len(rows), rows_per_forward):
+            r, c = rows[s:s + rows_per_forward], cols[s:s + rows_per_forward]
+            probe = state[r].clone()
+            probe[torch.arange(len(r)), P + c] = mask_id
+            logits = model(input_ids=probe, attention_mask=attn[r], position_ids=pos_ids[r]).logits
+            agree[t, r, c] = logits[torch.arange(len(r)), P + c].argmax(-1) == tokens[r, c]
+    return lags_from_agreement(agree, commit_step)

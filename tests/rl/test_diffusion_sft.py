@@ -30,8 +30,9 @@ def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_di
     report = json.loads((out / "stages" / "quantize_fair" / "quantization_report.json").read_text())
     assert len(report["prior"]) == 4 and sum(report["prior"]) == pytest.approx(1.0)
     assert all(b["loss_after"] <= b["loss_before"] for b in report["blocks"]) and len(report["blocks"]) == 2
-    assert set(report["rtn"]) == set(report["calibrated"]) == {"frontier_flip_rate", "trajectory_kl",
-                                                              "post_commit_mismatch"}
+    assert set(report["rtn"]) == set(report["calibrated"]) == {
+        "frontier_flip_rate", "trajectory_kl", "post_commit_mismatch", "stability_lag_mean", "stability_lag_censored",
+        "stability_lag_ccdf"}
     saved = json.loads((out / "stages" / "quantize_fair" / "model" / "fake_quant.json").read_text())
     assert saved["transform"] == "kron" and report["transform"] == "kron"  # evaluated quantized, flattened
     assert json.loads((out / "base_model" / "config.json").read_text())["model_type"] == "llada"

@@ -22,8 +22,11 @@ from rl.fair_calib import (
     accumulate_prior,
     calibrate_blocks,
     early_boost,
+    lag_ccdf,
+    lags_from_agreement,
     position_weights,
     probe_prior,
+    stability_lags,
     trajectory_diagnostics,
     window_prior,
 )
@@ -171,6 +174,9 @@ def test_block_calibration_lowers_the_weighted_error_and_the_model_saves_and_rel
     diag = trajectory_diagnostics(fp, quant, enc["input_ids"][:, :5], enc["attention_mask"][:, :5],
                                   mask_id=tok.mask_token_id, gen_length=4, block_length=4, steps=4)
     assert 0 <= diag["frontier_flip_rate"] <= 1 and diag["trajectory_kl"] >= 0
+    ccdf = diag["stability_lag_ccdf"]  # P(δ_lag >= d): 1 at d = 0, non-increasing, lags within the 4 steps
+    assert ccdf[0] == 1.0 and all(a >= b for a, b in zip(ccdf, ccdf[1:])) and len(ccdf) <= 5
+    assert 0 <= diag["stability_lag_censored"] <= 1 and diag["stability_lag_mean"] == pytest.approx(sum(ccdf[1:]))
     tok.save_pretrained(tmp_path / "q")
     save_fake_quant(quant, tmp_path / "q", extra={"weighting": "fair"})
     assert quantized_modules(quant)  # still quantized after saving
@@ -182,3 +188,41 @@ def test_block_calibration_lowers_the_weighted_error_and_the_model_saves_and_rel
         assert not torch.allclose(fp(**batch).logits, quant(**batch).logits, atol=1e-3)
     plain = load_fake_quant(copy.deepcopy(fp), tmp_path)  # no fake_quant.json there: unchanged
     assert not quantized_modules(plain)
+
+
+def test_the_stability_lag_counts_the_steps_from_commit_until_the_prediction_agrees_for_good_by_hand():
+    # one row, 3 positions, 4 steps; agree[t, 0, i]: the top-1 for position i after step t is its final token
+    agree = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)[:, None, :]
+    commit = torch.tensor([[0, 1, 2]])
+    lags, censored = lags_from_agreement(agree, commit)
+    # position 0: committed at 0, agrees at 0, not at 1, then for good from 2 -> lag 2
+    # position 1: committed at 1, agrees from 1 through 3 -> lag 0
+    # position 2: committed at 2, agrees at 2 but not in the final state -> censored at 4 - 2 = 2
+    assert lags.tolist() == [[2, 0, 2]] and censored.tolist() == [[False, False, True]]
+    assert lag_ccdf(lags, 3) == pytest.approx([1.0, 2 / 3, 2 / 3, 0.0])
+    # what happens before a position's commit does not count
+    early = agree.clone()
+    early[0, 0, 1] = True
+    assert lags_from_agreement(early, commit)[0].tolist() == [[2, 0, 2]]
+
+
+def test_the_stability_lag_reads_each_committed_position_masked_again_alone():
+    tok, m = _tiny()
+    enc = tok(["12+34=", "5+6="], return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    tokens = torch.randint(5, 15, (2, 3), generator=torch.Generator().manual_seed(0))
+    commit = torch.zeros(2, 3, dtype=torch.long)  # all committed at the one step: lag 0 iff the model agrees there
+    lags, censored = stability_lags(m, ids, mask, tokens, commit, mask_id=tok.mask_token_id, steps=1)
+    P = ids.shape[1]
+    attn = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
+    for row in range(2):
+        for i in range(3):
+            probe = torch.cat([ids[row], tokens[row]])[None].clone()
+            probe[0, P + i] = tok.mask_token_id
+            with torch.no_grad():
+                top = m(input_ids=probe, attention_mask=attn[row:row + 1],
+                        position_ids=(attn[row:row + 1].cumsum(-1) - 1).clamp(min=0)).logits[0, P + i].argmax()
+            agrees = bool(top == tokens[row, i])
+            assert censored[row, i].item() == (not agrees) and lags[row, i].item() == (0 if agrees else 1)
+    with pytest.raises(ValueError, match="every response position must be committed"):
+        stability_lags(m, ids, mask, tokens, commit - 1, mask_id=tok.mask_token_id, steps=1)

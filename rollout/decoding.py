@@ -125,6 +125,12 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
         return self.keys, self.values
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` (repeats allowed) of the cache, with the same room."""
+        n = self.keys.shape[-2]
+        self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
 
 def reserved_cache(capacity: int) -> Any:
     """A `DynamicCache` whose layers are `ReservedLayer`s with room for `capacity` positions."""
@@ -144,6 +150,28 @@ def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_po
                 use_cache=True, **forward_kwargs)
     next_pos += mask.sum(-1)
     return out.logits[:, -1].float()
+
+
+def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, next_pos: torch.Tensor,
+                    state: DecodeState, cache: Any, forward_kwargs: dict) -> torch.Tensor:
+    """`_feed` of the prompts when rows repeat a prompt (GRPO's n samples per prompt): the forward runs once per
+    distinct (left-padded) prompt and its cache rows and last logits are copied to the rows that repeat it. Each
+    row's numbers are those of its own forward (a row's result does not depend on the other rows of the batch)."""
+    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(distinct) == len(key):
+        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs)
+    first = torch.full((len(distinct),), len(key), dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device), "amin")  # a row per prompt
+    mask = prompt_mask.long()
+    state.attention_mask = torch.cat([state.attention_mask, mask], 1)
+    state.positions = (next_pos[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids[first], attention_mask=state.attention_mask[first],
+                position_ids=state.positions[first], past_key_values=cache, use_cache=True, **forward_kwargs)
+    for layer in cache.layers:  # ReservedLayers (`reserved_cache`)
+        layer.select_rows(inverse)
+    next_pos += mask.sum(-1)
+    return out.logits[:, -1].float()[inverse]
 
 
 @torch.no_grad()
@@ -194,8 +222,12 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
             state.attention_mask, state.positions = saved_mask, saved_positions
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
     state.lookahead = lookahead
+    # a method that hooks the forward sees every row of the batch: the prompts then run row by row as given
+    plain = (hooks == [] and process is None and kv_policy is None and insert is None
+             and getattr(method, "forward_hooks", None) is None)
     try:
-        logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
+        logits = (_prefill_shared if plain else _feed)(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
+                                                       forward_kwargs)
         if insert is not None:  # before the first token: what the method inserts is fed at once
             current["logits"] = logits
             first = insert(state)

@@ -235,3 +235,35 @@ def test_reserved_cache_layer_appends_in_place_grows_and_follows_a_replaced_cach
     k = torch.randn(2, 2, 1, 4)
     keys, _ = layer.update(k, k)
     assert torch.equal(keys, torch.cat([torch.cat(parts, -2).index_select(-2, keep), k], -2))
+
+
+def test_rows_that_repeat_a_prompt_share_its_prefill_and_sample_as_if_each_ran_its_own(engine):
+    """n samples per prompt: the prompt's forward runs once per distinct prompt (its cache rows copied to the
+    repeats), and what is sampled equals the loop that prefills every row (a method that hooks the forward)."""
+    class HooksNothing:  # any method with a forward hook sees every row, so the prompts run row by row
+        def forward_hooks(self, model, state):
+            return []
+    tok = engine.tokenizer
+    rows = [p for p in PROMPTS for _ in range(4)]
+    enc = tok(rows, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    widths: list[int] = []
+    handle = engine.model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape),
+                                                    with_kwargs=True)
+    runs = []
+    try:
+        for method in (None, HooksNothing()):
+            widths.clear()
+            torch.manual_seed(5)
+            runs.append(decode(engine.model, enc["input_ids"], enc["attention_mask"], max_new_tokens=8,
+                               temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, method=method))
+            runs[-1] = (*runs[-1], list(widths))
+    finally:
+        handle.remove()
+    (shared, *_, shared_widths), (own, *_, own_widths) = runs
+    P = enc["input_ids"].shape[1]
+    assert shared_widths[0] == (3, P) and own_widths[0] == (12, P)  # the prefill: 3 distinct prompts, or all 12 rows
+    assert all(w[0] == 12 for w in shared_widths[1:])  # every decode step runs every row
+    for a, b in zip(runs[0][:5], runs[1][:5]):
+        assert torch.equal(a, b)
+    assert len({tuple(r.tolist()) for r in shared}) > 3  # the repeats sampled different responses

@@ -1,0 +1,93 @@
+"""The `hf` engine's decode loop at the race's rollout shapes, with the prompt prefill shared by the rows that
+repeat a prompt (what the loop does with no decoding method) and with every row prefilled on its own, alternated in
+one process so that both see the same machine.
+
+    python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
+                                     [--dtype bfloat16]
+
+Workload: the ~85M model of `benchmarks/grpo_step.py` (random weights, eager attention as the race's rollout
+runs it), `--prompts` distinct prompts of 18-30 tokens (left-padded), each sampled `--n` times at temperature 1 for
+`--new-tokens` tokens (no EOS, so every row runs the whole length). Reports the median seconds per generate of
+each variant, the prefill's seconds (the first forward), and the ratio. The two variants sample the same tokens
+(tests/rollout/test_decoding.py). Results: benchmarks/results/decode_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"hidden_size": 768, "num_layers": 14, "num_heads": 12, "intermediate_size": 1536}
+
+
+class PrefillEveryRow:
+    """A decoding method with a (empty) forward hook: the loop then prefills every row as given."""
+
+    def forward_hooks(self, model, state):
+        return []
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_step.json"))
+    args = p.parse_args()
+    import torch
+
+    from models.tiny import build_tiny_model, build_tiny_tokenizer
+    from rollout.decoding import decode
+    torch.set_num_threads(args.threads)
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, max_position_embeddings=256, **SHAPE)
+    model.config._attn_implementation = "eager"
+    model = model.to(getattr(torch, args.dtype)).eval()
+    g = torch.Generator().manual_seed(0)
+    P = 30
+    plen = torch.randint(18, P + 1, (args.prompts,), generator=g)
+    mask = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
+    ids = torch.randint(5, len(tok), (args.prompts, P), generator=g) * mask + tok.pad_token_id * (1 - mask)
+    ids, mask = ids.repeat_interleave(args.n, 0), mask.repeat_interleave(args.n, 0)
+    prefill: list[float] = []
+    started: list[float] = []
+    pre = model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+    post = model.register_forward_hook(lambda *_: prefill.append(time.perf_counter() - started[-1])
+                                       if len(started) == 1 else None)
+    variants = {"shared prefill (plain loop)": None, "every row prefilled": PrefillEveryRow()}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    prefills: dict[str, list[float]] = {k: [] for k in variants}
+    for rep in range(args.reps + 1):  # the first round warms up
+        for name, method in variants.items():
+            started.clear()
+            prefill.clear()
+            torch.manual_seed(rep)
+            t0 = time.perf_counter()
+            decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
+                   eos_token_id=-1, pad_token_id=tok.pad_token_id, method=method)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+                prefills[name].append(prefill[0])
+            print(json.dumps({"rep": rep, "variant": name, "s": round(time.perf_counter() - t0, 2),
+                              "prefill_s": round(prefill[0], 3)}), flush=True)
+    pre.remove()
+    post.remove()
+    base = statistics.median(times["every row prefilled"])
+    report = {"args": vars(args), "rows": len(ids),
+              "variants": {k: {"s_per_generate": statistics.median(v), "prefill_s": statistics.median(prefills[k]),
+                               "speedup": base / statistics.median(v)} for k, v in times.items()}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report["variants"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,8 @@ this module imports only torch and transformers (and DeepSpeed, lazily, to gathe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -123,6 +124,18 @@ def chunked_token_stats(head: Callable[[torch.Tensor], torch.Tensor], h: torch.T
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
 
 
+@contextmanager
+def _gathered_logits(head: OutputHead) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """`hidden -> logits` of a ZeRO-3-partitioned frozen head with its weight gathered (one all-gather on every
+    rank) for the duration of the block."""
+    import deepspeed
+    linear = head.linear
+    with deepspeed.zero.GatheredParameters(list(linear.parameters()), modifier_rank=None):
+        weight = linear.weight.detach()
+        bias = linear.bias.detach() if linear.bias is not None else None
+        yield lambda x: head.scaled(torch.nn.functional.linear(x, weight, bias))
+
+
 class _PartitionedHeadStats(torch.autograd.Function):
     """`chunked_token_stats` through a frozen output head that ZeRO-3 partitions: the weight is gathered once for
     the forward's chunks and once for the backward's recomputation (one all-gather each per call, so ranks with
@@ -130,53 +143,40 @@ class _PartitionedHeadStats(torch.autograd.Function):
     states, as the checkpointed path does. Gradients flow to `h` only (the head is frozen)."""
 
     @staticmethod
-    def _stats(head: OutputHead, h: torch.Tensor, labels: torch.Tensor, opts: tuple, out: list | None = None,
-               grads: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        import deepspeed
-        temperature, top_k, top_p, with_entropy, entropy_grad, chunk = opts
-        params = list(head.linear.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            weight, bias = head.linear.weight.detach(), (head.linear.bias.detach() if head.linear.bias is not None
-                                                         else None)
-
-            def logits(x: torch.Tensor) -> torch.Tensor:
-                return head.scaled(torch.nn.functional.linear(x, weight, bias))
-            if grads is None:  # forward: no graph, chunk by chunk
-                parts = [_token_stats(logits, h[s:s + chunk], labels[s:s + chunk], temperature, top_k, top_p,
-                                      with_entropy) for s in range(0, h.shape[0], chunk)]
-                if not parts:
-                    empty = h.new_zeros(0, dtype=torch.float32)
-                    return empty, empty
-                return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            g_logp, g_ent = grads
-            grad_h = torch.zeros_like(h)
-            for s in range(0, h.shape[0], chunk):
-                with torch.enable_grad():
-                    x = h[s:s + chunk].detach().requires_grad_(True)
-                    lp, ent = _token_stats(logits, x, labels[s:s + chunk], temperature, top_k, top_p, with_entropy)
-                    outs, outs_grad = [lp], [g_logp[s:s + chunk]]
-                    if with_entropy and entropy_grad and g_ent is not None:
-                        outs.append(ent)
-                        outs_grad.append(g_ent[s:s + chunk])
-                    grad_h[s:s + chunk] = torch.autograd.grad(outs, x, outs_grad)[0]
-            return grad_h
-
-    @staticmethod
     def forward(ctx: Any, h: torch.Tensor, labels: torch.Tensor, head: OutputHead, opts: tuple
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature, top_k, top_p, with_entropy, entropy_grad, chunk = opts
         ctx.save_for_backward(h, labels)
         ctx.head, ctx.opts = head, opts
-        logp, entropy = _PartitionedHeadStats._stats(head, h, labels, opts)
-        if not (opts[3] and opts[4]):  # the entropy is a metric unless it is an entropy bonus
+        with _gathered_logits(head) as logits:
+            parts = [_token_stats(logits, h[s:s + chunk], labels[s:s + chunk], temperature, top_k, top_p,
+                                  with_entropy) for s in range(0, h.shape[0], chunk)]
+        empty = h.new_zeros(0, dtype=torch.float32)
+        logp = torch.cat([p[0] for p in parts]) if parts else empty
+        entropy = torch.cat([p[1] for p in parts]) if parts else empty.clone()
+        if not (with_entropy and entropy_grad):  # the entropy is a metric unless it is an entropy bonus
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx: Any, g_logp: torch.Tensor, g_ent: torch.Tensor | None) -> tuple:
+    def backward(ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple:
         h, labels = ctx.saved_tensors
-        if g_logp is None:
-            g_logp = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-        grad_h = _PartitionedHeadStats._stats(ctx.head, h, labels, ctx.opts, grads=(g_logp, g_ent))
+        temperature, top_k, top_p, with_entropy, entropy_grad, chunk = ctx.opts
+        grad_h = torch.zeros_like(h)
+        with _gathered_logits(ctx.head) as logits:
+            for s in range(0, h.shape[0], chunk):
+                with torch.enable_grad():
+                    x = h[s:s + chunk].detach().requires_grad_(True)
+                    lp, ent = _token_stats(logits, x, labels[s:s + chunk], temperature, top_k, top_p, with_entropy)
+                    outs, grads = [], []
+                    if g_logp is not None:
+                        outs.append(lp)
+                        grads.append(g_logp[s:s + chunk])
+                    if with_entropy and entropy_grad and g_ent is not None:
+                        outs.append(ent)
+                        grads.append(g_ent[s:s + chunk])
+                    if outs:
+                        grad_h[s:s + chunk] = torch.autograd.grad(outs, x, grads)[0]
         return grad_h, None, None, None
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from models.blocks import decoder_layers
 from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
@@ -132,6 +132,10 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
 
+# cache layers whose per-row state is their keys and values alone (`_prefill_shared` copies rows of these)
+COPYABLE_LAYERS = (ReservedLayer, DynamicLayer, DynamicSlidingWindowLayer)
+
+
 def reserved_cache(capacity: int) -> Any:
     """A `DynamicCache` whose layers are `ReservedLayer`s with room for `capacity` positions."""
     cache = DynamicCache()
@@ -153,25 +157,35 @@ def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_po
 
 
 def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, next_pos: torch.Tensor,
-                    state: DecodeState, cache: Any, forward_kwargs: dict) -> torch.Tensor:
-    """`_feed` of the prompts when rows repeat a prompt (GRPO's n samples per prompt): the forward runs once per
-    distinct (left-padded) prompt and its cache rows and last logits are copied to the rows that repeat it. Each
-    row's numbers are those of its own forward (a row's result does not depend on the other rows of the batch)."""
+                    state: DecodeState, new_cache: Callable[[], Any], forward_kwargs: dict) -> tuple[torch.Tensor, Any]:
+    """`_feed` of the prompts into a `new_cache()` when rows repeat a prompt (GRPO's n samples per prompt): the
+    forward runs once per distinct (left-padded) prompt and its cache rows and last logits are copied to the rows
+    that repeat it. Each row's numbers are those of its own forward (a row's result does not depend on the other
+    rows of the batch). Returns the logits and the cache."""
+    cache = new_cache()
     key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1)
     distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
     if len(distinct) == len(key):
-        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs)
+        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs), cache
     first = torch.full((len(distinct),), len(key), dtype=torch.long, device=key.device)
     first = first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device), "amin")  # a row per prompt
     mask = prompt_mask.long()
-    state.attention_mask = torch.cat([state.attention_mask, mask], 1)
-    state.positions = (next_pos[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=prompt_ids[first], attention_mask=state.attention_mask[first],
-                position_ids=state.positions[first], past_key_values=cache, use_cache=True, **forward_kwargs)
-    for layer in cache.layers:  # ReservedLayers (`reserved_cache`)
-        layer.select_rows(inverse)
+    attention_mask = torch.cat([state.attention_mask, mask], 1)
+    positions = (next_pos[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
+                past_key_values=cache, use_cache=True, **forward_kwargs)
+    if not all(type(layer) in COPYABLE_LAYERS for layer in cache.layers):
+        # a cache layer of another kind may hold more than keys and values per row: prefill every row instead
+        cache = new_cache()
+        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs), cache
+    for layer in cache.layers:  # ReservedLayers (`reserved_cache`), or a model's own (Ouro's slot per loop)
+        if isinstance(layer, ReservedLayer):
+            layer.select_rows(inverse)
+        elif layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+    state.attention_mask, state.positions = attention_mask, positions
     next_pos += mask.sum(-1)
-    return out.logits[:, -1].float()[inverse]
+    return out.logits[:, -1].float()[inverse], cache
 
 
 @torch.no_grad()
@@ -200,7 +214,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     kv_policy = getattr(method, "kv_policy", None)
     insert = getattr(method, "insert", None)
     # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
-    cache = reserved_cache(prompt_ids.shape[1] + max_new_tokens + 1)
+    capacity = prompt_ids.shape[1] + max_new_tokens + 1
+    cache = reserved_cache(capacity)
     next_pos = torch.zeros(B, dtype=torch.long, device=device)
     capped = torch.zeros(B, dtype=torch.bool, device=device)  # rows whose response reached max_new_tokens
     current: dict[str, Any] = {"logits": None, "pending": None}  # what the lookahead starts from
@@ -226,8 +241,11 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     plain = (hooks == [] and process is None and kv_policy is None and insert is None
              and getattr(method, "forward_hooks", None) is None)
     try:
-        logits = (_prefill_shared if plain else _feed)(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
-                                                       forward_kwargs)
+        if plain:
+            logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state,
+                                            lambda: reserved_cache(capacity), forward_kwargs)
+        else:
+            logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
         if insert is not None:  # before the first token: what the method inserts is fed at once
             current["logits"] = logits
             first = insert(state)

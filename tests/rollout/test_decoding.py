@@ -267,3 +267,26 @@ def test_rows_that_repeat_a_prompt_share_its_prefill_and_sample_as_if_each_ran_i
     for a, b in zip(runs[0][:5], runs[1][:5]):
         assert torch.equal(a, b)
     assert len({tuple(r.tolist()) for r in shared}) > 3  # the repeats sampled different responses
+
+
+def test_a_cache_layer_that_cannot_be_copied_by_row_falls_back_to_prefilling_every_row(engine, monkeypatch):
+    import rollout.decoding as decoding
+    tok = engine.tokenizer
+    enc = tok([p for p in PROMPTS for _ in range(2)], return_tensors="pt", padding=True, padding_side="left",
+              add_special_tokens=False)
+    kw = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    torch.manual_seed(2)
+    shared = decode(engine.model, enc["input_ids"], enc["attention_mask"], **kw)
+    monkeypatch.setattr(decoding, "COPYABLE_LAYERS", ())  # as for a layer kind with more per-row state
+    widths: list[int] = []
+    handle = engine.model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[0]),
+                                                    with_kwargs=True)
+    try:
+        torch.manual_seed(2)
+        fallback = decode(engine.model, enc["input_ids"], enc["attention_mask"], **kw)
+    finally:
+        handle.remove()
+    assert widths[:2] == [3, 6]  # the shared forward, dropped, then every row's
+    for a, b in zip(shared, fallback):
+        assert torch.equal(a, b)

@@ -18,7 +18,8 @@ FAIR-Calib: W4A4 fake quantization calibrated block by block (`rl.fair_calib`, 6
 sequences, 15 epochs) with the uniform block MSE, each single term of the prior, and both, learning the clipping
 ratios; the uniform MSE and both terms again with FlatQuant's learned flattening (`+kron`, the paper's base
 quantizer); round-to-nearest (RTN) as the floor. Exact-match accuracy, trajectory KL to full precision on the
-teacher's trajectories, frontier flip rate. The paper's ordering: both > single term > uniform.
+teacher's trajectories, frontier flip rate, and the stability lag δ_lag of each model's own trajectories (with the
+full-precision teacher's) and its CCDF. The paper's ordering: both > single term > uniform.
 
 CORE: decoding with G steps plus 2 probes (G + 2 forwards): CORE against compute-matched controls (random and
 low-margin remasking at the same probes, and no remasking with G + 2 steps). Accuracy, and the precision of each
@@ -215,6 +216,7 @@ def _plot(report: dict, path: Path) -> None:
         axes[1].axhline(s["fair"]["fp_accuracy"], color="k", linestyle="--", label="full precision")
         axes[1].set_ylabel("exact-match accuracy (W4A4)")
         axes[1].set_title("FAIR-Calib")
+        axes[1].tick_params(axis="x", labelsize=8, rotation=30)
         axes[1].legend(fontsize=8)
     if "fair" in s and "fp_lag" in s["fair"]:
         curves = {"full precision": s["fair"]["fp_lag"], **{a: s["fair"][a] for a in ("rtn", "uniform", "fair",

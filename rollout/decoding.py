@@ -157,12 +157,12 @@ def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_po
 
 
 def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, next_pos: torch.Tensor,
-                    state: DecodeState, new_cache: Callable[[], Any], forward_kwargs: dict) -> tuple[torch.Tensor, Any]:
-    """`_feed` of the prompts into a `new_cache()` when rows repeat a prompt (GRPO's n samples per prompt): the
+                    state: DecodeState, cache: Any, forward_kwargs: dict, new_cache: Callable[[], Any]
+                    ) -> tuple[torch.Tensor, Any]:
+    """`_feed` of the prompts into the empty `cache` when rows repeat a prompt (GRPO's n samples per prompt): the
     forward runs once per distinct (left-padded) prompt and its cache rows and last logits are copied to the rows
     that repeat it. Each row's numbers are those of its own forward (a row's result does not depend on the other
-    rows of the batch). Returns the logits and the cache."""
-    cache = new_cache()
+    rows of the batch). Returns the logits and the cache (a `new_cache()` if the fallback below ran)."""
     key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1)
     distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
     if len(distinct) == len(key):
@@ -242,8 +242,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
              and getattr(method, "forward_hooks", None) is None)
     try:
         if plain:
-            logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state,
-                                            lambda: reserved_cache(capacity), forward_kwargs)
+            logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
+                                            forward_kwargs, lambda: reserved_cache(capacity))
         else:
             logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
         if insert is not None:  # before the first token: what the method inserts is fed at once

@@ -1,6 +1,7 @@
-"""The `hf` engine's decode loop at the race's rollout shapes, with the prompt prefill shared by the rows that
-repeat a prompt (what the loop does with no decoding method) and with every row prefilled on its own, alternated in
-one process so that both see the same machine.
+"""The `hf` engine's decode loop at the race's rollout shapes, three variants alternated in one process so that all
+see the same machine: every row prefilled on its own with attention over strided views of the KV cache (what a
+decoding method that hooks the forward runs), the prompt prefill shared by the rows that repeat a prompt with the
+same strided views, and the plain loop as it is (shared prefill, attention over the cache's whole buffers).
 
     python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
                                      [--dtype bfloat16]
@@ -8,8 +9,8 @@ one process so that both see the same machine.
 Workload: the ~85M model of `benchmarks/grpo_step.py` (random weights, eager attention as the race's rollout
 runs it), `--prompts` distinct prompts of 18-30 tokens (left-padded), each sampled `--n` times at temperature 1 for
 `--new-tokens` tokens (no EOS, so every row runs the whole length). Reports the median seconds per generate of
-each variant, the prefill's seconds (the first forward), and the ratio. The two variants sample the same tokens
-(tests/rollout/test_decoding.py). Results: benchmarks/results/decode_step.json.
+each variant, the prefill's seconds (the first forward), and the speed-up over the first. The variants sample the
+same tokens (tests/rollout/test_decoding.py). Results: benchmarks/results/decode_step.json (per `--dtype`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    import rollout.decoding as decoding
     from models.tiny import build_tiny_model, build_tiny_tokenizer
     from rollout.decoding import decode
     torch.set_num_threads(args.threads)
@@ -61,11 +63,16 @@ def main() -> None:
     pre = model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
     post = model.register_forward_hook(lambda *_: prefill.append(time.perf_counter() - started[-1])
                                        if len(started) == 1 else None)
-    variants = {"shared prefill (plain loop)": None, "every row prefilled": PrefillEveryRow()}
+    whole_buffers = decoding.reserved_cache
+    strided = lambda capacity, full_view=False: whole_buffers(capacity, False)  # noqa: E731
+    variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided),
+                "shared prefill, strided cache views": (None, strided),
+                "shared prefill, whole cache buffers (plain loop)": (None, whole_buffers)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     prefills: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(args.reps + 1):  # the first round warms up
-        for name, method in variants.items():
+        for name, (method, cache_factory) in variants.items():
+            decoding.reserved_cache = cache_factory
             started.clear()
             prefill.clear()
             torch.manual_seed(rep)
@@ -77,15 +84,19 @@ def main() -> None:
                 prefills[name].append(prefill[0])
             print(json.dumps({"rep": rep, "variant": name, "s": round(time.perf_counter() - t0, 2),
                               "prefill_s": round(prefill[0], 3)}), flush=True)
+    decoding.reserved_cache = whole_buffers
     pre.remove()
     post.remove()
-    base = statistics.median(times["every row prefilled"])
+    base = statistics.median(times["every row prefilled, strided cache views"])
     report = {"args": vars(args), "rows": len(ids),
               "variants": {k: {"s_per_generate": statistics.median(v), "prefill_s": statistics.median(prefills[k]),
                                "speedup": base / statistics.median(v)} for k, v in times.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    runs = previous.get("runs", {}) if "runs" in previous else {}
+    runs[args.dtype] = report
+    out.write_text(json.dumps({"runs": runs}, indent=2))
     print(json.dumps(report["variants"], indent=1))
 
 

@@ -148,12 +148,16 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dt
 # looprl's settings for the realistic race, all on 2 cores: colocated roles take turns with 2 threads each
 # (synchronous), or one thread each overlapping (one-step-off); eager attention decodes faster on CPU, and
 # trains faster at these lengths (sdpa's fused CPU kernel has a slow backward: `learner.attn_implementation`);
-# token-budget micro-batches group rows of similar length, each run at its own width (less padding).
+# token-budget micro-batches group rows of similar length, each run at its own width (less padding); the 8 rows
+# of a prompt share its forward (`learner.share_prompts`, the budget then keeps them in one micro-batch).
 # Packing is off: without flash-attention's varlen kernels a packed row attends through a dense mask.
 ROLLOUT_EAGER = ["rollout.engine_params.attn_implementation=eager"]
-LEARNER_CPU = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=2048"]
+LEARNER_CPU = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=2048",
+               "learner.share_prompts=true"]
+LEARNER_UNSHARED = LEARNER_CPU[:2]
 RACE_LOOPRL = {
     "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),
+    "bfloat16_sync_unshared": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_UNSHARED),
     "bfloat16_sync_previous": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER),
     # the quickstart recipe's hf engine parameters do not apply to vllm: replaced by none
     "bfloat16_sync_vllm": dict(dtype="bfloat16", threads=2, staleness=0, engine="vllm",

@@ -3,11 +3,12 @@ process so that every variant sees the same machine.
 
     python benchmarks/learner_step.py [--rows 128] [--steps 3] [--threads 2] [--dtype bfloat16] [--max-tokens 2048]
 
-Workload: the race's shapes (`benchmarks/grpo_step.py`: the 85M model, prompts of up to 30 tokens, up to 64
-response tokens) with ragged lengths (prompts 18–30, responses 8–64 tokens, uniform: what a rollout of
-sampled answers of different lengths gives), the `ppo_clip` loss, DeepSpeed ZeRO-0 on one rank. Variants:
+Workload: the race's shapes (`benchmarks/grpo_step.py`: the 85M model, 16 prompts of 18–30 tokens sampled 8
+times each, up to 64 response tokens) with ragged responses (8–64 tokens, uniform: what a rollout of sampled
+answers of different lengths gives), the `ppo_clip` loss, DeepSpeed ZeRO-0 on one rank. Variants:
 `learner.attn_implementation` sdpa or eager, and the rows as one padded micro-batch (`micro_batch_size` =
-rows) or as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width.
+rows), as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width, or as
+token-budget micro-batches that keep a prompt's rows together and run each prompt once (`learner.share_prompts`).
 Reports the median step time of each variant (after one warm-up step) and the ratios to sdpa, one micro-batch.
 Results: benchmarks/results/learner_step.json.
 """
@@ -32,12 +33,15 @@ def ragged_batch(rows: int, seed: int = 0):
 
     from rl.batch import Batch
     g = torch.Generator().manual_seed(seed)
-    P, L = 30, 64
-    plen = torch.randint(18, P + 1, (rows,), generator=g)
+    P, L, n = 30, 64, 8
+    groups = -(-rows // n)
+    plen = torch.randint(18, P + 1, (groups,), generator=g)
     rlen = torch.randint(8, L + 1, (rows,), generator=g)
     pm = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
+    prompts = torch.randint(5, 100, (groups, P), generator=g) * pm
+    pm, prompts = pm.repeat_interleave(n, 0)[:rows], prompts.repeat_interleave(n, 0)[:rows]  # n samples a prompt
     rm = (torch.arange(L)[None] < rlen[:, None]).float()
-    return Batch(prompt_ids=torch.randint(5, 100, (rows, P), generator=g) * pm, prompt_mask=pm,
+    return Batch(prompt_ids=prompts, prompt_mask=pm,
                  response_ids=torch.randint(5, 100, (rows, L), generator=g) * rm.long(), response_mask=rm,
                  response_attn=rm.long(), group_id=torch.arange(rows) // 8, advantages=torch.randn(rows, L) * rm)
 
@@ -53,14 +57,26 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from cluster.learner import LearnerWorker, free_port
+    from models.common import distinct_prompts
     from models.tiny import save_tiny
-    from rl.batch import contiguous_plan, micro_batches_of, plan_micro_batches, sequence_tokens
+    from rl.batch import (
+        contiguous_plan,
+        micro_batches_of,
+        plan_micro_batches,
+        plan_prompt_groups,
+        sequence_tokens,
+    )
     batch = ragged_batch(args.rows)
     params = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(args.rows)}
     plans = {"one_micro_batch": contiguous_plan(args.rows, 1, 1),
-             "token_budget": plan_micro_batches(sequence_tokens(batch), 1, args.max_tokens)}
+             "token_budget": plan_micro_batches(sequence_tokens(batch), 1, args.max_tokens),
+             "shared_prompts": plan_prompt_groups(batch, 1, args.max_tokens)}
     mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
-    positions = {k: sum(m.prompt_ids.numel() + m.response_ids.numel() for m in v) for k, v in mbs.items()}
+
+    def positions_run(m, shared: bool) -> int:  # token positions the decoder runs (padding included)
+        prompts = len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) if shared else len(m)
+        return prompts * m.prompt_ids.shape[1] + m.response_ids.numel()
+    positions = {k: sum(positions_run(m, k == "shared_prompts") for m in v) for k, v in mbs.items()}
     variants = list(itertools.product(("sdpa", "eager"), plans))
     times: dict[str, list[float]] = {f"{k}/{b}": [] for k, b in variants}
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,6 +86,7 @@ def main() -> None:
         for step in range(args.steps + 1):
             for kernel, batching in variants:  # alternated: every variant sees the same machine load
                 worker.engine.module.set_attn_implementation(kernel)
+                worker.family.share_prompts = batching == "shared_prompts"
                 t0 = time.perf_counter()
                 worker.train_step(mbs[batching], "ppo_clip", params)
                 dt = time.perf_counter() - t0

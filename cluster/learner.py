@@ -66,7 +66,7 @@ class LearnerWorker(ActorProbes):
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
                  trust_remote_code: bool = False, offload_between_phases: bool = False, pack_sequences: bool = False,
                  logprob_chunk_tokens: int = 512, attn_implementation: str | None = None,
-                 adapter: dict[str, Any] | None = None):
+                 adapter: dict[str, Any] | None = None, share_prompts: bool = False):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
                           LOCAL_WORLD_SIZE=str(world_size))
@@ -78,7 +78,18 @@ class LearnerWorker(ActorProbes):
         from rl.optim import is_forward_only
         from rl.registry import get
         self.lr = lr
-        self.family = get("family", family)(chunk_tokens=logprob_chunk_tokens)
+        try:
+            self.family = get("family", family)(chunk_tokens=logprob_chunk_tokens,
+                                                **({"share_prompts": True} if share_prompts else {}))
+        except TypeError as exc:
+            if not share_prompts:
+                raise
+            raise ValueError(f"learner.share_prompts: model family {family!r} cannot share a prompt's forward "
+                             f"(the causal family can)") from exc
+        if share_prompts and (pack_sequences or gradient_checkpointing):
+            raise ValueError("learner.share_prompts runs each prompt into a KV cache, which "
+                             + ("learner.pack_sequences does not use" if pack_sequences
+                                else "model.gradient_checkpointing turns off in training"))
         if pack_sequences and not self.family.supports_packing:
             raise ValueError(f"learner.pack_sequences: model family {family!r} cannot run packed sequences")
         self.pack = pack_sequences
@@ -622,14 +633,19 @@ class LearnerGroup:
     def __init__(self, world_size: int, model_path: str, *, placement_group=None, bundle_indices=None,
                  num_cpus: float = 0.5, num_gpus: float = 0.0, env: dict[str, str] | None = None,
                  max_tokens_per_micro_batch: int = 0, deadline_s: float = 0.0, wait: bool = True,
-                 **worker_kwargs: Any):
+                 share_prompts: bool = False, **worker_kwargs: Any):
         """`max_tokens_per_micro_batch > 0` forms micro-batches by token count (`rl.batch.plan_micro_batches`)
-        instead of `grad_accum` equal splits of each rank's share; logprob passes use it too. `deadline_s > 0`
+        instead of `grad_accum` equal splits of each rank's share; logprob passes use it too. `share_prompts`: the
+        rows that repeat a prompt share its forward, so a token budget keeps them in one micro-batch and counts the
+        prompt once. `deadline_s > 0`
         bounds every call on the ranks (`LearnerStuck` past it). `wait=False` returns while the ranks still start
         (other actors can start meanwhile); call `wait_ready` before using them."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         self.world_size = world_size
         self.max_tokens = max_tokens_per_micro_batch
+        self.share_prompts = share_prompts
+        if share_prompts:
+            worker_kwargs["share_prompts"] = True
         self.deadline_s = deadline_s
         self.broken = False  # a rank missed its deadline: shutdown skips the barrier it would never reach
         self.logprob_micro_batch_size = 64  # sequences per logprob forward without a token budget
@@ -679,7 +695,9 @@ class LearnerGroup:
     def plan(self, batch: Batch, micro_batches: int) -> list[list[list[int]]]:
         """Row indices per rank and micro-batch: by token budget when one is set, else contiguous shards
         split into `micro_batches` each."""
-        from rl.batch import contiguous_plan, plan_micro_batches, sequence_tokens
+        from rl.batch import contiguous_plan, plan_micro_batches, plan_prompt_groups, sequence_tokens
+        if self.max_tokens and self.share_prompts:
+            return plan_prompt_groups(batch, self.world_size, self.max_tokens)
         if self.max_tokens:
             return plan_micro_batches(sequence_tokens(batch), self.world_size, self.max_tokens)
         return contiguous_plan(len(batch), self.world_size, micro_batches)

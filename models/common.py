@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For left-padded prompt rows `[N, P]`: a row carrying each distinct prompt (`first [G]`, the lowest index) and
+    each row's prompt among those (`inverse [N]`), so that `prompt_ids[first][inverse]` equals the real tokens of
+    `prompt_ids`. GRPO samples every prompt n times; what depends on the prompt alone runs G times, not N."""
+    mask = prompt_mask.long()
+    key = torch.cat([prompt_ids * mask, mask], 1)  # pad ids do not split a prompt
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    first = torch.full((len(distinct),), len(key), dtype=torch.long, device=key.device)
+    return first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device), "amin"), inverse
 
 
 def init_weights(module: nn.Module, std: float, norm_types: tuple[type, ...]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from models.common import distinct_prompts
 from models.diffusion import LLaDAConfig, mask_for_training
 from models.ouro import OuroConfig, exit_pdf
 from models.sampling import truncates, warp_logits
@@ -207,13 +208,13 @@ def packed_inputs(batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return inputs, torch.cat(src)
 
 
-def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor], cache: Any = None) -> torch.Tensor:
     """The hidden state the model's output head reads: the decoder's last (normed) hidden state, or for a
     looped model the readout loop's (`early_exit_step`, else the final loop).
 
     The model is called as a whole (a DeepSpeed engine's forward keeps ZeRO-3's micro-step bookkeeping,
     which gradient accumulation relies on), with its logits kept at no position; the decoder's output is
-    read by a forward hook."""
+    read by a forward hook. With a `cache` (a transformers `DynamicCache`) the forward reads and extends it."""
     module = _unwrap(model)
     if hasattr(module, "loop_states"):
         states, _ = model(**inputs, use_cache=False, return_loop_states=True)
@@ -227,20 +228,85 @@ def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tor
     handle = module.get_decoder().register_forward_hook(grab)
     try:
         none = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
-        model(**inputs, use_cache=False, logits_to_keep=none)
+        cached = {"use_cache": True, "past_key_values": cache} if cache is not None else {"use_cache": False}
+        model(**inputs, **cached, logits_to_keep=none)
     finally:
         handle.remove()
     return captured["h"]
 
 
+def length_buckets(lengths: list[int], max_padding: float = 0.25, min_tokens: int = 256) -> list[list[int]]:
+    """Row indices grouped for forwards at their own width: rows longest first, a bucket closed when one more row
+    would make its padded size (rows × its longest) exceed `1 + max_padding` times its real tokens, unless it holds
+    fewer than `min_tokens` real tokens (a matmul of a few rows runs below the machine's rate)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    buckets: list[list[int]] = []
+    real = 0
+    for i in order:
+        if buckets and (real < min_tokens or
+                        (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] <= (1 + max_padding) * (real + lengths[i])):
+            buckets[-1].append(i)
+            real += lengths[i]
+        else:
+            buckets.append([i])
+            real = lengths[i]
+    return buckets
+
+
+def shared_prompt_hidden(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The decoder's last hidden state at every position that predicts a response token, `[N, L, H]` (column j
+    predicts response token j; zeros where no token is predicted), computing each distinct prompt once: the prompts
+    run as G distinct rows (`models.common.distinct_prompts`) into a KV cache, whose rows are repeated for the rows
+    that share them (with their graph: the repeats' gradients add up in the prompt's forward); the responses then
+    run after it in buckets of similar length (`length_buckets`), each at its own width, without their last token
+    (its hidden state predicts nothing). Equal to the padded forward up to float rounding (the same masks and
+    positions). With n samples per prompt the prompt's tokens cost 1/n of their matmuls, forward and backward, and
+    the responses' padding mostly goes. Without repeated prompts: the padded forward."""
+    from transformers import DynamicCache
+    module = _unwrap(model)
+    device = _device(module)
+    first, inverse = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
+    inputs = batch.model_inputs()
+    P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    if len(first) == len(inverse):  # no prompt repeats: one forward over the padded rows
+        return _last_hidden(model, {k: v.to(device) for k, v in inputs.items()})[:, P - 1:P - 1 + L]
+    cache = DynamicCache(config=module.config)
+    prompt = {"input_ids": batch.prompt_ids[first], "attention_mask": inputs["attention_mask"][first, :P],
+              "position_ids": inputs["position_ids"][first, :P]}
+    h_last = _last_hidden(model, {k: v.to(device) for k, v in prompt.items()}, cache)[:, -1]
+    prompt_state = [dict(vars(layer)) for layer in cache.layers]  # each layer as the prompts left it
+    resp = batch.response_attn if batch.response_attn is not None else batch.response_mask
+    lengths = resp.long().sum(-1).tolist()
+    parts, order = [], []
+    for rows in length_buckets(lengths):
+        width = max(1, lengths[rows[0]])  # tokens predicted; the forward runs the first width - 1
+        index = torch.tensor(rows)
+        at = inverse[index].to(device)
+        h = h_last.index_select(0, at)[:, None]
+        if width > 1:
+            for layer, state in zip(cache.layers, prompt_state):
+                vars(layer).update(state)
+                layer.keys, layer.values = state["keys"].index_select(0, at), state["values"].index_select(0, at)
+            run = {"input_ids": batch.response_ids[index, :width - 1],
+                   "attention_mask": inputs["attention_mask"][index, :P + width - 1],
+                   "position_ids": inputs["position_ids"][index, P:P + width - 1]}
+            h = torch.cat([h, _last_hidden(model, {k: v.to(device) for k, v in run.items()}, cache)], 1)
+        parts.append(torch.nn.functional.pad(h, (0, 0, 0, L - width)))
+        order.extend(rows)
+    back = torch.empty(len(order), dtype=torch.long)
+    back[torch.tensor(order)] = torch.arange(len(order))
+    return torch.cat(parts).index_select(0, back.to(device))
+
+
 def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1.0,
                       with_entropy: bool = False, entropy_grad: bool = False, *, top_k: int = 0, top_p: float = 1.0,
-                      pack: bool = False, chunk_tokens: int = 512
+                      pack: bool = False, share_prompts: bool = False, chunk_tokens: int = 512
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[N, L]` logprobs of `batch.response_ids` under a causal `model` (and entropy `[N, L]` if asked),
     of the distribution the rollout sampled from: logits at `temperature`, truncated by `top_k`/`top_p`.
 
-    The decoder runs once on the padded batch, or with `pack` on its real tokens in one row; the vocabulary
+    The decoder runs once on the padded batch, or with `pack` on its real tokens in one row, or with
+    `share_prompts` once per distinct prompt and then on the responses (`shared_prompt_hidden`); the vocabulary
     projection then runs only at generated response positions, chunk by chunk (`chunked_token_stats`).
     The entropy is a metric unless `entropy_grad` (an entropy bonus in the loss): then it keeps its graph.
     Positions past a response's end get 0.
@@ -251,6 +317,8 @@ def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1
     if pack:
         inputs, src = packed_inputs(batch)
         h = _last_hidden(model, {k: v.to(device) for k, v in inputs.items()})[0, src.to(device)]
+    elif share_prompts:
+        h = shared_prompt_hidden(model, batch)[rows.to(device), cols.to(device)]
     else:
         inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
         P = batch.prompt_ids.shape[1]
@@ -335,15 +403,17 @@ class CausalFamily:
 
     `chunk_tokens`: response tokens per vocabulary-projection chunk. `supports_packing`: transformers'
     attention (sdpa, eager, flash-attention) starts a new causal block where position ids restart, so a
-    micro-batch may run as one packed row (tested against the padded forward).
+    micro-batch may run as one packed row (tested against the padded forward). `share_prompts`: the rows of a
+    micro-batch that repeat a prompt share its forward (`shared_prompt_hidden`; padded batches only).
     """
 
     name = "causal"
     outputs: tuple[str, ...] = ("logp", "entropy")
     supports_packing = True
 
-    def __init__(self, chunk_tokens: int = 512):
+    def __init__(self, chunk_tokens: int = 512, share_prompts: bool = False):
         self.chunk_tokens = chunk_tokens
+        self.share_prompts = share_prompts
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:
@@ -359,9 +429,12 @@ class CausalFamily:
         distribution the rollout sampled from (`temperature`, `top_k`, `top_p`)."""
         if pack and not self.supports_packing:
             raise ValueError(f"model family {self.name!r} cannot run packed sequences (learner.pack_sequences)")
+        if pack and self.share_prompts:
+            raise ValueError("learner.share_prompts runs padded micro-batches; it cannot be combined with "
+                             "learner.pack_sequences")
         logp, entropy = response_logprobs(model, batch, temperature, with_entropy="entropy" in outputs,
                                           entropy_grad=entropy_grad, top_k=top_k, top_p=top_p, pack=pack,
-                                          chunk_tokens=self.chunk_tokens)
+                                          share_prompts=self.share_prompts, chunk_tokens=self.chunk_tokens)
         return {"logp": logp, "entropy": entropy} if entropy is not None else {"logp": logp}
 
 
@@ -377,6 +450,9 @@ class LoopedFamily(CausalFamily):
     outputs = ("logp", "entropy", "loop_logp", "exit_pdf")
     model_types = (OuroConfig.model_type,)
     supports_packing = False
+
+    def __init__(self, chunk_tokens: int = 512):  # a loop's cache is its own kind: no shared prompt forward
+        super().__init__(chunk_tokens)
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:

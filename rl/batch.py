@@ -288,6 +288,21 @@ def plan_micro_batches(costs: list[int], world_size: int, max_tokens: int) -> li
     return [[sorted(b) for b in bins] for bins in plans]
 
 
+def plan_prompt_groups(batch: Batch, world_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """`plan_micro_batches` for a learner that shares each prompt's forward among the rows that repeat it
+    (`learner.share_prompts`): the rows of one prompt stay in one micro-batch, which costs the prompt's tokens
+    once plus every row's response tokens."""
+    from models.common import distinct_prompts
+    first, inverse = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
+    resp = batch.response_attn if batch.response_attn is not None else batch.response_mask
+    resp_tokens = resp.long().sum(-1)
+    groups = [(inverse == g).nonzero().flatten().tolist() for g in range(len(first))]
+    costs = [int(batch.prompt_mask[first[g]].long().sum()) + int(resp_tokens[rows].sum())
+             for g, rows in enumerate(groups)]
+    return [[sorted(r for g in bin_ for r in groups[g]) for bin_ in bins]
+            for bins in plan_micro_batches(costs, world_size, max_tokens)]
+
+
 def contiguous_plan(num_rows: int, world_size: int, micro_batches: int) -> list[list[list[int]]]:
     """Rows per rank and micro-batch by count: contiguous near-equal shards, each split into `micro_batches`."""
     def split(rows: list[int], n: int) -> list[list[int]]:

@@ -141,6 +141,11 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if simplegpt and cfg.rollout.engine == "vllm":
         raise ConfigError("rollout.engine: vllm has no SimpleGPT architecture (model_type simplegpt, "
                           "model.tiny.norm_placement: simplenorm); the hf engine serves it")
+    if lc.share_prompts and (family_name != "causal" or lc.pack_sequences or cfg.model.gradient_checkpointing):
+        why = (f"model family {family_name!r} runs its own forward (the causal family can share prompts)"
+               if family_name != "causal" else "learner.pack_sequences runs no KV cache" if lc.pack_sequences
+               else "model.gradient_checkpointing turns the KV cache off in training")
+        raise ConfigError(f"learner.share_prompts: {why}; set learner.share_prompts false")
     if lc.pack_sequences and not getattr(family, "supports_packing", False):
         raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
                           f"(its attention builds its own masks); set learner.pack_sequences false")
@@ -316,7 +321,7 @@ class SFTStage(Stage):
     `resume: auto` continues."""
     config_keys = ("seed", "model", "sft", "data", "learner.world_size", "learner.zero_stage",
                    "learner.micro_batch_size", "learner.grad_clip", "learner.optimizer", "learner.pack_sequences",
-                   "learner.max_tokens_per_micro_batch")
+                   "learner.max_tokens_per_micro_batch", "learner.share_prompts")
     runs_in_driver = True
 
     def input_files(self, cfg: DictConfig) -> list[str | None]:

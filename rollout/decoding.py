@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from models.blocks import decoder_layers
+from models.common import distinct_prompts
 from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
 from rl.batch import pad_token_rows
 from rl.registry import register
@@ -97,13 +98,33 @@ class ReservedLayer(DynamicLayer):
     """A KV-cache layer that writes into buffers with room for `capacity` positions and exposes the filled part
     as views (`keys`, `values`), so a decode step appends in place instead of copying the whole cache
     (transformers' `DynamicLayer` concatenates every step: a quadratic copy over a response). A policy that
-    replaces `keys`/`values` (`keep_cache_positions`) is picked up on the next write."""
+    replaces `keys`/`values` (`keep_cache_positions`) is picked up on the next write.
 
-    def __init__(self, capacity: int) -> None:
+    With `full_view`, attention reads the whole buffers (zeros past the filled part, which the attention mask
+    masks: transformers pads the 2-D mask to the length `get_mask_sizes` reports, as for its static cache).
+    The filled part is a strided view of the buffers, and a CPU batched matmul in bf16/fp16 copies a strided
+    operand before multiplying: at 128 rows that copy cost about twice the attention itself, more than the
+    unfilled columns that the whole buffers add (`benchmarks/decode_step.py`). The plain loop turns it on for
+    half precision on CPU only (fp32 kernels there, and CUDA's, read the strided view as it is, and the extra
+    columns would cost), where no hook reads attention shapes."""
+
+    def __init__(self, capacity: int, full_view: bool = False) -> None:
         super().__init__()
         self.capacity = capacity
+        self.full_view = full_view
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+
+    def _owns_room(self, new: int) -> bool:
+        """The filled part is a view of this layer's own buffers with room for `new` more positions."""
+        n = self.keys.shape[-2] if self.is_initialized and self.keys.numel() else 0
+        return (self._k is not None and n > 0 and self.keys.data_ptr() == self._k.data_ptr()
+                and self.keys.shape[:2] == self._k.shape[:2] and n + new <= self._k.shape[-2])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.full_view and self._owns_room(query_length):
+            return self._k.shape[-2], 0
+        return super().get_mask_sizes(query_length)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,18 +132,21 @@ class ReservedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n = self.keys.shape[-2] if self.keys.numel() else 0
         need = n + key_states.shape[-2]
-        own = (self._k is not None and n > 0 and self.keys.data_ptr() == self._k.data_ptr()
-               and self.keys.shape[:2] == self._k.shape[:2])
-        if not own or need > self._k.shape[-2]:  # first write, a replaced cache, or out of room
+        fits = self._owns_room(key_states.shape[-2])  # as `get_mask_sizes` saw it before this forward
+        if not fits:  # first write, a replaced cache, or out of room
+            own = self._k is not None and n > 0 and self.keys.data_ptr() == self._k.data_ptr()
             self.capacity = max(self.capacity, 2 * need if own else need)
             shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
-            k_buf, v_buf = key_states.new_empty(shape), value_states.new_empty(shape)
+            # zeros, not empty: unfilled columns are read (and masked) under `full_view`; they must be finite
+            k_buf, v_buf = key_states.new_zeros(shape), value_states.new_zeros(shape)
             if n:
                 k_buf[:, :, :n], v_buf[:, :, :n] = self.keys, self.values
             self._k, self._v = k_buf, v_buf
         self._k[:, :, n:need] = key_states
         self._v[:, :, n:need] = value_states
         self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
+        if self.full_view and fits:
+            return self._k, self._v
         return self.keys, self.values
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -136,10 +160,11 @@ class ReservedLayer(DynamicLayer):
 COPYABLE_LAYERS = (ReservedLayer, DynamicLayer, DynamicSlidingWindowLayer)
 
 
-def reserved_cache(capacity: int) -> Any:
-    """A `DynamicCache` whose layers are `ReservedLayer`s with room for `capacity` positions."""
+def reserved_cache(capacity: int, full_view: bool = False) -> Any:
+    """A `DynamicCache` whose layers are `ReservedLayer`s with room for `capacity` positions (`full_view`: attention
+    reads their whole buffers)."""
     cache = DynamicCache()
-    cache.layer_class_to_replicate = lambda: ReservedLayer(capacity)
+    cache.layer_class_to_replicate = lambda: ReservedLayer(capacity, full_view)
     return cache
 
 
@@ -163,12 +188,9 @@ def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     forward runs once per distinct (left-padded) prompt and its cache rows and last logits are copied to the rows
     that repeat it. Each row's numbers are those of its own forward (a row's result does not depend on the other
     rows of the batch). Returns the logits and the cache (a `new_cache()` if the fallback below ran)."""
-    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1)
-    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
-    if len(distinct) == len(key):
+    first, inverse = distinct_prompts(prompt_ids, prompt_mask)
+    if len(first) == len(prompt_ids):
         return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs), cache
-    first = torch.full((len(distinct),), len(key), dtype=torch.long, device=key.device)
-    first = first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device), "amin")  # a row per prompt
     mask = prompt_mask.long()
     attention_mask = torch.cat([state.attention_mask, mask], 1)
     positions = (next_pos[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
@@ -213,9 +235,15 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     process = getattr(method, "process_logits", None)
     kv_policy = getattr(method, "kv_policy", None)
     insert = getattr(method, "insert", None)
+    # a method that hooks the forward sees every row of the batch: the prompts then run row by row as given
+    plain = (hooks == [] and process is None and kv_policy is None and insert is None
+             and getattr(method, "forward_hooks", None) is None)
     # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
     capacity = prompt_ids.shape[1] + max_new_tokens + 1
-    cache = reserved_cache(capacity)
+    # CPU half-precision batched matmuls copy a strided operand first; fp32 ones and CUDA read it as it is
+    dtype = next(model.parameters()).dtype
+    full_view = plain and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    cache = reserved_cache(capacity, full_view=full_view)
     next_pos = torch.zeros(B, dtype=torch.long, device=device)
     capped = torch.zeros(B, dtype=torch.bool, device=device)  # rows whose response reached max_new_tokens
     current: dict[str, Any] = {"logits": None, "pending": None}  # what the lookahead starts from
@@ -237,13 +265,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
             state.attention_mask, state.positions = saved_mask, saved_positions
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
     state.lookahead = lookahead
-    # a method that hooks the forward sees every row of the batch: the prompts then run row by row as given
-    plain = (hooks == [] and process is None and kv_policy is None and insert is None
-             and getattr(method, "forward_hooks", None) is None)
     try:
         if plain:
             logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
-                                            forward_kwargs, lambda: reserved_cache(capacity))
+                                            forward_kwargs, lambda: reserved_cache(capacity, full_view=full_view))
         else:
             logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
         if insert is not None:  # before the first token: what the method inserts is fed at once

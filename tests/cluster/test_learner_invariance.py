@@ -27,14 +27,15 @@ def setup(tmp_path_factory):
 
 
 def _train(path, batch, world_size, grad_accum, zero_stage, agg, loss="ppo_clip", params=None, max_tokens=0,
-           pack=False):
+           pack=False, share_prompts=False):
     # AdamW with a large epsilon is close to SGD on the first step (update ~ lr * grad), so weight
     # differences measure gradient differences rather than Adam's sign-like normalisation.
     group = LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), lr=1.0,
                          optimizer={"name": "adamw", "params": {"eps": 1.0}},
                          zero_stage=zero_stage,
                          micro_batch_size=max(1, len(batch) // world_size // grad_accum), grad_accum=grad_accum,
-                         grad_clip=0.0, max_tokens_per_micro_batch=max_tokens, pack_sequences=pack)
+                         grad_clip=0.0, max_tokens_per_micro_batch=max_tokens, pack_sequences=pack,
+                         share_prompts=share_prompts)
     try:
         m = group.train_step(batch, grad_accum, loss, {"agg": agg, **(params or {"eps_high": 0.28})})
         state = group.full_state_dict()
@@ -62,20 +63,25 @@ def test_same_update_across_ranks_micro_batches_and_zero(ray_cluster, setup, agg
 
 
 @pytest.mark.slow
-def test_token_budget_micro_batches_and_packing_give_the_same_update(ray_cluster, setup):
-    """Micro-batches formed by token count (uneven row counts per micro-batch and rank), run padded or packed
-    into one row: the loss, gradient norm and update equal the single full-batch step, for ZeRO 0 and 3."""
-    from rl.batch import plan_micro_batches, sequence_tokens
+def test_token_budget_micro_batches_packing_and_shared_prompts_give_the_same_update(ray_cluster, setup):
+    """Micro-batches formed by token count (uneven row counts per micro-batch and rank), run padded, packed
+    into one row, or with each prompt's forward shared by its rows (`share_prompts`, a prompt's rows kept in one
+    micro-batch): the loss, gradient norm and update equal the single full-batch step, for ZeRO 0 and 3."""
+    from rl.batch import plan_micro_batches, plan_prompt_groups, sequence_tokens
     path, batch = setup
     plan = plan_micro_batches(sequence_tokens(batch), 2, 56)
     assert len(plan[0]) >= 2 and len({len(b) for bins in plan for b in bins}) > 1  # uneven micro-batches
+    assert [len(bins) for bins in plan_prompt_groups(batch, 1, 48)] == [2]  # one prompt's 4 rows per micro-batch
     ref_m, ref_state = _train(path, batch, 1, 1, 0, "seq-mean-token-mean")
-    for zero, pack in [(0, True), (3, True), (0, False)]:
-        m, state = _train(path, batch, 2, 1, zero, "seq-mean-token-mean", max_tokens=56, pack=pack)
-        assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6), (zero, pack)
-        assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), (zero, pack)
+    for ranks, zero, layout, budget in [(2, 0, "pack", 56), (2, 3, "pack", 56), (2, 0, "padded", 56),
+                                        (2, 3, "share", 56), (1, 0, "share", 48)]:
+        m, state = _train(path, batch, ranks, 1, zero, "seq-mean-token-mean", max_tokens=budget,
+                          pack=layout == "pack", share_prompts=layout == "share")
+        case = (ranks, zero, layout)
+        assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6), case
+        assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), case
         for k, v in ref_state.items():
-            assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), (zero, pack, k)
+            assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), (*case, k)
 
 
 _INITIAL = {}

@@ -45,27 +45,72 @@ def full_logits_reference(model, batch, temperature=1.0, top_k=0, top_p=1.0):
     return logp.masked_fill(~attn, 0), entropy.masked_fill(~attn, 0)
 
 
+LAYOUTS = {"padded": {}, "packed": {"pack": True}, "shared prompts": {"share_prompts": True}}
+
+
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 4096])
-@pytest.mark.parametrize("pack", [False, True])
-def test_chunked_and_packed_logprobs_and_entropy_equal_the_full_logits(engine, batch, chunk_tokens, pack):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_chunked_packed_and_shared_prompt_logprobs_and_entropy_equal_the_full_logits(engine, batch, chunk_tokens,
+                                                                                     layout):
     ref_logp, ref_ent = full_logits_reference(engine.model, batch, temperature=0.7)
     with torch.no_grad():
-        logp, ent = response_logprobs(engine.model, batch, 0.7, with_entropy=True, pack=pack,
-                                      chunk_tokens=chunk_tokens)
+        logp, ent = response_logprobs(engine.model, batch, 0.7, with_entropy=True, chunk_tokens=chunk_tokens,
+                                      **LAYOUTS[layout])
     assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
     assert (logp[~batch.response_attn.bool()] == 0).all()
 
 
-def test_packed_and_padded_give_the_same_gradients(engine, batch):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_shared_prompt_and_padded_give_the_same_gradients(engine, batch, attn, monkeypatch):
+    import models.families as families
     model = engine.model
+    model.set_attn_implementation(attn)
+    buckets = families.length_buckets
     grads = []
-    for pack in (False, True):
+    try:
+        for name, layout in [*LAYOUTS.items(), ("shared prompts, a bucket per length", {"share_prompts": True})]:
+            if name.endswith("per length"):  # every response length its own forward after the shared prompts
+                monkeypatch.setattr(families, "length_buckets",
+                                    lambda lengths: buckets(lengths, max_padding=0.0, min_tokens=0))
+                forwards = []
+                model.register_forward_pre_hook(lambda *_: forwards.append(1))
+            model.zero_grad()
+            logp, ent = response_logprobs(model, batch, with_entropy=True, entropy_grad=True, chunk_tokens=5,
+                                          top_p=0.9, **layout)
+            ((logp * batch.response_mask).sum() + 0.1 * ent.sum()).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    finally:
         model.zero_grad()
-        logp, ent = response_logprobs(model, batch, with_entropy=True, entropy_grad=True, pack=pack, chunk_tokens=5)
-        ((logp * batch.response_mask).sum() + 0.1 * ent.sum()).backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    model.zero_grad()
-    assert grads[0].norm() > 0 and torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+        model._forward_pre_hooks.clear()
+        model.set_attn_implementation("sdpa")
+    assert len(forwards) > 2  # the prompts' forward and a forward per response length
+    assert grads[0].norm() > 0
+    for other in grads[1:]:
+        assert torch.allclose(grads[0], other, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompts_run_each_distinct_prompt_once_then_the_responses(engine, batch):
+    """9 rows, 3 prompts: the prompt forward sees 3 rows of the prompt width, then the responses run after it
+    (one bucket here: fewer real tokens than a bucket's minimum) without their last token."""
+    shapes: list[tuple[int, int]] = []
+    handle = engine.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                                    with_kwargs=True)
+    try:
+        with torch.no_grad():
+            response_logprobs(engine.model, batch, share_prompts=True)
+    finally:
+        handle.remove()
+    longest = int(batch.response_attn.sum(-1).max())
+    assert shapes == [(3, batch.prompt_ids.shape[1]), (9, longest - 1)]
+
+
+def test_length_buckets_by_hand():
+    from models.families import length_buckets
+    # longest first: 10, 9, 8 pad to 30 <= 1.25 * 27; adding 2 would pad to 40 > 1.25 * 29; 2 and 1: 4 > 3.75
+    assert length_buckets([10, 2, 9, 8, 1], max_padding=0.25, min_tokens=0) == [[0, 2, 3], [1], [4]]
+    # a bucket under min_tokens real tokens takes the next row whatever the padding
+    assert length_buckets([10, 2, 9, 8, 1], max_padding=0.25, min_tokens=5) == [[0, 2, 3], [1, 4]]
+    assert length_buckets([3, 3, 3], max_padding=0.0, min_tokens=0) == [[0, 1, 2]]
 
 
 def test_the_vocabulary_projection_never_sees_more_than_a_chunk(engine, batch):

@@ -152,6 +152,23 @@ def test_token_budget_plan_properties_on_random_lengths():
         assert max(loads) - min(loads) <= max(costs)  # balanced to within one row
 
 
+def test_shared_prompt_plan_keeps_a_prompts_rows_together_and_counts_the_prompt_once_by_hand():
+    from rl.batch import Batch, plan_prompt_groups
+    # prompts A (3 tokens) on rows 0, 2, 4 and B (2 tokens, left-padded) on rows 1, 3; responses of 4, 1, 2, 2, 3
+    A, B = [0, 7, 8, 9], [0, 0, 5, 6]
+    pm_a, pm_b = [0, 1, 1, 1], [0, 0, 1, 1]
+    ids = torch.tensor([A, B, A, B, A])
+    mask = torch.tensor([pm_a, pm_b, pm_a, pm_b, pm_a])
+    lengths = torch.tensor([4, 1, 2, 2, 3])
+    resp = (torch.arange(4)[None] < lengths[:, None]).float()
+    batch = Batch(prompt_ids=ids, prompt_mask=mask, response_ids=torch.ones(5, 4, dtype=torch.long),
+                  response_mask=resp, group_id=torch.tensor([0, 1, 0, 1, 0]))
+    # A costs 3 + 9 = 12 tokens, B 2 + 3 = 5: both fit one micro-batch of 17, not of 16; two ranks get one each
+    assert plan_prompt_groups(batch, 1, 17) == [[[0, 1, 2, 3, 4]]]
+    assert plan_prompt_groups(batch, 1, 16) == [[[0, 2, 4], [1, 3]]]
+    assert plan_prompt_groups(batch, 2, 100) == [[[0, 2, 4]], [[1, 3]]]
+
+
 def test_micro_batches_of_fills_an_empty_bin_with_a_row_that_carries_no_loss():
     from rl.batch import micro_batches_of
     b = _batch(n=2)

@@ -237,6 +237,25 @@ def test_reserved_cache_layer_appends_in_place_grows_and_follows_a_replaced_cach
     assert torch.equal(keys, torch.cat([torch.cat(parts, -2).index_select(-2, keep), k], -2))
 
 
+def test_a_full_view_layer_hands_attention_its_whole_buffers_and_reports_their_length_for_the_mask():
+    from rollout.decoding import ReservedLayer
+    layer = ReservedLayer(capacity=6, full_view=True)
+    assert layer.get_mask_sizes(3) == (3, 0)  # empty: the first write is sized by the mask it is given
+    k = torch.randn(2, 2, 3, 4)
+    keys, _ = layer.update(k, k)
+    assert keys.shape[-2] == 3  # allocated in this write: a view of what the mask covers
+    assert layer.get_mask_sizes(1) == (6, 0)
+    k1 = torch.randn(2, 2, 1, 4)
+    keys, values = layer.update(k1, k1 + 1)
+    assert keys.shape[-2] == 6 and keys.is_contiguous()  # the whole buffer, no strided view
+    assert torch.equal(keys[:, :, :4], torch.cat([k, k1], -2)) and torch.equal(values[:, :, 3], (k1 + 1)[:, :, 0])
+    assert not keys[:, :, 4:].any()  # unfilled columns are zeros (finite), masked by the padded mask
+    assert layer.get_seq_length() == 4 and layer.keys.shape[-2] == 4
+    assert layer.get_mask_sizes(3) == (4 + 3, 0)  # no room for 3 more: the layer grows in that write
+    keys, _ = layer.update(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4))
+    assert keys.shape[-2] == 7 and layer.get_mask_sizes(1) == (14, 0)
+
+
 def test_rows_that_repeat_a_prompt_share_its_prefill_and_sample_as_if_each_ran_its_own(engine):
     """n samples per prompt: the prompt's forward runs once per distinct prompt (its cache rows copied to the
     repeats), and what is sampled equals the loop that prefills every row (a method that hooks the forward)."""
@@ -267,6 +286,36 @@ def test_rows_that_repeat_a_prompt_share_its_prefill_and_sample_as_if_each_ran_i
     for a, b in zip(runs[0][:5], runs[1][:5]):
         assert torch.equal(a, b)
     assert len({tuple(r.tolist()) for r in shared}) > 3  # the repeats sampled different responses
+
+
+def test_the_plain_loop_in_bf16_reads_whole_cache_buffers_and_samples_what_strided_views_sample(engine, monkeypatch):
+    """On CPU in bf16 the plain loop's attention reads the cache's whole buffers (its unfilled columns masked):
+    the same tokens as attention over the filled part alone, logprobs equal to rounding."""
+    import copy
+
+    import rollout.decoding as decoding
+    tok = engine.tokenizer
+    model = copy.deepcopy(engine.model).to(torch.bfloat16)
+    enc = tok([p for p in PROMPTS for _ in range(4)], return_tensors="pt", padding=True, padding_side="left",
+              add_special_tokens=False)
+    kw = dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    made: list[bool] = []
+    factory = decoding.reserved_cache
+
+    def recording(capacity, full_view=False):
+        made.append(full_view)
+        return factory(capacity, full_view)
+    monkeypatch.setattr(decoding, "reserved_cache", recording)
+    torch.manual_seed(4)
+    whole = decode(model, enc["input_ids"], enc["attention_mask"], **kw)
+    assert made and all(made)
+    monkeypatch.setattr(decoding, "reserved_cache", lambda capacity, full_view=False: factory(capacity, False))
+    torch.manual_seed(4)
+    strided = decode(model, enc["input_ids"], enc["attention_mask"], **kw)
+    assert torch.equal(whole[0], strided[0]) and torch.equal(whole[2], strided[2])
+    torch.testing.assert_close(whole[1], strided[1], rtol=0, atol=2e-2)  # bf16 logits
+    assert int(whole[2].sum()) > 12  # some rows decoded several tokens, reading the cache
 
 
 def test_a_cache_layer_that_cannot_be_copied_by_row_falls_back_to_prefilling_every_row(engine, monkeypatch):

@@ -1,7 +1,8 @@
 """The `hf` engine's decode loop at the race's rollout shapes, three variants alternated in one process so that all
 see the same machine: every row prefilled on its own with attention over strided views of the KV cache (what a
 decoding method that hooks the forward runs), the prompt prefill shared by the rows that repeat a prompt with the
-same strided views, and the plain loop as it is (shared prefill, attention over the cache's whole buffers).
+same strided views (the plain loop in fp32), and the shared prefill with attention over the cache's whole buffers
+(the plain loop in bf16 on CPU).
 
     python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
                                      [--dtype bfloat16]
@@ -63,11 +64,12 @@ def main() -> None:
     pre = model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
     post = model.register_forward_hook(lambda *_: prefill.append(time.perf_counter() - started[-1])
                                        if len(started) == 1 else None)
-    whole_buffers = decoding.reserved_cache
-    strided = lambda capacity, full_view=False: whole_buffers(capacity, False)  # noqa: E731
+    made = decoding.reserved_cache
+    strided = lambda capacity, full_view=False: made(capacity, False)  # noqa: E731
+    whole = lambda capacity, full_view=False: made(capacity, True)  # noqa: E731  (the plain loop's in bf16)
     variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided),
                 "shared prefill, strided cache views": (None, strided),
-                "shared prefill, whole cache buffers (plain loop)": (None, whole_buffers)}
+                "shared prefill, whole cache buffers": (None, whole)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     prefills: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(args.reps + 1):  # the first round warms up
@@ -84,7 +86,7 @@ def main() -> None:
                 prefills[name].append(prefill[0])
             print(json.dumps({"rep": rep, "variant": name, "s": round(time.perf_counter() - t0, 2),
                               "prefill_s": round(prefill[0], 3)}), flush=True)
-    decoding.reserved_cache = whole_buffers
+    decoding.reserved_cache = made
     pre.remove()
     post.remove()
     base = statistics.median(times["every row prefilled, strided cache views"])

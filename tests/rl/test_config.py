@@ -128,6 +128,18 @@ def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(
                      None)  # the causal family packs, and the ppo loss works on the truncated distribution
 
 
+@pytest.mark.parametrize("recipe,overrides,match", [
+    ("rltt_tiny", [], r"learner.share_prompts: model family 'looped' runs its own forward"),
+    ("quickstart", ["learner.pack_sequences=true"], r"learner.share_prompts: learner.pack_sequences runs no KV cache"),
+    ("quickstart", ["model.gradient_checkpointing=true"], r"learner.share_prompts: model.gradient_checkpointing"),
+])
+def test_shared_prompts_are_refused_where_no_prompt_cache_can_run(recipe, overrides, match):
+    from rl.pipeline import check_components
+    with pytest.raises(ValueError, match=match):
+        check_components(config.load(ROOT / f"recipes/{recipe}.yaml", ["learner.share_prompts=true", *overrides]), None)
+    check_components(config.load(ROOT / "recipes/quickstart.yaml", ["learner.share_prompts=true"]), None)
+
+
 @pytest.mark.parametrize("override,match", [
     ("learner.optimizer.params.betaz=[0.9,0.99]", "learner.optimizer.params.betaz: optimizer 'adamw' has no parameter"),
     ("learner.optimizer.name=lion", "unknown optimizer 'lion'"),

@@ -268,11 +268,13 @@ def test_missing_column_is_named(tmp_path):
     ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", "algorithm.mask_truncated=true",
      "algorithm.overlong_buffer=4", "algorithm.kl_coef=0.05", "algorithm.loss=gspo",
      "algorithm.advantage=rloo"],
-    # weights broadcast from learner rank 0 (ZeRO-3 over two ranks) to two rollout workers over gloo
+    # weights broadcast from learner rank 0 (ZeRO-3 over two ranks) to two rollout workers over gloo; the learner
+    # and the reference run each prompt once for its samples (token-budget micro-batches keep them together)
     ["learner.world_size=2", "learner.zero_stage=3", "learner.micro_batch_size=4", "rollout.num_workers=2",
-     "rollout.weight_sync=collective", "rollout.sync_bucket_mb=1", "algorithm.kl_coef=0.05"],
+     "rollout.weight_sync=collective", "rollout.sync_bucket_mb=1", "algorithm.kl_coef=0.05",
+     "learner.share_prompts=true", "learner.max_tokens_per_micro_batch=64"],
 ], ids=["zero3-2ranks-split-kl-loss", "kl-reward-ppo-epochs-top-p-packed", "dapo-options-gspo-rloo",
-                                "collective-sync"])
+                                "collective-sync-shared-prompts"])
 def test_variants_run(ray_cluster, tmp_path, variant):
     cfg = _cfg(tmp_path, "v", "trainer.steps=2", "learner.lr=5e-3", _digit_reward(tmp_path), *variant)
     summary = run(cfg)
@@ -288,7 +290,8 @@ def test_variants_run(ray_cluster, tmp_path, variant):
         assert all(m["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) for m in metrics)
         assert all(m["actor/is_capped_frac"] == 0.0 for m in metrics)
     if "rollout.weight_sync=collective" in variant:
-        # after every broadcast both engines sample from exactly the learner's weights
+        # after every broadcast both engines sample from exactly the learner's weights (whose logprobs come from
+        # the shared-prompt forward here)
         assert all(m["actor/mismatch_abs_diff"] < 1e-4 for m in metrics) and metrics[1]["rollout/weight_load_s"] > 0
     if "algorithm.dynamic_sampling=true" in variant:
         assert all(1 <= m["sampling/rounds"] <= 3 for m in metrics)

@@ -58,6 +58,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from cluster.learner import LearnerWorker, free_port
     from models.common import distinct_prompts
+    from models.families import length_buckets
     from models.tiny import save_tiny
     from rl.batch import (
         contiguous_plan,
@@ -74,8 +75,11 @@ def main() -> None:
     mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
 
     def positions_run(m, shared: bool) -> int:  # token positions the decoder runs (padding included)
-        prompts = len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) if shared else len(m)
-        return prompts * m.prompt_ids.shape[1] + m.response_ids.numel()
+        if not shared:
+            return m.prompt_ids.numel() + m.response_ids.numel()
+        lengths = m.response_attn.sum(-1).tolist()  # the responses run in buckets, without their last token
+        return (len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) * m.prompt_ids.shape[1]
+                + sum(len(b) * (max(1, lengths[b[0]]) - 1) for b in length_buckets(lengths)))
     positions = {k: sum(positions_run(m, k == "shared_prompts") for m in v) for k, v in mbs.items()}
     variants = list(itertools.product(("sdpa", "eager"), plans))
     times: dict[str, list[float]] = {f"{k}/{b}": [] for k, b in variants}

@@ -3,8 +3,9 @@ process so that every variant sees the same machine.
 
     python benchmarks/learner_step.py [--rows 128] [--steps 3] [--threads 2] [--dtype bfloat16] [--max-tokens 2048]
 
-Workload: the race's shapes (`benchmarks/grpo_step.py`: the 85M model, 16 prompts of 18–30 tokens sampled 8
-times each, up to 64 response tokens) with ragged responses (8–64 tokens, uniform: what a rollout of sampled
+Workload: the race's model and rows (`benchmarks/grpo_step.py`: the 85M model, 16 prompts sampled 8 times each,
+up to 64 response tokens) with longer prompts (18–30 tokens; the race's arithmetic prompts have 7–9) and ragged
+responses (8–64 tokens, uniform: what a rollout of sampled
 answers of different lengths gives), the `ppo_clip` loss, DeepSpeed ZeRO-0 on one rank. Variants:
 `learner.attn_implementation` sdpa or eager, and the rows as one padded micro-batch (`micro_batch_size` =
 rows), as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width, or as

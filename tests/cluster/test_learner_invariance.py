@@ -118,28 +118,31 @@ def test_a_lora_step_under_zero3_on_two_ranks_equals_the_single_rank_step(ray_cl
     """LoRA (peft) with the base frozen and partitioned by ZeRO-3: token-budget micro-batches on two ranks, the
     output head projected 5 tokens at a time (so the ranks run different numbers of chunks, each gathering the
     frozen head once per forward and once per backward), an entropy bonus and a top-p nucleus: the loss,
-    gradient norm and merged weights equal the one-rank ZeRO-0 step's, which recomputes the head by checkpoint."""
+    gradient norm and merged weights equal the one-rank ZeRO-0 step's, which recomputes the head by checkpoint;
+    also with each prompt's forward shared by its rows (through the adapted model and its cache)."""
     path, batch = setup
     lora = {"name": "lora", "params": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
     params = {"agg": "seq-mean-token-mean", "eps_high": 0.28, "entropy_coef": 0.01}
     results = []
-    for world_size, zero, max_tokens in [(1, 0, 0), (2, 3, 56)]:
+    for world_size, zero, max_tokens, share in [(1, 0, 0, False), (2, 3, 56, False), (2, 3, 56, True)]:
         group = LearnerGroup(world_size, path, num_cpus=0.25, env=actor_env(), lr=1.0,
                              optimizer={"name": "adamw", "params": {"eps": 1.0}}, zero_stage=zero,
                              micro_batch_size=len(batch) // world_size, grad_accum=1, grad_clip=0.0,
-                             max_tokens_per_micro_batch=max_tokens, logprob_chunk_tokens=5, adapter=lora)
+                             max_tokens_per_micro_batch=max_tokens, logprob_chunk_tokens=5, adapter=lora,
+                             share_prompts=share)
         try:
             m = group.train_step(batch, 1, "ppo_clip", params, need_entropy=True, top_p=0.9)
             results.append((m, group.full_state_dict()))
         finally:
             group.shutdown()
-    (ref_m, ref_state), (m, state) = results
+    (ref_m, ref_state), *others = results
     assert ref_m["grad_norm"] > 0
-    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
-    assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4)
     initial = setup_initial(path)
     moved = {k for k, v in ref_state.items() if not torch.equal(v, initial[k])}
     assert moved == {f"model.layers.{i}.{m}.weight" for i in (0, 1)
                      for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
-    for k, v in ref_state.items():
-        assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), k
+    for case, (m, state) in zip(["zero3", "zero3 shared prompts"], others):
+        assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6), case
+        assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), case
+        for k, v in ref_state.items():
+            assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), (case, k)

@@ -66,13 +66,12 @@ def test_packed_shared_prompt_and_padded_give_the_same_gradients(engine, batch, 
     model = engine.model
     model.set_attn_implementation(attn)
     buckets = families.length_buckets
-    grads = []
+    grads, forwards = [], []
     try:
         for name, layout in [*LAYOUTS.items(), ("shared prompts, a bucket per length", {"share_prompts": True})]:
             if name.endswith("per length"):  # every response length its own forward after the shared prompts
                 monkeypatch.setattr(families, "length_buckets",
                                     lambda lengths: buckets(lengths, max_padding=0.0, min_tokens=0))
-                forwards = []
                 model.register_forward_pre_hook(lambda *_: forwards.append(1))
             model.zero_grad()
             logp, ent = response_logprobs(model, batch, with_entropy=True, entropy_grad=True, chunk_tokens=5,

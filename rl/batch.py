@@ -290,15 +290,14 @@ def plan_micro_batches(costs: list[int], world_size: int, max_tokens: int) -> li
 
 def plan_prompt_groups(batch: Batch, world_size: int, max_tokens: int) -> list[list[list[int]]]:
     """`plan_micro_batches` for a learner that shares each prompt's forward among the rows that repeat it
-    (`learner.share_prompts`): the rows of one prompt stay in one micro-batch, which costs the prompt's tokens
-    once plus every row's response tokens."""
-    from models.common import distinct_prompts
-    first, inverse = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
+    (`learner.share_prompts`): the rows of one group (`group_id`, the prompt they were sampled from) stay in one
+    micro-batch, which costs the prompt's tokens once plus every row's response tokens."""
     resp = batch.response_attn if batch.response_attn is not None else batch.response_mask
     resp_tokens = resp.long().sum(-1)
-    groups = [(inverse == g).nonzero().flatten().tolist() for g in range(len(first))]
-    costs = [int(batch.prompt_mask[first[g]].long().sum()) + int(resp_tokens[rows].sum())
-             for g, rows in enumerate(groups)]
+    prompt_tokens = batch.prompt_mask.long().sum(-1)
+    ids = torch.unique(batch.group_id)
+    groups = [(batch.group_id == g).nonzero().flatten().tolist() for g in ids]
+    costs = [int(prompt_tokens[rows[0]]) + int(resp_tokens[rows].sum()) for rows in groups]
     return [[sorted(r for g in bin_ for r in groups[g]) for bin_ in bins]
             for bins in plan_micro_batches(costs, world_size, max_tokens)]
 

@@ -78,14 +78,12 @@ class LearnerWorker(ActorProbes):
         from rl.optim import is_forward_only
         from rl.registry import get
         self.lr = lr
-        try:
-            self.family = get("family", family)(chunk_tokens=logprob_chunk_tokens,
-                                                **({"share_prompts": True} if share_prompts else {}))
-        except TypeError as exc:
-            if not share_prompts:
-                raise
+        family_cls = get("family", family)
+        if share_prompts and not getattr(family_cls, "supports_shared_prompts", False):
             raise ValueError(f"learner.share_prompts: model family {family!r} cannot share a prompt's forward "
-                             f"(the causal family can)") from exc
+                             f"(the causal family can)")
+        self.family = family_cls(chunk_tokens=logprob_chunk_tokens, **({"share_prompts": True} if share_prompts
+                                                                       else {}))
         if share_prompts and (pack_sequences or gradient_checkpointing):
             raise ValueError("learner.share_prompts runs each prompt into a KV cache, which "
                              + ("learner.pack_sequences does not use" if pack_sequences

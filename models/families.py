@@ -403,13 +403,15 @@ class CausalFamily:
 
     `chunk_tokens`: response tokens per vocabulary-projection chunk. `supports_packing`: transformers'
     attention (sdpa, eager, flash-attention) starts a new causal block where position ids restart, so a
-    micro-batch may run as one packed row (tested against the padded forward). `share_prompts`: the rows of a
-    micro-batch that repeat a prompt share its forward (`shared_prompt_hidden`; padded batches only).
+    micro-batch may run as one packed row (tested against the padded forward). `share_prompts`
+    (`supports_shared_prompts`): the rows of a micro-batch that repeat a prompt share its forward
+    (`shared_prompt_hidden`; padded batches only).
     """
 
     name = "causal"
     outputs: tuple[str, ...] = ("logp", "entropy")
     supports_packing = True
+    supports_shared_prompts = True
 
     def __init__(self, chunk_tokens: int = 512, share_prompts: bool = False):
         self.chunk_tokens = chunk_tokens
@@ -429,9 +431,6 @@ class CausalFamily:
         distribution the rollout sampled from (`temperature`, `top_k`, `top_p`)."""
         if pack and not self.supports_packing:
             raise ValueError(f"model family {self.name!r} cannot run packed sequences (learner.pack_sequences)")
-        if pack and self.share_prompts:
-            raise ValueError("learner.share_prompts runs padded micro-batches; it cannot be combined with "
-                             "learner.pack_sequences")
         logp, entropy = response_logprobs(model, batch, temperature, with_entropy="entropy" in outputs,
                                           entropy_grad=entropy_grad, top_k=top_k, top_p=top_p, pack=pack,
                                           share_prompts=self.share_prompts, chunk_tokens=self.chunk_tokens)
@@ -450,9 +449,7 @@ class LoopedFamily(CausalFamily):
     outputs = ("logp", "entropy", "loop_logp", "exit_pdf")
     model_types = (OuroConfig.model_type,)
     supports_packing = False
-
-    def __init__(self, chunk_tokens: int = 512):  # a loop's cache is its own kind: no shared prompt forward
-        super().__init__(chunk_tokens)
+    supports_shared_prompts = False  # a loop's cache is its own kind
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:

@@ -141,9 +141,10 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     if simplegpt and cfg.rollout.engine == "vllm":
         raise ConfigError("rollout.engine: vllm has no SimpleGPT architecture (model_type simplegpt, "
                           "model.tiny.norm_placement: simplenorm); the hf engine serves it")
-    if lc.share_prompts and (family_name != "causal" or lc.pack_sequences or cfg.model.gradient_checkpointing):
+    shares = getattr(family, "supports_shared_prompts", False)
+    if lc.share_prompts and (not shares or lc.pack_sequences or cfg.model.gradient_checkpointing):
         why = (f"model family {family_name!r} runs its own forward (the causal family can share prompts)"
-               if family_name != "causal" else "learner.pack_sequences runs no KV cache" if lc.pack_sequences
+               if not shares else "learner.pack_sequences runs no KV cache" if lc.pack_sequences
                else "model.gradient_checkpointing turns the KV cache off in training")
         raise ConfigError(f"learner.share_prompts: {why}; set learner.share_prompts false")
     if lc.pack_sequences and not getattr(family, "supports_packing", False):

@@ -115,11 +115,15 @@ class ReservedLayer(DynamicLayer):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
 
-    def _owns_room(self, new: int) -> bool:
-        """The filled part is a view of this layer's own buffers with room for `new` more positions."""
+    def _owns(self) -> bool:
+        """The filled part is a view of this layer's own buffers (not one a policy replaced)."""
         n = self.keys.shape[-2] if self.is_initialized and self.keys.numel() else 0
         return (self._k is not None and n > 0 and self.keys.data_ptr() == self._k.data_ptr()
-                and self.keys.shape[:2] == self._k.shape[:2] and n + new <= self._k.shape[-2])
+                and self.keys.shape[:2] == self._k.shape[:2])
+
+    def _owns_room(self, new: int) -> bool:
+        """`_owns`, with room for `new` more positions."""
+        return self._owns() and self.keys.shape[-2] + new <= self._k.shape[-2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.full_view and self._owns_room(query_length):
@@ -134,8 +138,7 @@ class ReservedLayer(DynamicLayer):
         need = n + key_states.shape[-2]
         fits = self._owns_room(key_states.shape[-2])  # as `get_mask_sizes` saw it before this forward
         if not fits:  # first write, a replaced cache, or out of room
-            own = self._k is not None and n > 0 and self.keys.data_ptr() == self._k.data_ptr()
-            self.capacity = max(self.capacity, 2 * need if own else need)
+            self.capacity = max(self.capacity, 2 * need if self._owns() else need)
             shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
             # zeros, not empty: unfilled columns are read (and masked) under `full_view`; they must be finite
             k_buf, v_buf = key_states.new_zeros(shape), value_states.new_zeros(shape)

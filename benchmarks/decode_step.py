@@ -2,7 +2,8 @@
 see the same machine: every row prefilled on its own with attention over strided views of the KV cache (what a
 decoding method that hooks the forward runs), the prompt prefill shared by the rows that repeat a prompt with the
 same strided views (the plain loop in fp32), and the shared prefill with attention over the cache's whole buffers
-(the plain loop in bf16 on CPU).
+(the plain loop in bf16 on CPU), and the last with the one-query attention steps fused into one compiled
+kernel (`rollout.fused_attention`, the `hf` engine's default in bf16 on CPU; compiled in the warm-up round).
 
     python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
                                      [--dtype bfloat16]
@@ -67,20 +68,22 @@ def main() -> None:
     made = decoding.reserved_cache
     strided = lambda capacity, full_view=False: made(capacity, False)  # noqa: E731
     whole = lambda capacity, full_view=False: made(capacity, True)  # noqa: E731  (the plain loop's in bf16)
-    variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided),
-                "shared prefill, strided cache views": (None, strided),
-                "shared prefill, whole cache buffers": (None, whole)}
+    variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided, False),
+                "shared prefill, strided cache views": (None, strided, False),
+                "shared prefill, whole cache buffers": (None, whole, False),
+                "shared prefill, whole cache buffers, fused attention": (None, whole, True)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     prefills: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(args.reps + 1):  # the first round warms up
-        for name, (method, cache_factory) in variants.items():
+        for name, (method, cache_factory, fused) in variants.items():
             decoding.reserved_cache = cache_factory
             started.clear()
             prefill.clear()
             torch.manual_seed(rep)
             t0 = time.perf_counter()
             decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-                   eos_token_id=-1, pad_token_id=tok.pad_token_id, method=method)
+                   eos_token_id=-1, pad_token_id=tok.pad_token_id, method=method,
+                   fused_attention=fused)
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 prefills[name].append(prefill[0])

@@ -39,6 +39,7 @@ from models.common import distinct_prompts
 from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
 from rl.batch import pad_token_rows
 from rl.registry import register
+from rollout.fused_attention import fused_decode_attention
 
 
 @dataclass
@@ -217,14 +218,17 @@ def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int,
            method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
-           forward_kwargs: dict | None = None
+           forward_kwargs: dict | None = None, fused_attention: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
     `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
 
     Returns `(response_ids [B, L], logp [B, L], lengths [B], inserted [B, L], ended [B])`, right-padded
     with `pad_token_id`; `lengths` count up to and including EOS (or the end of a stop string); `ended`
-    is true for rows that ended by EOS or a stop string (not by the length cap)."""
+    is true for rows that ended by EOS or a stop string (not by the length cap).
+
+    `fused_attention`: the plain loop on CPU in bf16/fp16 runs its one-query attention steps with the compiled
+    kernel of `rollout.fused_attention` (architectures listed there; others decode as they are)."""
     method = method if method is not None else Plain()
     forward_kwargs = forward_kwargs or {}
     device = prompt_ids.device
@@ -269,68 +273,77 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
     state.lookahead = lookahead
     try:
-        if plain:
-            logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
-                                            forward_kwargs, lambda: reserved_cache(capacity, full_view=full_view))
-        else:
-            logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
-        if insert is not None:  # before the first token: what the method inserts is fed at once
-            current["logits"] = logits
-            first = insert(state)
-            if first is not None and any(first):
-                first = [list(x)[:max_new_tokens] for x in first]
-                for i, x in enumerate(first):
-                    state.responses[i].extend(x)
-                    state.inserted[i].extend([True] * len(x))
-                    logps[i].extend([0.0] * len(x))
-                    capped[i] = len(state.responses[i]) >= max_new_tokens
-                ids, mask = pad_token_rows(first, pad_token_id, "left")
-                fed = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
-                has = torch.tensor([bool(x) for x in first], device=device)
-                logits = torch.where(has[:, None], fed, logits)  # a row with nothing fed keeps its logits
-        while not bool((state.finished | capped).all()):
-            if process is not None:
-                logits = process(logits, state).float()
-            greedy = temperature <= 0
-            scores = logits if greedy else warp_logits(logits, temperature, top_k, top_p)
-            if greedy:
-                tokens = scores.argmax(-1)
+        with fused_decode_attention(model, enabled=fused_attention and full_view):
+            if plain:
+                logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
+                                                forward_kwargs, lambda: reserved_cache(capacity, full_view=full_view))
             else:
-                tokens = torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
-            logp = torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
-            active = ~(state.finished | capped)
-            tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
-            for i in range(B):
-                if active[i]:
-                    state.responses[i].append(int(tokens[i]))
-                    state.inserted[i].append(False)
-                    logps[i].append(float(logp[i]))
-            state.step += 1
-            state.finished |= active & (tokens == eos_token_id)
-            if stop and tokenizer is not None:
+                logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
+            if insert is not None:  # before the first token: what the method inserts is fed at once
+                current["logits"] = logits
+                first = insert(state)
+                if first is not None and any(first):
+                    first = [list(x)[:max_new_tokens] for x in first]
+                    for i, x in enumerate(first):
+                        state.responses[i].extend(x)
+                        state.inserted[i].extend([True] * len(x))
+                        logps[i].extend([0.0] * len(x))
+                        capped[i] = len(state.responses[i]) >= max_new_tokens
+                    ids, mask = pad_token_rows(first, pad_token_id, "left")
+                    fed = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
+                    has = torch.tensor([bool(x) for x in first], device=device)
+                    logits = torch.where(has[:, None], fed, logits)  # a row with nothing fed keeps its logits
+            while not bool((state.finished | capped).all()):
+                if process is not None:
+                    logits = process(logits, state).float()
+                greedy = temperature <= 0
+                scores = logits if greedy else warp_logits(logits, temperature, top_k, top_p)
+                if greedy:
+                    tokens = scores.argmax(-1)
+                else:
+                    tokens = torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
+                logp = torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
+                active = ~(state.finished | capped)
+                tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
+                # one conversion per step: indexing a tensor row by row costs more than the step's small ops
+                active_rows, token_list, logp_list = active.tolist(), tokens.tolist(), logp.tolist()
                 for i in range(B):
-                    if active[i] and not state.finished[i]:
-                        text = tokenizer.decode(state.responses[i], skip_special_tokens=True)
-                        if text.endswith(tuple(stop)):
-                            state.finished[i] = True
-            current["pending"] = tokens
-            extra = insert(state) if insert is not None else None
-            blocks = []
-            for i in range(B):
-                room = max_new_tokens - len(state.responses[i])
-                add = list(extra[i])[:max(0, room)] if extra is not None and active[i] and not state.finished[i] else []
-                state.responses[i].extend(add)
-                state.inserted[i].extend([True] * len(add))
-                logps[i].extend([0.0] * len(add))
-                blocks.append([int(tokens[i])] + add)
-                if len(state.responses[i]) >= max_new_tokens:
-                    capped[i] = True
-            if bool((state.finished | capped).all()):
-                break
-            if kv_policy is not None:
-                kv_policy(cache, state)
-            ids, mask = pad_token_rows(blocks, pad_token_id, "left")  # every row's last column is real
-            logits = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
+                    if active_rows[i]:
+                        state.responses[i].append(token_list[i])
+                        state.inserted[i].append(False)
+                        logps[i].append(logp_list[i])
+                state.step += 1
+                state.finished |= active & (tokens == eos_token_id)
+                if stop and tokenizer is not None:
+                    for i in range(B):
+                        if active_rows[i] and not state.finished[i]:
+                            text = tokenizer.decode(state.responses[i], skip_special_tokens=True)
+                            if text.endswith(tuple(stop)):
+                                state.finished[i] = True
+                current["pending"] = tokens
+                extra = insert(state) if insert is not None else None
+                finished_rows = state.finished.tolist()
+                blocks, reached = [], []
+                for i in range(B):
+                    room = max_new_tokens - len(state.responses[i])
+                    add = (list(extra[i])[:max(0, room)] if extra is not None and active_rows[i]
+                           and not finished_rows[i] else [])
+                    state.responses[i].extend(add)
+                    state.inserted[i].extend([True] * len(add))
+                    logps[i].extend([0.0] * len(add))
+                    blocks.append([token_list[i]] + add)
+                    if len(state.responses[i]) >= max_new_tokens:
+                        reached.append(i)
+                capped[reached] = True
+                if bool((state.finished | capped).all()):
+                    break
+                if kv_policy is not None:
+                    kv_policy(cache, state)
+                if extra is None:  # one token a row
+                    ids, mask = tokens[:, None], torch.ones((B, 1), dtype=torch.long, device=device)
+                else:
+                    ids, mask = pad_token_rows(blocks, pad_token_id, "left")  # every row's last column is real
+                logits = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
     finally:
         for h in hooks:
             h.remove()

@@ -1,0 +1,109 @@
+"""Decode attention for the `hf` engine's loop on CPU in half precision: each decode step's one query per row
+against the KV cache, as one compiled kernel (torch.compile, inductor's C++ backend) that reads every cached key and
+value once, converts them to fp32 in registers and keeps the scores in fp32.
+
+Why: transformers' eager attention runs a decode step as two batched matmuls of a single query row per (row, head),
+B·H matrix-vector products of a few thousand FLOPs each, which the CPU bf16 batched matmul runs far below the
+memory's speed (at the race's 128 rows x 12 heads x 95 positions: 4-5 ms a layer, against under 2 ms fused; a profile
+of one 128-row generate put a third of its time in those `bmm` calls). `benchmarks/decode_step.py` measures it.
+
+Used by `rollout.decoding.decode(fused_attention=True)` (the `hf` engine's `fused_decode_attention`, on by default)
+while it runs, for the plain loop on CPU in bf16/fp16 and the architectures in `ARCHITECTURES`, whose attention is
+the textbook one (no logit soft-capping, no attention sinks; sliding windows come through the mask). The model's
+config names `looprl_fused_decode|<its own kernel>` for the duration; blocks of more than one query (the prompt's
+prefill, inserted spans) and any module in training mode run the model's own kernel (eager or sdpa) with the same
+additive mask. The first call in a process compiles (seconds; `dynamic=True`, so batch and cache lengths do not
+recompile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# model_types whose attention is softmax(q·kᵀ·scaling + mask)·v with grouped key/value heads and nothing else
+ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PREFIX = "looprl_fused_decode|"
+_compiled: Any = None
+
+
+def attend_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scaling + mask)·v for one query per row, in fp32, grouped-query heads included.
+
+    query `[B, H, 1, D]`, key/value `[B, Hkv, C, D]` (H a multiple of Hkv), mask additive `[B, 1, 1, ≥C]` or None.
+    Returns `[B, 1, H, D]` in the query's dtype (the layout transformers' attention functions return)."""
+    B, H, _, D = query.shape
+    Hkv, C = key.shape[1], key.shape[2]
+    q = query.reshape(B, Hkv, H // Hkv, 1, D).float()
+    scores = (q * key[:, :, None].float()).sum(-1) * scaling  # [B, Hkv, G, C]
+    if mask is not None:
+        scores = scores + mask[..., :C].float().reshape(B, 1, 1, C)
+    probs = scores.softmax(-1)
+    out = (probs[..., None] * value[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
+    return out.reshape(B, 1, H, D).to(query.dtype)
+
+
+def _kernel() -> Any:
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(attend_one_query, dynamic=True)
+    return _compiled
+
+
+def _model_kernel(name: str) -> Any:
+    if name == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    return eager_attention_forward
+
+
+def _attention(own: str) -> Any:
+    fallback = _model_kernel(own)
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if (query.shape[2] == 1 and not module.training and query.device.type == "cpu"
+                and kwargs.get("softcap") is None and kwargs.get("s_aux") is None):
+            return _kernel()(query, key, value, attention_mask, scaling), None
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return attention
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    for own in ("eager", "sdpa"):
+        if PREFIX + own not in AttentionInterface._global_mapping:
+            AttentionInterface.register(PREFIX + own, _attention(own))
+            # an additive mask: the fused kernel adds it, and both model kernels take it as it is
+            ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX + own, eager_mask)
+
+
+def applies(model: torch.nn.Module) -> bool:
+    """Whether `model` (a transformers causal LM, peft-wrapped or not) can decode with the fused kernel."""
+    config = getattr(model, "config", None)
+    return (config is not None and getattr(config, "model_type", None) in ARCHITECTURES
+            and config._attn_implementation in ("eager", "sdpa"))
+
+
+@contextmanager
+def fused_decode_attention(model: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
+    """While inside, `model`'s one-query attention runs the fused kernel (when `enabled` and `applies(model)`);
+    yields whether it does. The model's own kernel is restored on exit."""
+    if not (enabled and applies(model)):
+        yield False
+        return
+    _register()
+    config = model.config
+    own = config._attn_implementation
+    config._attn_implementation = PREFIX + own
+    try:
+        yield True
+    finally:
+        config._attn_implementation = own

@@ -1,0 +1,144 @@
+"""The fused one-query decode attention (`rollout.fused_attention`): its formula by hand and against a reference
+with grouped heads, the compiled kernel against the formula, and the decode loop with it."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import rollout.fused_attention as fused
+from models.ouro import build_tiny_ouro
+from models.tiny import build_tiny_model, build_tiny_tokenizer
+from rollout.decoding import decode
+from rollout.fused_attention import PREFIX, applies, attend_one_query, fused_decode_attention
+
+
+def test_one_query_attention_by_hand():
+    # q = (1, 0), keys (1, 0) and (0, 1): scores 1 and 0, weights e/(e+1) and 1/(e+1) on values (1, 2), (3, 4)
+    q = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 1, 2, 2)
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).view(1, 1, 2, 2)
+    w = math.e / (math.e + 1)
+    out = attend_one_query(q, k, v, None, scaling=1.0)
+    assert out.shape == (1, 1, 1, 2)
+    torch.testing.assert_close(out.view(2), torch.tensor([w * 1 + (1 - w) * 3, w * 2 + (1 - w) * 4]))
+    # the second key masked (the additive mask's dtype minimum): all weight on the first value
+    mask = torch.tensor([0.0, torch.finfo(torch.float32).min]).view(1, 1, 1, 2)
+    torch.testing.assert_close(attend_one_query(q, k, v, mask, scaling=1.0).view(2), torch.tensor([1.0, 2.0]))
+    # scaling 2: scores 2 and 0
+    w2 = math.e ** 2 / (math.e ** 2 + 1)
+    torch.testing.assert_close(attend_one_query(q, k, v, None, scaling=2.0).view(2),
+                               torch.tensor([w2 + (1 - w2) * 3, 2 * w2 + (1 - w2) * 4]))
+
+
+def _reference(q, k, v, mask, scaling):
+    """Textbook attention in fp64 with the key/value heads repeated for their query heads."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    scores = q.double() @ k.transpose(2, 3) * scaling + mask[..., :k.shape[2]].double()
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_heads_and_the_compiled_kernel_match_textbook_attention(dtype):
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, C, D = 3, 4, 2, 7, 8
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, C, D, generator=g).to(dtype) for _ in range(2))
+    mask = torch.zeros(B, 1, 1, C + 2, dtype=dtype)  # wider than the keys: only the first C columns count
+    mask[0, ..., :3] = torch.finfo(dtype).min  # a left-padded row
+    mask[2, ..., 5:] = torch.finfo(dtype).min  # unfilled cache columns
+    ref = _reference(q, k, v, mask, 0.3)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
+    eager = attend_one_query(q, k, v, mask, 0.3)
+    assert eager.dtype == dtype and eager.shape == (B, 1, H, D)
+    torch.testing.assert_close(eager.double(), ref, **tol)
+    compiled = fused._kernel()(q, k, v, mask, 0.3)
+    torch.testing.assert_close(compiled.double(), ref, **tol)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=3)
+    model.config._attn_implementation = "eager"
+    return tok, model.eval()
+
+
+def _prompts(tok):
+    return tok(["12+3*4=", "5+6*7=", "1+2*3="] * 4, return_tensors="pt", padding=True, padding_side="left",
+               add_special_tokens=False)
+
+
+def _teacher_forced_logp(model, enc, resp, lengths):
+    """Each sampled token's logprob from one forward over prompt and response (the learner's view)."""
+    P = enc["input_ids"].shape[1]
+    real = (torch.arange(resp.shape[1])[None] < lengths[:, None]).long()
+    mask = torch.cat([enc["attention_mask"], real], 1)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([enc["input_ids"], resp], 1), attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1) * real, real.bool()
+
+
+def test_the_bf16_loop_with_the_fused_kernel_samples_with_the_models_logprobs(tiny, monkeypatch):
+    """The fused kernel keeps scores in fp32 where the model's bf16 kernel rounds them, so the two loops may sample
+    differently; what must hold is that each run's logprobs are the model's, to bf16 rounding, and that the kernel
+    ran at every decode step of every layer (and never at the prefill)."""
+    tok, model = tiny
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    enc = _prompts(tok)
+    kw = dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    calls: list[int] = []
+    kernel = fused._kernel()
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+    monkeypatch.setattr(fused, "_kernel", lambda: counting)
+    errors = {}
+    for on in (True, False):
+        torch.manual_seed(4)
+        resp, logp, lengths, _, _ = decode(half, enc["input_ids"], enc["attention_mask"], fused_attention=on, **kw)
+        if on:
+            steps = int(lengths.max())  # the longest row's tokens: the loop fed back all but the last
+            assert steps > 3 and calls == [12] * (2 * (steps - 1))  # every layer, every decode step, all rows
+            assert half.config._attn_implementation == "eager"  # restored
+        reference, real = _teacher_forced_logp(model, enc, resp, lengths)  # fp32 weights, the model's kernel
+        errors[on] = (logp - reference)[real].abs()
+    assert len(calls) == 2 * (steps - 1)  # the run without it did not call it
+    assert errors[True].max() < 1e-2 and errors[False].max() < 1e-2
+    assert errors[True].mean() < 1.5 * errors[False].mean() + 1e-3  # no worse than the model's own bf16 kernel
+
+
+def test_the_kernel_is_left_out_where_it_does_not_apply(tiny, monkeypatch):
+    tok, model = tiny
+    enc = _prompts(tok)
+    monkeypatch.setattr(fused, "_kernel", lambda: pytest.fail("the fused kernel ran"))
+    kw = dict(max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id,
+              fused_attention=True)
+    decode(model, enc["input_ids"], enc["attention_mask"], **kw)  # fp32: the model's kernel reads strided views
+    ouro = build_tiny_ouro(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, total_ut_steps=2)
+    assert not applies(ouro)
+    decode(ouro.to(torch.bfloat16).eval(), enc["input_ids"], enc["attention_mask"], **kw)
+    softcapped = copy.deepcopy(model)
+    softcapped.config._attn_implementation = "flex_attention"
+    assert not applies(softcapped)
+
+
+def test_blocks_of_several_queries_and_training_run_the_models_own_kernel(tiny):
+    tok, model = tiny
+    enc = _prompts(tok)
+    with torch.no_grad():
+        own = model(**enc).logits
+        with fused_decode_attention(model) as on:
+            assert on and model.config._attn_implementation == PREFIX + "eager"
+            inside = model(**enc).logits
+    assert torch.equal(own, inside)  # the prefill: the same kernel and the same additive mask
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(RuntimeError, match="boom"), fused_decode_attention(model):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "eager"  # restored on an error too

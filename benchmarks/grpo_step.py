@@ -173,10 +173,14 @@ def race(args: argparse.Namespace, work: Path) -> None:
     w = WORKLOADS["realistic"]
     report: dict = {"workload": {**w, "model": "85m", "beta": 0.0, "steps": args.steps, "cores": 2},
                     "trl": {}, "looprl": {}}
-    if args.trl_python:
-        for dtype in args.trl_dtypes:
+
+    def run_trl_side() -> None:
+        for dtype in args.trl_dtypes if args.trl_python else []:
             report["trl"][dtype] = run_trl(args.trl_python, "85m", args.steps, work, 2, dtype, w)
             print(json.dumps({"trl": dtype, **report["trl"][dtype]}), flush=True)
+
+    if not args.looprl_first:
+        run_trl_side()
     for name, c in RACE_LOOPRL.items():
         if args.race_arms and name not in args.race_arms:
             continue
@@ -185,6 +189,9 @@ def race(args: argparse.Namespace, work: Path) -> None:
         report["looprl"][name] = r
         print(json.dumps({"looprl": name, "step_s": r["step_s_mean_excl_first"], "phases": r["phase_s_median"],
                           "perf": r["perf_median"]}), flush=True)
+    if args.looprl_first:
+        run_trl_side()
+    report["order"] = "looprl first" if args.looprl_first else "TRL first"
     best_trl = {d: t["step_s_mean_excl_first"] for d, t in report["trl"].items()}
     for name, r in report["looprl"].items():
         dtype = RACE_LOOPRL[name]["dtype"]
@@ -201,6 +208,8 @@ def main() -> None:
     p.add_argument("--race-out", default=str(ROOT / "benchmarks/results/grpo_race.json"))
     p.add_argument("--race-arms", nargs="*", default=None, choices=list(RACE_LOOPRL),
                    help="realistic workload: only these looprl arms (default: all)")
+    p.add_argument("--looprl-first", action="store_true",
+                   help="realistic workload: run looprl's arms before TRL (the machine's speed drifts within a run)")
     p.add_argument("--trl-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="realistic workload: TRL's dtypes")
     p.add_argument("--models", nargs="+", default=["tiny", "85m"], choices=list(MODELS))

@@ -13,11 +13,13 @@ the textbook one (no logit soft-capping, no attention sinks; sliding windows com
 config names `looprl_fused_decode|<its own kernel>` for the duration; blocks of more than one query (the prompt's
 prefill, inserted spans) and any module in training mode run the model's own kernel (eager or sdpa) with the same
 additive mask. The first call in a process compiles (seconds; `dynamic=True`, so batch and cache lengths do not
-recompile).
+recompile). Should the first call fail (inductor needs a C++ compiler), the loop warns once and decodes with the
+model's own kernel.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +30,7 @@ import torch
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 PREFIX = "looprl_fused_decode|"
 _compiled: Any = None
+_state = {"ran": False, "failed": None}  # whether the compiled kernel has run once; why it could not
 
 
 def attend_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -68,9 +71,19 @@ def _attention(own: str) -> Any:
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if (query.shape[2] == 1 and not module.training and query.device.type == "cpu"
+        if (query.shape[2] == 1 and not module.training and query.device.type == "cpu" and _state["failed"] is None
                 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None):
-            return _kernel()(query, key, value, attention_mask, scaling), None
+            try:
+                out = _kernel()(query, key, value, attention_mask, scaling)
+            except Exception as err:  # the first call compiles: no C++ compiler, an inductor bug
+                if _state["ran"]:
+                    raise  # it compiled and ran before: this is not a compile failure
+                _state["failed"] = f"{type(err).__name__}: {err}"
+                warnings.warn(f"rollout.fused_attention: the kernel did not compile ({_state['failed'][:300]}); "
+                              "decoding with the model's own attention", stacklevel=2)
+            else:
+                _state["ran"] = True
+                return out, None
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return attention
 

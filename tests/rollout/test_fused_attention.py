@@ -142,3 +142,28 @@ def test_blocks_of_several_queries_and_training_run_the_models_own_kernel(tiny):
     with pytest.raises(RuntimeError, match="boom"), fused_decode_attention(model):
         raise RuntimeError("boom")
     assert model.config._attn_implementation == "eager"  # restored on an error too
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_models_kernel_with_one_warning(tiny, monkeypatch):
+    tok, model = tiny
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    enc = _prompts(tok)
+    kw = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id)
+
+    def no_compiler(*args):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+    monkeypatch.setattr(fused, "_state", {"ran": False, "failed": None})
+    monkeypatch.setattr(fused, "_kernel", lambda: no_compiler)
+    torch.manual_seed(2)
+    with pytest.warns(UserWarning, match="did not compile.*InvalidCxxCompiler") as caught:
+        degraded = decode(half, enc["input_ids"], enc["attention_mask"], fused_attention=True, **kw)
+    assert len([w for w in caught if "did not compile" in str(w.message)]) == 1
+    assert fused._state["failed"].startswith("RuntimeError")
+    torch.manual_seed(2)
+    own = decode(half, enc["input_ids"], enc["attention_mask"], fused_attention=False, **kw)
+    for a, b in zip(degraded, own):
+        assert torch.equal(a, b)  # exactly the model's own kernel
+    # once the kernel has compiled and run, an error in it is not taken for a compile failure
+    monkeypatch.setattr(fused, "_state", {"ran": True, "failed": None})
+    with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
+        decode(half, enc["input_ids"], enc["attention_mask"], fused_attention=True, **kw)

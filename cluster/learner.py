@@ -399,7 +399,9 @@ class LearnerWorker(ActorProbes):
 
     def model_numbers(self) -> dict[str, float]:
         """For FLOP and bandwidth accounting: `matmul_params` (parameters a token's forward multiplies by:
-        all but an untied input embedding, which is a lookup), `param_bytes` (the weights' bytes)."""
+        all but an untied input embedding, which is a lookup), `param_bytes` (the weights' bytes),
+        `kv_bytes_per_token` (a cached position's keys and values over all layers, and over all loops of a looped
+        model; 0 where the config does not name its layers and heads)."""
         module = self.engine.module
         numel = {id(p): getattr(p, "ds_numel", p.numel()) for p in module.parameters()}
         emb = module.get_input_embeddings().weight
@@ -407,7 +409,9 @@ class LearnerWorker(ActorProbes):
         tied = out is not None and out.weight is emb
         total = sum(numel.values())
         size = 2 if self.ds_config["bf16"]["enabled"] else 4
-        return {"matmul_params": float(total - (0 if tied else numel[id(emb)])), "param_bytes": float(total * size)}
+        from models.common import kv_bytes_per_token
+        return {"matmul_params": float(total - (0 if tied else numel[id(emb)])), "param_bytes": float(total * size),
+                "kv_bytes_per_token": kv_bytes_per_token(module.config, size)}
 
     def counters(self) -> dict[str, int]:
         """How many backward passes this rank has run (forward-only optimizers run none), and how many

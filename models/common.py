@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -28,3 +30,14 @@ def init_weights(module: nn.Module, std: float, norm_types: tuple[type, ...]) ->
         nn.init.normal_(module.weight, mean=0.0, std=std)
     elif isinstance(module, norm_types):
         nn.init.ones_(module.weight)
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int) -> float:
+    """Bytes of one cached position's keys and values over all layers (and all loops of a looped model, which
+    caches each loop apart), from a transformers config; 0 where it does not name its layers and heads."""
+    heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
+    if not (heads and layers and getattr(config, "hidden_size", None)):
+        return 0.0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return float(2 * layers * getattr(config, "total_ut_steps", 1) * kv_heads * head_dim * dtype_bytes)

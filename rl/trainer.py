@@ -767,9 +767,11 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
       train and logprob phases x ranks x matmul FLOP/s)`, N the matmul parameters, T the batch's real tokens
       (an update is one pass over its share: `ppo_epochs` passes of the batch in all).
     * `perf/decode_mfu`: generation's FLOPs (`2 N` per prompt and generated token) over the rollout workers'
-      matmul rate during their generation time (as the engines report it); `perf/mbu`: generation's weight reads (the weights once per decode step; a worker decodes
-      its rows in chunks of `rollout.generation_batch_size`, each as many steps as its longest response)
-      over the measured copy bandwidth. Decoding is bound by whichever of the two floors is higher.
+      matmul rate during their generation time (as the engines report it); `perf/mbu`: generation's reads of
+      the weights (once per decode step; a worker decodes its rows in chunks of `rollout.generation_batch_size`,
+      each as many steps as its longest response) and of the KV cache (each fed token of a row reads its
+      cached positions: `(r - 1) p + r (r - 1) / 2` for a prompt of p and a response of r tokens), over the
+      measured copy bandwidth. Decoding is bound by whichever of the two floors is higher.
     * `perf/floor_s`: the step's floor (learner FLOPs at the full matmul rate plus the binding decode floor)
       and `perf/step_over_floor` the step's time over it. The critic's work is not counted.
     """
@@ -788,7 +790,10 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
     chunk = cfg.rollout.generation_batch_size
     steps = sum(max(lengths[i:i + chunk]) for w in range(workers)
                 for i in range(w * per_worker, min(len(lengths), (w + 1) * per_worker), chunk))
-    decode_bytes = weight_bytes * steps  # all workers' steps; they run in parallel
+    prompt_lengths = batch.prompt_mask.sum(-1).tolist()
+    cached_reads = sum((r - 1) * p + r * (r - 1) / 2 for p, r in zip(prompt_lengths, lengths) if r > 0)
+    # all workers' steps (they run in parallel) and every row's reads of its cached keys and values
+    decode_bytes = weight_bytes * steps + hardware["model"].get("kv_bytes_per_token", 0.0) * cached_reads
     learner_s = timing.get("train", 0.0) + timing.get("logprobs", 0.0)
     # the workers' own generation time (each row carries its share), which an overlapped rollout hides from
     # the step's `generate` phase; else the phase times the workers

@@ -29,7 +29,7 @@ def _engine_around(model, tokenizer):
     """An hf engine serving a model built in memory (to sample batches from it)."""
     engine = HFEngine.__new__(HFEngine)
     engine.model, engine.tokenizer, engine.device = model, tokenizer, torch.device("cpu")
-    engine.batch_size, engine._methods = 64, {}
+    engine.batch_size, engine._methods, engine.fused_decode_attention = 64, {}, True
     return engine
 
 

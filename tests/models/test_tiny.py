@@ -50,3 +50,18 @@ def test_the_model_stage_adds_the_synthetic_tasks_phrases(tmp_path):
     assert len(tok) == 101 + len(harness_tokens())
     hint = "Play the edges first, then the rest."
     assert tok.convert_ids_to_tokens(tok(hint, add_special_tokens=False)["input_ids"]) == [hint]
+
+
+def test_kv_bytes_per_token_by_hand():
+    from transformers import LlamaConfig
+
+    from models.common import kv_bytes_per_token
+    from models.ouro import build_tiny_ouro
+    # 2 layers x (keys + values) x 2 key/value heads x head_dim 64/4 = 16, in bf16: 2 * 2 * 2 * 16 * 2 = 256 bytes
+    gqa = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    assert kv_bytes_per_token(gqa, 2) == 256
+    # a looped model caches every loop: 1 layer x 3 loops x 2 x 2 heads x 16 in fp32 = 768 bytes
+    ouro = build_tiny_ouro(build_tiny_tokenizer(), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                           total_ut_steps=3)
+    assert kv_bytes_per_token(ouro.config, 4) == 1 * 3 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(object(), 4) == 0.0

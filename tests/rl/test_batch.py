@@ -200,6 +200,13 @@ def test_utilisation_metrics_by_hand():
     hidden = utilisation(b, {"train": 0.1, "logprobs": 0.01, "generate": 0.001}, 1.04, hardware, cfg, train_passes=1,
                          logprob_passes=1)
     assert hidden["perf/mbu"] == pytest.approx(m["perf/mbu"])
+    # with the KV cache's reads: prompts of 3, responses of 2 and 3 tokens read 1*3 + 1 = 4 and 2*3 + 3 = 9
+    # cached positions, 10 bytes each
+    hardware["model"]["kv_bytes_per_token"] = 10.0
+    b.metadata = []
+    kv = utilisation(b, {"train": 0.1, "logprobs": 0.01, "generate": 0.5}, 1.04, hardware, cfg, train_passes=1,
+                     logprob_passes=1)
+    assert kv["perf/mbu"] == pytest.approx((4000 * 3 + 10 * 13) / (0.5 * 1e5))
 
 
 def _ragged(prompt_lens, resp_lens, p=6, width=8):

@@ -37,14 +37,14 @@ def attend_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scaling: float) -> torch.Tensor:
     """softmax(q·kᵀ·scaling + mask)·v for one query per row, in fp32, grouped-query heads included.
 
-    query `[B, H, 1, D]`, key/value `[B, Hkv, C, D]` (H a multiple of Hkv), mask additive `[B, 1, 1, ≥C]` or None.
+    query `[B, H, 1, D]`, key/value `[B, Hkv, C, D]` (H a multiple of Hkv), mask additive `[B or 1, 1, 1, ≥C]` or None.
     Returns `[B, 1, H, D]` in the query's dtype (the layout transformers' attention functions return)."""
     B, H, _, D = query.shape
     Hkv, C = key.shape[1], key.shape[2]
     q = query.reshape(B, Hkv, H // Hkv, 1, D).float()
     scores = (q * key[:, :, None].float()).sum(-1) * scaling  # [B, Hkv, G, C]
     if mask is not None:
-        scores = scores + mask[..., :C].float().reshape(B, 1, 1, C)
+        scores = scores + mask[..., :C].float().reshape(mask.shape[0], 1, 1, C)  # [B or 1, 1, 1, C]
     probs = scores.softmax(-1)
     out = (probs[..., None] * value[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
     return out.reshape(B, 1, H, D).to(query.dtype)

@@ -21,6 +21,7 @@ import ray
 import torch
 
 from models.adapters import reference_forward
+from models.common import kv_bytes_per_token
 from rl.batch import Batch
 from rollout.probes import ActorProbes
 
@@ -409,7 +410,6 @@ class LearnerWorker(ActorProbes):
         tied = out is not None and out.weight is emb
         total = sum(numel.values())
         size = 2 if self.ds_config["bf16"]["enabled"] else 4
-        from models.common import kv_bytes_per_token
         return {"matmul_params": float(total - (0 if tied else numel[id(emb)])), "param_bytes": float(total * size),
                 "kv_bytes_per_token": kv_bytes_per_token(module.config, size)}
 

@@ -331,7 +331,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                     state.responses[i].extend(add)
                     state.inserted[i].extend([True] * len(add))
                     logps[i].extend([0.0] * len(add))
-                    blocks.append([token_list[i]] + add)
+                    if extra is not None:  # the plain loop feeds `tokens` as they are
+                        blocks.append([token_list[i]] + add)
                     if len(state.responses[i]) >= max_new_tokens:
                         reached.append(i)
                 capped[reached] = True

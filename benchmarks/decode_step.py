@@ -1,9 +1,10 @@
-"""The `hf` engine's decode loop at the race's rollout shapes, three variants alternated in one process so that all
-see the same machine: every row prefilled on its own with attention over strided views of the KV cache (what a
-decoding method that hooks the forward runs), the prompt prefill shared by the rows that repeat a prompt with the
-same strided views (the plain loop in fp32), and the shared prefill with attention over the cache's whole buffers
-(the plain loop in bf16 on CPU), and the last with the one-query attention steps fused into one compiled
-kernel (`rollout.fused_attention`, the `hf` engine's default in bf16 on CPU; compiled in the warm-up round).
+"""The `hf` engine's decode loop at the race's rollout shapes, its variants alternated in one process so that all
+see the same machine, each adding one step towards what the loop runs: every row prefilled on its own with
+attention over strided views of the KV cache (what a decoding method that hooks the forward runs); the prompt
+prefill shared by the rows that repeat a prompt, same strided views; in bf16, attention over the cache's whole
+buffers (the plain loop in half precision on CPU; fp32 keeps the strided views); then the one-query attention steps
+fused into one compiled kernel (`rollout.fused_attention`; compiled in the warm-up round); and last the linear
+layers' weights packed once per generate (`rollout.packed_linear`): the `hf` engine's defaults on CPU.
 
     python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
                                      [--dtype bfloat16]
@@ -68,14 +69,18 @@ def main() -> None:
     made = decoding.reserved_cache
     strided = lambda capacity, full_view=False: made(capacity, False)  # noqa: E731
     whole = lambda capacity, full_view=False: made(capacity, True)  # noqa: E731  (the plain loop's in bf16)
-    variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided, False),
-                "shared prefill, strided cache views": (None, strided, False),
-                "shared prefill, whole cache buffers": (None, whole, False),
-                "shared prefill, whole cache buffers, fused attention": (None, whole, True)}
+    # the loop's own choice last: bf16 reads whole buffers, fp32 strided views (`rollout.decoding.ReservedLayer`)
+    loop_cache, cache_name = (whole, "whole cache buffers") if args.dtype == "bfloat16" else (strided, "strided cache views")
+    variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided, False, False),
+                "shared prefill, strided cache views": (None, strided, False, False)}
+    if args.dtype == "bfloat16":
+        variants["shared prefill, whole cache buffers"] = (None, whole, False, False)
+    variants[f"shared prefill, {cache_name}, fused attention"] = (None, loop_cache, True, False)
+    variants[f"shared prefill, {cache_name}, fused attention, packed weights"] = (None, loop_cache, True, True)
     times: dict[str, list[float]] = {k: [] for k in variants}
     prefills: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(args.reps + 1):  # the first round warms up
-        for name, (method, cache_factory, fused) in variants.items():
+        for name, (method, cache_factory, fused, packed) in variants.items():
             decoding.reserved_cache = cache_factory
             started.clear()
             prefill.clear()
@@ -83,7 +88,7 @@ def main() -> None:
             t0 = time.perf_counter()
             decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
                    eos_token_id=-1, pad_token_id=tok.pad_token_id, method=method,
-                   fused_attention=fused)
+                   fused_attention=fused, packed_weights=packed)
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 prefills[name].append(prefill[0])

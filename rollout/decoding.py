@@ -40,6 +40,7 @@ from models.sampling import warp_logits  # noqa: F401  (the sampling distributio
 from rl.batch import pad_token_rows
 from rl.registry import register
 from rollout.fused_attention import fused_decode_attention
+from rollout.packed_linear import packed_linear_weights
 
 
 @dataclass
@@ -218,7 +219,7 @@ def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int,
            method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
-           forward_kwargs: dict | None = None, fused_attention: bool = False
+           forward_kwargs: dict | None = None, fused_attention: bool = False, packed_weights: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
     `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
@@ -227,8 +228,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     with `pad_token_id`; `lengths` count up to and including EOS (or the end of a stop string); `ended`
     is true for rows that ended by EOS or a stop string (not by the length cap).
 
-    `fused_attention`: the plain loop on CPU in bf16/fp16 runs its one-query attention steps with the compiled
-    kernel of `rollout.fused_attention` (architectures listed there; others decode as they are)."""
+    `fused_attention`: the plain loop on CPU runs its one-query attention steps with the compiled kernel of
+    `rollout.fused_attention` (architectures listed there; others decode as they are).
+    `packed_weights`: on CPU, the model's linear layers multiply with their weights packed once for the whole loop
+    (`rollout.packed_linear`; fp32 and bf16)."""
     method = method if method is not None else Plain()
     forward_kwargs = forward_kwargs or {}
     device = prompt_ids.device
@@ -273,7 +276,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
     state.lookahead = lookahead
     try:
-        with fused_decode_attention(model, enabled=fused_attention and full_view):
+        with (fused_decode_attention(model, enabled=fused_attention and plain and device.type == "cpu"),
+              packed_linear_weights(model, enabled=packed_weights, rows=B)):
             if plain:
                 logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
                                                 forward_kwargs, lambda: reserved_cache(capacity, full_view=full_view))

@@ -1,20 +1,21 @@
-"""Decode attention for the `hf` engine's loop on CPU in half precision: each decode step's one query per row
-against the KV cache, as one compiled kernel (torch.compile, inductor's C++ backend) that reads every cached key and
-value once, converts them to fp32 in registers and keeps the scores in fp32.
+"""Decode attention for the `hf` engine's loop on CPU: each decode step's one query per row against the KV cache,
+as one compiled kernel (torch.compile, inductor's C++ backend) that reads every cached key and value once, converts
+half-precision ones to fp32 in registers and keeps the scores in fp32.
 
 Why: transformers' eager attention runs a decode step as two batched matmuls of a single query row per (row, head),
-B·H matrix-vector products of a few thousand FLOPs each, which the CPU bf16 batched matmul runs far below the
-memory's speed (at the race's 128 rows x 12 heads x 95 positions: 4-5 ms a layer, against under 2 ms fused; a profile
-of one 128-row generate put a third of its time in those `bmm` calls). `benchmarks/decode_step.py` measures it.
+B·H matrix-vector products of a few thousand FLOPs each, which the CPU batched matmul runs far below the memory's
+speed (bf16, at the race's 128 rows x 12 heads x 95 positions: 4-5 ms a layer, against under 2 ms fused; a profile
+of one 128-row generate put a third of its time in those `bmm` calls; fp32, on the race's short prompts: 2.9 s of
+`bmm` a generate against 2.0 s fused). `benchmarks/decode_step.py` measures it.
 
 Used by `rollout.decoding.decode(fused_attention=True)` (the `hf` engine's `fused_decode_attention`, on by default)
-while it runs, for the plain loop on CPU in bf16/fp16 and the architectures in `ARCHITECTURES`, whose attention is
-the textbook one (no logit soft-capping, no attention sinks; sliding windows come through the mask). The model's
-config names `looprl_fused_decode|<its own kernel>` for the duration; blocks of more than one query (the prompt's
-prefill, inserted spans) and any module in training mode run the model's own kernel (eager or sdpa) with the same
-additive mask. The first call in a process compiles (seconds; `dynamic=True`, so batch and cache lengths do not
-recompile). Should the first call fail (inductor needs a C++ compiler), the loop warns once and decodes with the
-model's own kernel.
+while it runs, for the plain loop on CPU and the architectures in `ARCHITECTURES`, whose attention is the textbook
+one (no logit soft-capping, no attention sinks; sliding windows come through the mask). The model's config names
+`looprl_fused_decode|<its own kernel>` for the duration; blocks of more than one query (the prompt's prefill,
+inserted spans) and any module in training mode run the model's own kernel (eager or sdpa) with the same additive
+mask. The first call in a process compiles (seconds; `dynamic=True`, so batch and cache lengths do not recompile).
+Should the first call fail (inductor needs a C++ compiler), the loop warns once and decodes with the model's own
+kernel.
 """
 
 from __future__ import annotations

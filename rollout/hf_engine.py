@@ -25,12 +25,16 @@ from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_pr
 class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False, batch_size: int = 256, attn_implementation: str | None = None,
-                 adapter: dict[str, Any] | None = None, fused_decode_attention: bool = True):
+                 adapter: dict[str, Any] | None = None, fused_decode_attention: bool = True,
+                 packed_linear_weights: bool = True):
         """`attn_implementation`: transformers' attention kernel for generation (None: the model's own); on
         CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's.
-        `fused_decode_attention`: on CPU in bf16/fp16, the plain loop's decode steps attend with one compiled
-        kernel (`rollout.fused_attention`; Llama, Mistral, Qwen2/3 architectures; compiled on the first generate,
+        `fused_decode_attention`: on CPU, the plain loop's decode steps attend with one compiled kernel
+        (`rollout.fused_attention`; Llama, Mistral, Qwen2/3 architectures; compiled on the first generate,
         seconds) instead of `attn_implementation`'s; the prompt's prefill keeps the model's kernel.
+        `packed_linear_weights`: on CPU in fp32/bf16, the decode loop's linear layers multiply with their weights
+        packed once per generate into oneDNN's layout (`rollout.packed_linear`; one more copy of the weights
+        while it runs).
         `adapter`: the learner's adapter (`learner.adapter`): the base model is wrapped with it, unmerged, and
         `load_weights` then takes the adapter's tensors alone."""
         self.tokenizer = load_tokenizer(model_path)
@@ -49,6 +53,7 @@ class HFEngine:
             self.model = load_unmerged(self.model, model_path).eval()
         self.adapted = bool(adapter)
         self.fused_decode_attention = fused_decode_attention
+        self.packed_linear_weights = packed_linear_weights
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
         self._commits: list | None = None  # the last diffusion chunk's per-row commit logs, for its Batch
@@ -128,7 +133,8 @@ class HFEngine:
         return decode(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
                       top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       method=method, tokenizer=tok,
-                      stop=sp.stop, forward_kwargs=self._exit_kwargs(sp), fused_attention=self.fused_decode_attention)
+                      stop=sp.stop, forward_kwargs=self._exit_kwargs(sp), fused_attention=self.fused_decode_attention,
+                      packed_weights=self.packed_linear_weights)
 
     def _diffuse(self, method: Any, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams
                  ) -> tuple[torch.Tensor, ...]:

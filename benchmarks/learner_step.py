@@ -1,7 +1,8 @@
 """One learner step of the ~85M model on CPU, by attention kernel and by micro-batching, alternated in one
 process so that every variant sees the same machine.
 
-    python benchmarks/learner_step.py [--rows 128] [--steps 3] [--threads 2] [--dtype bfloat16] [--max-tokens 2048]
+    python benchmarks/learner_step.py [--rows 128] [--steps 3] [--threads 2] [--dtype bfloat16] [--max-tokens 2048 ...]
+                                      [--kernels sdpa eager]
 
 Workload: the race's model and rows (`benchmarks/grpo_step.py`: the 85M model, 16 prompts sampled 8 times each,
 up to 64 response tokens) with longer prompts (18–30 tokens; the race's arithmetic prompts have 7–9) and ragged
@@ -10,7 +11,9 @@ answers of different lengths gives), the `ppo_clip` loss, DeepSpeed ZeRO-0 on on
 `learner.attn_implementation` sdpa or eager, and the rows as one padded micro-batch (`micro_batch_size` =
 rows), as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width, or as
 token-budget micro-batches that keep a prompt's rows together and run each prompt once (`learner.share_prompts`).
-Reports the median step time of each variant (after one warm-up step) and the ratios to sdpa, one micro-batch.
+Several `--max-tokens` give a variant per budget (named `...@budget`).
+Reports the median step time of each variant (after one warm-up step) and the ratios to the first kernel's one
+micro-batch.
 Results: benchmarks/results/learner_step.json.
 """
 
@@ -53,7 +56,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--max-tokens", type=int, default=2048, help="token budget of the budgeted micro-batches")
+    p.add_argument("--max-tokens", type=int, nargs="+", default=[2048],
+                   help="token budgets of the budgeted micro-batches (several: a variant for each)")
+    p.add_argument("--kernels", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/learner_step.json"))
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -70,9 +75,12 @@ def main() -> None:
     )
     batch = ragged_batch(args.rows)
     params = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(args.rows)}
-    plans = {"one_micro_batch": contiguous_plan(args.rows, 1, 1),
-             "token_budget": plan_micro_batches(sequence_tokens(batch), 1, args.max_tokens),
-             "shared_prompts": plan_prompt_groups(batch, 1, args.max_tokens)}
+    at = (lambda b: f"@{b}") if len(args.max_tokens) > 1 else (lambda b: "")  # noqa: E731
+    plans = {"one_micro_batch": contiguous_plan(args.rows, 1, 1)}
+    for b in args.max_tokens:
+        plans[f"token_budget{at(b)}"] = plan_micro_batches(sequence_tokens(batch), 1, b)
+    for b in args.max_tokens:
+        plans[f"shared_prompts{at(b)}"] = plan_prompt_groups(batch, 1, b)
     mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
 
     def positions_run(m, shared: bool) -> int:  # token positions the decoder runs (padding included)
@@ -81,8 +89,8 @@ def main() -> None:
         lengths = m.response_attn.sum(-1).tolist()  # the responses run in buckets, without their last token
         return (len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) * m.prompt_ids.shape[1]
                 + sum(len(b) * (max(1, lengths[b[0]]) - 1) for b in length_buckets(lengths)))
-    positions = {k: sum(positions_run(m, k == "shared_prompts") for m in v) for k, v in mbs.items()}
-    variants = list(itertools.product(("sdpa", "eager"), plans))
+    positions = {k: sum(positions_run(m, k.startswith("shared_prompts")) for m in v) for k, v in mbs.items()}
+    variants = list(itertools.product(args.kernels, plans))
     times: dict[str, list[float]] = {f"{k}/{b}": [] for k, b in variants}
     with tempfile.TemporaryDirectory() as tmp:
         path = save_tiny(Path(tmp) / "m", max_position_embeddings=128, **SHAPE)
@@ -91,7 +99,7 @@ def main() -> None:
         for step in range(args.steps + 1):
             for kernel, batching in variants:  # alternated: every variant sees the same machine load
                 worker.engine.module.set_attn_implementation(kernel)
-                worker.family.share_prompts = batching == "shared_prompts"
+                worker.family.share_prompts = batching.startswith("shared_prompts")
                 t0 = time.perf_counter()
                 worker.train_step(mbs[batching], "ppo_clip", params)
                 dt = time.perf_counter() - t0
@@ -99,16 +107,17 @@ def main() -> None:
                     times[f"{kernel}/{batching}"].append(dt)
                 print(json.dumps({"step": step, "variant": f"{kernel}/{batching}", "s": round(dt, 3)}), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["sdpa/one_micro_batch"]
+    base = med[f"{args.kernels[0]}/one_micro_batch"]
     report = {"workload": {"rows": args.rows, "real_tokens": sum(sequence_tokens(batch)), "model": SHAPE,
                            "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
                            "max_tokens_per_micro_batch": args.max_tokens},
               "micro_batches": {k: len(v) for k, v in mbs.items()}, "token_positions": positions,
-              "step_s": times, "median_step_s": med, "speedup_vs_sdpa_one_micro_batch": {k: base / v
+              "step_s": times, "median_step_s": med, f"speedup_vs_{args.kernels[0]}_one_micro_batch": {k: base / v
                                                                                        for k, v in med.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("token_positions", "median_step_s", "speedup_vs_sdpa_one_micro_batch")}))
+    print(json.dumps({k: report[k] for k in ("token_positions", "median_step_s",
+                                             f"speedup_vs_{args.kernels[0]}_one_micro_batch")}))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     is true for rows that ended by EOS or a stop string (not by the length cap).
 
     `fused_attention`: the plain loop on CPU runs its one-query attention steps with the compiled kernel of
-    `rollout.fused_attention` (architectures listed there; others decode as they are).
+    `rollout.fused_attention` (architectures and the smallest batch listed there; others decode as they are).
     `packed_weights`: on CPU, the model's linear layers multiply with their weights packed once for the whole loop
     (`rollout.packed_linear`; fp32 and bf16)."""
     method = method if method is not None else Plain()
@@ -276,7 +276,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
     state.lookahead = lookahead
     try:
-        with (fused_decode_attention(model, enabled=fused_attention and plain and device.type == "cpu"),
+        with (fused_decode_attention(model, enabled=fused_attention and plain and device.type == "cpu", rows=B),
               packed_linear_weights(model, enabled=packed_weights, rows=B)):
             if plain:
                 logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,

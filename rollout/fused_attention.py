@@ -9,8 +9,8 @@ of one 128-row generate put a third of its time in those `bmm` calls; fp32, on t
 `bmm` a generate against 2.0 s fused). `benchmarks/decode_step.py` measures it.
 
 Used by `rollout.decoding.decode(fused_attention=True)` (the `hf` engine's `fused_decode_attention`, on by default)
-while it runs, for the plain loop on CPU and the architectures in `ARCHITECTURES`, whose attention is the textbook
-one (no logit soft-capping, no attention sinks; sliding windows come through the mask). The model's config names
+while it runs, for the plain loop on CPU, batches of at least `MIN_ROW_HEADS` (row, head) pairs and the
+architectures in `ARCHITECTURES`, whose attention is the textbook one (no logit soft-capping, no attention sinks; sliding windows come through the mask). The model's config names
 `looprl_fused_decode|<its own kernel>` for the duration; blocks of more than one query (the prompt's prefill,
 inserted spans) and any module in training mode run the model's own kernel (eager or sdpa) with the same additive
 mask. The first call in a process compiles (seconds; `dynamic=True`, so batch and cache lengths do not recompile).
@@ -30,6 +30,9 @@ import torch
 # model_types whose attention is softmax(q·kᵀ·scaling + mask)·v with grouped key/value heads and nothing else
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 PREFIX = "looprl_fused_decode|"
+# the fewest (row, head) pairs a decode step must attend for the kernel to pay: its compile costs 3-4 s in every
+# process (the on-disk cache warm), which a small batch never wins back (the race's 128 rows x 12 heads: 1,536)
+MIN_ROW_HEADS = 256
 _compiled: Any = None
 _state = {"ran": False, "failed": None}  # whether the compiled kernel has run once; why it could not
 
@@ -99,18 +102,20 @@ def _register() -> None:
             ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX + own, eager_mask)
 
 
-def applies(model: torch.nn.Module) -> bool:
-    """Whether `model` (a transformers causal LM, peft-wrapped or not) can decode with the fused kernel."""
+def applies(model: torch.nn.Module, rows: int | None = None) -> bool:
+    """Whether `model` (a transformers causal LM, peft-wrapped or not) can decode with the fused kernel; with
+    `rows`, also whether a batch of that many rows is large enough to pay for it (`MIN_ROW_HEADS`)."""
     config = getattr(model, "config", None)
     return (config is not None and getattr(config, "model_type", None) in ARCHITECTURES
-            and config._attn_implementation in ("eager", "sdpa"))
+            and config._attn_implementation in ("eager", "sdpa")
+            and (rows is None or rows * getattr(config, "num_attention_heads", 0) >= MIN_ROW_HEADS))
 
 
 @contextmanager
-def fused_decode_attention(model: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
-    """While inside, `model`'s one-query attention runs the fused kernel (when `enabled` and `applies(model)`);
+def fused_decode_attention(model: torch.nn.Module, enabled: bool = True, rows: int | None = None) -> Iterator[bool]:
+    """While inside, `model`'s one-query attention runs the fused kernel (when `enabled` and `applies(model, rows)`);
     yields whether it does. The model's own kernel is restored on exit."""
-    if not (enabled and applies(model)):
+    if not (enabled and applies(model, rows)):
         yield False
         return
     _register()

@@ -11,7 +11,7 @@ import rollout.fused_attention as fused
 from models.ouro import build_tiny_ouro
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rollout.decoding import decode
-from rollout.fused_attention import PREFIX, applies, attend_one_query, fused_decode_attention
+from rollout.fused_attention import MIN_ROW_HEADS, PREFIX, applies, attend_one_query, fused_decode_attention
 
 
 def test_one_query_attention_by_hand():
@@ -67,8 +67,9 @@ def tiny():
     return tok, model.eval()
 
 
-def _prompts(tok):
-    return tok(["12+3*4=", "5+6*7=", "1+2*3="] * 4, return_tensors="pt", padding=True, padding_side="left",
+def _prompts(tok, copies=22):
+    """3 prompts x 22 = 66 rows: with the tiny model's 4 heads, 264 (row, head) pairs, past `MIN_ROW_HEADS`."""
+    return tok(["12+3*4=", "5+6*7=", "1+2*3="] * copies, return_tensors="pt", padding=True, padding_side="left",
                add_special_tokens=False)
 
 
@@ -107,7 +108,7 @@ def test_the_loop_with_the_fused_kernel_samples_with_the_models_logprobs(tiny, m
         resp, logp, lengths, _, _ = decode(cast, enc["input_ids"], enc["attention_mask"], fused_attention=on, **kw)
         if on:
             steps = int(lengths.max())  # the longest row's tokens: the loop fed back all but the last
-            assert steps > 3 and calls == [12] * (2 * (steps - 1))  # every layer, every decode step, all rows
+            assert steps > 3 and calls == [66] * (2 * (steps - 1))  # every layer, every decode step, all rows
             assert cast.config._attn_implementation == "eager"  # restored
         reference, real = _teacher_forced_logp(model, enc, resp, lengths)  # fp32 weights, the model's kernel
         errors[on] = (logp - reference)[real].abs()
@@ -133,6 +134,9 @@ def test_the_kernel_is_left_out_where_it_does_not_apply(tiny, monkeypatch):
     kw = dict(max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id,
               fused_attention=True)
     decode(model, enc["input_ids"], enc["attention_mask"], method=HooksTheForward(), **kw)  # a hooked forward
+    small = _prompts(tok, copies=21)  # 63 rows x 4 heads: under MIN_ROW_HEADS, the compile would not pay
+    assert 63 * 4 < MIN_ROW_HEADS <= 66 * 4 and not applies(model, rows=63) and applies(model, rows=66)
+    decode(model, small["input_ids"], small["attention_mask"], **kw)
     ouro = build_tiny_ouro(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, total_ut_steps=2)
     assert not applies(ouro)
     decode(ouro.to(torch.bfloat16).eval(), enc["input_ids"], enc["attention_mask"], **kw)

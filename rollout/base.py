@@ -4,6 +4,8 @@ every engine's `Batch` carries. Engines (`hf`, `vllm`, plugins) take prompts and
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,3 +60,20 @@ def attach_prompt_fields(batch: Batch, prompts: list[str], n: int, group_ids: li
     batch.ground_truth = [g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)]
     batch.metadata = [dict(m) for m in (metadata or [{} for _ in prompts]) for _ in range(n)]
     return batch
+
+
+def run_or_fall_back(state: dict, run: Callable[[], Any], failure: str, fallback: str) -> Any:
+    """`run()` for a faster CPU path whose first call may fail for want of what this machine lacks (a C++
+    compiler, an op of the torch build): then `state["failed"]` records why, one warning says `failure` and
+    `fallback`, and None is returned for the caller to take its plain path (for good, as `state` says). An error
+    after a call that succeeded (`state["ran"]`) is not such a failure and is raised."""
+    try:
+        out = run()
+    except Exception as err:
+        if state["ran"]:
+            raise
+        state["failed"] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"{failure} ({state['failed'][:300]}); {fallback}", stacklevel=3)
+        return None
+    state["ran"] = True
+    return out

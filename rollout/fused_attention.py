@@ -13,19 +13,20 @@ while it runs, for the plain loop on CPU, batches of at least `MIN_ROW_HEADS` (r
 architectures in `ARCHITECTURES`, whose attention is the textbook one (no logit soft-capping, no attention sinks;
 sliding windows come through the mask). The model's config names `looprl_fused_decode|<its own kernel>` for the
 duration; blocks of more than one query (the prompt's prefill, inserted spans) and any module in training mode
-run the model's own kernel (eager or sdpa) with the same additive mask. The first call in a process compiles (seconds; `dynamic=True`, so batch and cache lengths do not recompile).
-Should the first call fail (inductor needs a C++ compiler), the loop warns once and decodes with the model's own
+run the model's own kernel (eager or sdpa) with the same additive mask. The first call in a process compiles
+(seconds; `dynamic=True`, so batch and cache lengths do not recompile). Should the first call fail (inductor needs a C++ compiler), the loop warns once and decodes with the model's own
 kernel.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from rollout.base import run_or_fall_back
 
 # model_types whose attention is softmax(q·kᵀ·scaling + mask)·v with grouped key/value heads and nothing else
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -77,16 +78,11 @@ def _attention(own: str) -> Any:
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
         if (query.shape[2] == 1 and not module.training and query.device.type == "cpu" and _state["failed"] is None
                 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None):
-            try:
-                out = _kernel()(query, key, value, attention_mask, scaling)
-            except Exception as err:  # the first call compiles: no C++ compiler, an inductor bug
-                if _state["ran"]:
-                    raise  # it compiled and ran before: this is not a compile failure
-                _state["failed"] = f"{type(err).__name__}: {err}"
-                warnings.warn(f"rollout.fused_attention: the kernel did not compile ({_state['failed'][:300]}); "
-                              "decoding with the model's own attention", stacklevel=2)
-            else:
-                _state["ran"] = True
+            # the first call compiles: no C++ compiler or an inductor bug leaves the model's kernel
+            out = run_or_fall_back(_state, lambda: _kernel()(query, key, value, attention_mask, scaling),
+                                   "rollout.fused_attention: the kernel did not compile",
+                                   "decoding with the model's own attention")
+            if out is not None:
                 return out, None
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return attention

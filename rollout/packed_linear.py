@@ -21,13 +21,14 @@ the loop warns once and decodes with `F.linear`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from rollout.base import run_or_fall_back
 
 _state = {"ran": False, "failed": None}  # whether a packed product has run once; why the packed path could not
 
@@ -63,19 +64,15 @@ def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch
         plain = (_state["failed"] is not None or x.dtype != weight.dtype
                  or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
         if not plain:
-            try:
+            def multiply() -> torch.Tensor:
                 w = packed.get(module)
                 if w is None:
                     w = packed[module] = _pack(weight, rows)
-                out = _multiply(x, w, module.bias)
-            except Exception as err:  # an op this build lacks, an ISA oneDNN's bf16 path does not run on
-                if _state["ran"]:
-                    raise  # it ran before: this is not a missing op
-                _state["failed"] = f"{type(err).__name__}: {err}"
-                warnings.warn(f"rollout.packed_linear: packed weights did not run ({_state['failed'][:300]}); "
-                              "decoding with F.linear", stacklevel=2)
-            else:
-                _state["ran"] = True
+                return _multiply(x, w, module.bias)
+            # an op this build lacks, an ISA oneDNN's bf16 path does not run on: F.linear from then on
+            out = run_or_fall_back(_state, multiply, "rollout.packed_linear: packed weights did not run",
+                                   "decoding with F.linear")
+            if out is not None:
                 return out
         return F.linear(x, weight, module.bias)
     return forward

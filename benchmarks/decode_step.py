@@ -4,14 +4,17 @@ attention over strided views of the KV cache (what a decoding method that hooks 
 prefill shared by the rows that repeat a prompt, same strided views; in bf16, attention over the cache's whole
 buffers (the plain loop in half precision on CPU; fp32 keeps the strided views); then the one-query attention steps
 fused into one compiled kernel (`rollout.fused_attention`; compiled in the warm-up round); and last the linear
-layers' weights packed once per generate (`rollout.packed_linear`): the `hf` engine's defaults on CPU.
+layers' weights packed once per generate (`rollout.packed_linear`): the `hf` engine's defaults on CPU. With
+`--eos`, rows end at the tokenizer's EOS (a random model samples it about once in 100 tokens, as the race's
+rollouts end: about half run the whole length) and the last two variants keep the ended rows in the batch (as
+before) or drop them once they are an eighth of it (`rollout.decoding.COMPACT_SHARE`, the loop's default).
 
     python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
-                                     [--dtype bfloat16]
+                                     [--dtype bfloat16] [--eos]
 
 Workload: the ~85M model of `benchmarks/grpo_step.py` (random weights, eager attention as the race's rollout
 runs it), `--prompts` distinct prompts of 18-30 tokens (left-padded), each sampled `--n` times at temperature 1 for
-`--new-tokens` tokens (no EOS, so every row runs the whole length). Reports the median seconds per generate of
+`--new-tokens` tokens (no EOS unless `--eos`, so every row runs the whole length). Reports the median seconds per generate of
 each variant, the prefill's seconds (the first forward), and the speed-up over the first. The variants sample the
 same tokens (tests/rollout/test_decoding.py). Results: benchmarks/results/decode_step.json (per `--dtype`).
 """
@@ -43,6 +46,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--eos", action="store_true", help="rows end at EOS (results under '<dtype>_eos')")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_step.json"))
     args = p.parse_args()
     import torch
@@ -71,41 +75,51 @@ def main() -> None:
     whole = lambda capacity, full_view=False: made(capacity, True)  # noqa: E731  (the plain loop's in bf16)
     # the loop's own choice last: bf16 reads whole buffers, fp32 strided views (`rollout.decoding.ReservedLayer`)
     loop_cache, cache_name = (whole, "whole cache buffers") if args.dtype == "bfloat16" else (strided, "strided cache views")
-    variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided, False, False),
-                "shared prefill, strided cache views": (None, strided, False, False)}
+    never = 2.0  # a COMPACT_SHARE that never drops a row
+    variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided, False, False, never),
+                "shared prefill, strided cache views": (None, strided, False, False, never)}
     if args.dtype == "bfloat16":
-        variants["shared prefill, whole cache buffers"] = (None, whole, False, False)
-    variants[f"shared prefill, {cache_name}, fused attention"] = (None, loop_cache, True, False)
-    variants[f"shared prefill, {cache_name}, fused attention, packed weights"] = (None, loop_cache, True, True)
+        variants["shared prefill, whole cache buffers"] = (None, whole, False, False, never)
+    variants[f"shared prefill, {cache_name}, fused attention"] = (None, loop_cache, True, False, never)
+    variants[f"shared prefill, {cache_name}, fused attention, packed weights"] = (None, loop_cache, True, True, never)
+    if args.eos:
+        variants[f"shared prefill, {cache_name}, fused attention, packed weights, ended rows dropped"] = (
+            None, loop_cache, True, True, decoding.COMPACT_SHARE)
+    share = decoding.COMPACT_SHARE
+    lengths: dict[str, list[float]] = {k: [] for k in variants}
     times: dict[str, list[float]] = {k: [] for k in variants}
     prefills: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(args.reps + 1):  # the first round warms up
-        for name, (method, cache_factory, fused, packed) in variants.items():
+        for name, (method, cache_factory, fused, packed, compact_share) in variants.items():
             decoding.reserved_cache = cache_factory
+            decoding.COMPACT_SHARE = compact_share
             started.clear()
             prefill.clear()
             torch.manual_seed(rep)
             t0 = time.perf_counter()
-            decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-                   eos_token_id=-1, pad_token_id=tok.pad_token_id, method=method,
-                   fused_attention=fused, packed_weights=packed)
+            out = decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
+                         eos_token_id=tok.eos_token_id if args.eos else -1, pad_token_id=tok.pad_token_id,
+                         method=method, fused_attention=fused, packed_weights=packed)
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 prefills[name].append(prefill[0])
+                lengths[name].append(float(out[2].float().mean()))
             print(json.dumps({"rep": rep, "variant": name, "s": round(time.perf_counter() - t0, 2),
                               "prefill_s": round(prefill[0], 3)}), flush=True)
     decoding.reserved_cache = made
+    decoding.COMPACT_SHARE = share
     pre.remove()
     post.remove()
     base = statistics.median(times["every row prefilled, strided cache views"])
     report = {"args": vars(args), "rows": len(ids),
               "variants": {k: {"s_per_generate": statistics.median(v), "prefill_s": statistics.median(prefills[k]),
+                               "mean_response_tokens": statistics.mean(lengths[k]),
                                "speedup": base / statistics.median(v)} for k, v in times.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(out.read_text()) if out.exists() else {}
     runs = previous.get("runs", {}) if "runs" in previous else {}
-    runs[args.dtype] = report
+    runs[args.dtype + ("_eos" if args.eos else "")] = report
     out.write_text(json.dumps({"runs": runs}, indent=2))
     print(json.dumps(report["variants"], indent=1))
 

@@ -2,16 +2,19 @@
 process so that every variant sees the same machine.
 
     python benchmarks/learner_step.py [--rows 128] [--steps 3] [--threads 2] [--dtype bfloat16] [--max-tokens 2048 ...]
-                                      [--kernels sdpa eager]
+                                      [--kernels sdpa eager] [--lengths uniform|race] [--max-padding 0.25 0.05 ...]
 
 Workload: the race's model and rows (`benchmarks/grpo_step.py`: the 85M model, 16 prompts sampled 8 times each,
 up to 64 response tokens) with longer prompts (18–30 tokens; the race's arithmetic prompts have 7–9) and ragged
-responses (8–64 tokens, uniform: what a rollout of sampled
-answers of different lengths gives), the `ppo_clip` loss, DeepSpeed ZeRO-0 on one rank. Variants:
+responses (8–64 tokens, uniform: what a rollout of sampled answers of different lengths gives); `--lengths race`:
+the race's shapes instead, prompts of 7–9 tokens and response lengths drawn as the race's rollouts of a random
+model end (geometric, mean 80, capped at 64: about half run the whole length). The `ppo_clip` loss, DeepSpeed
+ZeRO-0 on one rank. Variants:
 `learner.attn_implementation` sdpa or eager, and the rows as one padded micro-batch (`micro_batch_size` =
 rows), as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width, or as
 token-budget micro-batches that keep a prompt's rows together and run each prompt once (`learner.share_prompts`).
-Several `--max-tokens` give a variant per budget (named `...@budget`).
+Several `--max-tokens` give a variant per budget (named `...@budget`); several `--max-padding` a shared-prompts
+variant per padding allowed in a response bucket (`models.families.length_buckets`, named `...~padding`).
 Reports the median step time of each variant (after one warm-up step) and the ratios to the first kernel's one
 micro-batch.
 Results: benchmarks/results/learner_step.json.
@@ -20,6 +23,7 @@ Results: benchmarks/results/learner_step.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -32,15 +36,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 768, "num_layers": 14, "num_heads": 12, "intermediate_size": 1536}
 
 
-def ragged_batch(rows: int, seed: int = 0):
+def ragged_batch(rows: int, seed: int = 0, lengths: str = "uniform"):
     import torch
 
     from rl.batch import Batch
     g = torch.Generator().manual_seed(seed)
     P, L, n = 30, 64, 8
     groups = -(-rows // n)
-    plen = torch.randint(18, P + 1, (groups,), generator=g)
-    rlen = torch.randint(8, L + 1, (rows,), generator=g)
+    if lengths == "race":
+        plen = torch.randint(7, 10, (groups,), generator=g)
+        u = torch.rand(rows, generator=g)  # geometric with mean 80 by inversion, capped at L
+        rlen = (torch.log1p(-u) / torch.log1p(torch.tensor(-1 / 80))).ceil().long().clamp(1, L)
+    else:
+        plen = torch.randint(18, P + 1, (groups,), generator=g)
+        rlen = torch.randint(8, L + 1, (rows,), generator=g)
     pm = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
     prompts = torch.randint(5, 100, (groups, P), generator=g) * pm
     pm, prompts = pm.repeat_interleave(n, 0)[:rows], prompts.repeat_interleave(n, 0)[:rows]  # n samples a prompt
@@ -59,9 +68,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, nargs="+", default=[2048],
                    help="token budgets of the budgeted micro-batches (several: a variant for each)")
     p.add_argument("--kernels", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
+    p.add_argument("--lengths", default="uniform", choices=["uniform", "race"],
+                   help="prompt and response lengths: 18-30 and uniform 8-64, or the race's (see above)")
+    p.add_argument("--max-padding", type=float, nargs="+", default=None,
+                   help="padding allowed in a shared-prompts response bucket (several: a variant for each)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/learner_step.json"))
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import models.families as families
     from cluster.learner import LearnerWorker, free_port
     from models.common import distinct_prompts
     from models.families import length_buckets
@@ -73,23 +87,30 @@ def main() -> None:
         plan_prompt_groups,
         sequence_tokens,
     )
-    batch = ragged_batch(args.rows)
+    batch = ragged_batch(args.rows, lengths=args.lengths)
     params = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(args.rows)}
     at = (lambda b: f"@{b}") if len(args.max_tokens) > 1 else (lambda b: "")  # noqa: E731
     plans = {"one_micro_batch": contiguous_plan(args.rows, 1, 1)}
     for b in args.max_tokens:
         plans[f"token_budget{at(b)}"] = plan_micro_batches(sequence_tokens(batch), 1, b)
+    paddings = {"": families.BUCKET_MAX_PADDING} if args.max_padding is None else {
+        f"~{pad}": pad for pad in args.max_padding}
     for b in args.max_tokens:
-        plans[f"shared_prompts{at(b)}"] = plan_prompt_groups(batch, 1, b)
+        for name in paddings:
+            plans[f"shared_prompts{at(b)}{name}"] = plan_prompt_groups(batch, 1, b)
     mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
+    padding_of = {k: next((pad for name, pad in paddings.items() if name and k.endswith(name)),
+                          families.BUCKET_MAX_PADDING) for k in plans}
 
-    def positions_run(m, shared: bool) -> int:  # token positions the decoder runs (padding included)
-        if not shared:
+    def positions_run(m, name: str) -> int:  # token positions the decoder runs (padding included)
+        if not name.startswith("shared_prompts"):
             return m.prompt_ids.numel() + m.response_ids.numel()
         lengths = m.response_attn.sum(-1).tolist()  # the responses run in buckets, without their last token
         return (len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) * m.prompt_ids.shape[1]
-                + sum(len(b) * (max(1, lengths[b[0]]) - 1) for b in length_buckets(lengths)))
-    positions = {k: sum(positions_run(m, k.startswith("shared_prompts")) for m in v) for k, v in mbs.items()}
+                + sum(len(b) * (max(1, lengths[b[0]]) - 1)
+                      for b in length_buckets(lengths, max_padding=padding_of[name])))
+    positions = {k: sum(positions_run(m, k) for m in v) for k, v in mbs.items()}
+    buckets = families.length_buckets
     variants = list(itertools.product(args.kernels, plans))
     times: dict[str, list[float]] = {f"{k}/{b}": [] for k, b in variants}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,6 +121,7 @@ def main() -> None:
             for kernel, batching in variants:  # alternated: every variant sees the same machine load
                 worker.engine.module.set_attn_implementation(kernel)
                 worker.family.share_prompts = batching.startswith("shared_prompts")
+                families.length_buckets = functools.partial(buckets, max_padding=padding_of[batching])
                 t0 = time.perf_counter()
                 worker.train_step(mbs[batching], "ppo_clip", params)
                 dt = time.perf_counter() - t0
@@ -108,7 +130,9 @@ def main() -> None:
                 print(json.dumps({"step": step, "variant": f"{kernel}/{batching}", "s": round(dt, 3)}), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med[f"{args.kernels[0]}/one_micro_batch"]
+    families.length_buckets = buckets
     report = {"workload": {"rows": args.rows, "real_tokens": sum(sequence_tokens(batch)), "model": SHAPE,
+                           "lengths": args.lengths, "bucket_max_padding": padding_of,
                            "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
                            "max_tokens_per_micro_batch": args.max_tokens},
               "micro_batches": {k: len(v) for k, v in mbs.items()}, "token_positions": positions,

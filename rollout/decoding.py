@@ -215,6 +215,37 @@ def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     return out.logits[:, -1].float()[inverse], cache
 
 
+def sample_rows(probs: torch.Tensor, live: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """One token per row of `probs [len(live), V]`, the rows `live` of a batch of `batch_size`: what
+    `torch.multinomial(probs, 1)` draws (the argmax of the probabilities over exponential noise, its own
+    one-sample path), with the noise drawn for every row of the batch and the live rows' taken, so that a row's
+    token does not depend on which other rows are still decoding (with every row live: the same tokens as
+    `torch.multinomial` from the same generator state)."""
+    noise = torch.empty((batch_size, probs.shape[-1]), dtype=probs.dtype, device=probs.device).exponential_()
+    if len(live) < batch_size:
+        noise = noise.index_select(0, live)
+    return (probs / noise).argmax(-1)
+
+
+# the plain loop drops the rows that have ended once they are at least this share of the rows it runs
+COMPACT_SHARE = 1 / 8
+
+
+def compaction(alive: torch.Tensor, cache: Any) -> torch.Tensor | None:
+    """The rows to keep (`alive [b]`: which of the loop's `b` rows still decode), with the cache's rows kept in
+    place, when the ended ones are at least `COMPACT_SHARE` of them and every cache layer is a `ReservedLayer`
+    (whose rows it can select); None, and nothing changed, otherwise."""
+    ended = len(alive) - int(alive.sum())
+    if ended == 0 or ended < COMPACT_SHARE * len(alive):
+        return None
+    if not all(isinstance(layer, ReservedLayer) and layer.is_initialized for layer in cache.layers):
+        return None
+    keep = alive.nonzero().flatten()
+    for layer in cache.layers:
+        layer.select_rows(keep)
+    return keep
+
+
 @torch.no_grad()
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int,
@@ -297,6 +328,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                     fed = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
                     has = torch.tensor([bool(x) for x in first], device=device)
                     logits = torch.where(has[:, None], fed, logits)  # a row with nothing fed keeps its logits
+            # The rows the forward runs (`live`: their indices in the batch): all of them, except in the plain loop,
+            # which drops the rows that have ended once they are an eighth of it (`compact`), as a server's
+            # continuous batching does; a method's hooks see every row.
+            live, rows = torch.arange(B, device=device), list(range(B))
             while not bool((state.finished | capped).all()):
                 if process is not None:
                     logits = process(logits, state).float()
@@ -305,22 +340,22 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                 if greedy:
                     tokens = scores.argmax(-1)
                 else:
-                    tokens = torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
+                    tokens = sample_rows(scores.softmax(-1), live, B)
                 logp = torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
-                active = ~(state.finished | capped)
+                active = ~(state.finished | capped)[live]
                 tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
                 # one conversion per step: indexing a tensor row by row costs more than the step's small ops
                 active_rows, token_list, logp_list = active.tolist(), tokens.tolist(), logp.tolist()
-                for i in range(B):
-                    if active_rows[i]:
-                        state.responses[i].append(token_list[i])
+                for j, i in enumerate(rows):
+                    if active_rows[j]:
+                        state.responses[i].append(token_list[j])
                         state.inserted[i].append(False)
-                        logps[i].append(logp_list[i])
+                        logps[i].append(logp_list[j])
                 state.step += 1
-                state.finished |= active & (tokens == eos_token_id)
+                state.finished[live] |= active & (tokens == eos_token_id)
                 if stop and tokenizer is not None:
-                    for i in range(B):
-                        if active_rows[i] and not state.finished[i]:
+                    for j, i in enumerate(rows):
+                        if active_rows[j] and not state.finished[i]:
                             text = tokenizer.decode(state.responses[i], skip_special_tokens=True)
                             if text.endswith(tuple(stop)):
                                 state.finished[i] = True
@@ -328,15 +363,15 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                 extra = insert(state) if insert is not None else None
                 finished_rows = state.finished.tolist()
                 blocks, reached = [], []
-                for i in range(B):
+                for j, i in enumerate(rows):
                     room = max_new_tokens - len(state.responses[i])
-                    add = (list(extra[i])[:max(0, room)] if extra is not None and active_rows[i]
+                    add = (list(extra[i])[:max(0, room)] if extra is not None and active_rows[j]
                            and not finished_rows[i] else [])
                     state.responses[i].extend(add)
                     state.inserted[i].extend([True] * len(add))
                     logps[i].extend([0.0] * len(add))
                     if extra is not None:  # the plain loop feeds `tokens` as they are
-                        blocks.append([token_list[i]] + add)
+                        blocks.append([token_list[j]] + add)
                     if len(state.responses[i]) >= max_new_tokens:
                         reached.append(i)
                 capped[reached] = True
@@ -344,8 +379,14 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                     break
                 if kv_policy is not None:
                     kv_policy(cache, state)
+                if plain:
+                    keep = compaction(~(state.finished | capped)[live], cache)
+                    if keep is not None:
+                        live, rows, tokens = live[keep], [rows[k] for k in keep.tolist()], tokens[keep]
+                        next_pos = next_pos[keep]
+                        state.attention_mask = state.attention_mask[keep]
                 if extra is None:  # one token a row
-                    ids, mask = tokens[:, None], torch.ones((B, 1), dtype=torch.long, device=device)
+                    ids, mask = tokens[:, None], torch.ones((len(rows), 1), dtype=torch.long, device=device)
                 else:
                     ids, mask = pad_token_rows(blocks, pad_token_id, "left")  # every row's last column is real
                 logits = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)

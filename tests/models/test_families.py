@@ -111,6 +111,9 @@ def test_length_buckets_by_hand():
     # a bucket under min_tokens real tokens takes the next row whatever the padding
     assert length_buckets([10, 2, 9, 8, 1], max_padding=0.25, min_tokens=5) == [[0, 2, 3], [1, 4]]
     assert length_buckets([3, 3, 3], max_padding=0.0, min_tokens=0) == [[0, 1, 2]]
+    # the default allows 5% padding: 64, 64, 60 pad to 192 <= 1.05 * 188; 50 would pad to 192 > 1.05 * 178
+    assert length_buckets([64, 60, 64], min_tokens=0) == [[0, 2, 1]]
+    assert length_buckets([64, 50, 64], min_tokens=0) == [[0, 2], [1]]
 
 
 def test_the_vocabulary_projection_never_sees_more_than_a_chunk(engine, batch):

@@ -282,7 +282,7 @@ def test_rows_that_repeat_a_prompt_share_its_prefill_and_sample_as_if_each_ran_i
     (shared, *_, shared_widths), (own, *_, own_widths) = runs
     P = enc["input_ids"].shape[1]
     assert shared_widths[0] == (3, P) and own_widths[0] == (12, P)  # the prefill: 3 distinct prompts, or all 12 rows
-    assert all(w[0] == 12 for w in shared_widths[1:])  # every decode step runs every row
+    assert shared_widths[1][0] == 12  # the first decode step runs every row (later ones drop the ended: below)
     for a, b in zip(runs[0][:5], runs[1][:5]):
         assert torch.equal(a, b)
     assert len({tuple(r.tolist()) for r in shared}) > 3  # the repeats sampled different responses
@@ -339,3 +339,61 @@ def test_a_cache_layer_that_cannot_be_copied_by_row_falls_back_to_prefilling_eve
     assert widths[:2] == [3, 6]  # the shared forward, dropped, then every row's
     for a, b in zip(shared, fallback):
         assert torch.equal(a, b)
+
+
+def test_sample_rows_draws_what_multinomial_draws_and_a_rows_token_does_not_depend_on_the_others():
+    from rollout.decoding import sample_rows
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(9, 50, generator=g) ** 4
+    probs[:, :10] = 0  # as after top-k / top-p
+    probs = probs / probs.sum(-1, keepdim=True)
+    every = torch.arange(9)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        expected = torch.multinomial(probs, num_samples=1).squeeze(1)
+        torch.manual_seed(seed)
+        assert torch.equal(sample_rows(probs, every, 9), expected)
+        live = torch.tensor([1, 4, 8])
+        torch.manual_seed(seed)
+        assert torch.equal(sample_rows(probs[live], live, 9), expected[live])  # the same draw for rows 1, 4, 8
+    assert (expected >= 10).all()
+
+
+def test_the_plain_loop_drops_ended_rows_and_samples_what_every_row_samples(engine, monkeypatch):
+    """Rows that ended (EOS) leave the batch the plain loop runs once they are an eighth of it: fewer rows per
+    forward, the same tokens, lengths and logprobs as running every row to the end."""
+    import rollout.decoding as decoding
+    tok = engine.tokenizer
+    enc = tok([p for p in PROMPTS for _ in range(16)], return_tensors="pt", padding=True, padding_side="left",
+              add_special_tokens=False)
+    # an EOS-prone model: the EOS logit raised, so that rows end at different steps
+    head = engine.model.get_output_embeddings()
+    bias = torch.zeros(head.out_features)
+    bias[tok.eos_token_id] = 1.5
+    hook = head.register_forward_hook(lambda m, a, out: out + bias)
+    kw = dict(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    rows: list[int] = []
+    count = engine.model.register_forward_pre_hook(lambda m, a, k: rows.append(k["input_ids"].shape[0]),
+                                                   with_kwargs=True)
+    runs = []
+    try:
+        for share in (decoding.COMPACT_SHARE, 2.0):  # 2.0: never compacts
+            monkeypatch.setattr(decoding, "COMPACT_SHARE", share)
+            rows.clear()
+            torch.manual_seed(7)
+            runs.append((decode(engine.model, enc["input_ids"], enc["attention_mask"], **kw), list(rows)))
+    finally:
+        hook.remove()
+        count.remove()
+    (compacted, compacted_rows), (full, full_rows) = runs
+    assert full_rows[1:] == [48] * (len(full_rows) - 1)
+    assert len(compacted_rows) == len(full_rows) and compacted_rows[-1] < 24  # fewer rows as they end
+    assert all(a >= b for a, b in zip(compacted_rows[1:], compacted_rows[2:]))
+    lengths = full[2]
+    assert len(set(lengths.tolist())) > 5 and bool(full[4].any()) and not bool(full[4].all())
+    for a, b in zip(compacted[:5], full[:5]):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(a, b)

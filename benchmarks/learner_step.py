@@ -3,6 +3,7 @@ process so that every variant sees the same machine.
 
     python benchmarks/learner_step.py [--rows 128] [--steps 3] [--threads 2] [--dtype bfloat16] [--max-tokens 2048 ...]
                                       [--kernels sdpa eager] [--lengths uniform|race] [--max-padding 0.25 0.05 ...]
+                                      [--compile] [--batchings shared_prompts ...]
 
 Workload: the race's model and rows (`benchmarks/grpo_step.py`: the 85M model, 16 prompts sampled 8 times each,
 up to 64 response tokens) with longer prompts (18–30 tokens; the race's arithmetic prompts have 7–9) and ragged
@@ -14,7 +15,10 @@ ZeRO-0 on one rank. Variants:
 rows), as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width, or as
 token-budget micro-batches that keep a prompt's rows together and run each prompt once (`learner.share_prompts`).
 Several `--max-tokens` give a variant per budget (named `...@budget`); several `--max-padding` a shared-prompts
-variant per padding allowed in a response bucket (`models.families.length_buckets`, named `...~padding`).
+variant per padding allowed in a response bucket (`models.families.length_buckets`, named `...~padding`);
+`--compile` runs every variant also with the decoder layers' MLPs and norms compiled (`learner.compile_position_wise`,
+named `.../compiled`; compiled in the warm-up step); `--batchings` keeps only the micro-batchings named (the first
+variant named is then the ratios' base).
 Reports the median step time of each variant (after one warm-up step) and the ratios to the first kernel's one
 micro-batch.
 Results: benchmarks/results/learner_step.json.
@@ -70,6 +74,10 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
     p.add_argument("--lengths", default="uniform", choices=["uniform", "race"],
                    help="prompt and response lengths: 18-30 and uniform 8-64, or the race's (see above)")
+    p.add_argument("--compile", action="store_true", help="each variant also with compiled MLPs and norms")
+    p.add_argument("--batchings", nargs="+", default=None,
+                   choices=["one_micro_batch", "token_budget", "shared_prompts"],
+                   help="only these micro-batchings (default: all)")
     p.add_argument("--max-padding", type=float, nargs="+", default=None,
                    help="padding allowed in a shared-prompts response bucket (several: a variant for each)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/learner_step.json"))
@@ -98,6 +106,8 @@ def main() -> None:
     for b in args.max_tokens:
         for name in paddings:
             plans[f"shared_prompts{at(b)}{name}"] = plan_prompt_groups(batch, 1, b)
+    if args.batchings:
+        plans = {k: v for k, v in plans.items() if k.split("@")[0].split("~")[0] in args.batchings}
     mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
     padding_of = {k: next((pad for name, pad in paddings.items() if name and k.endswith(name)),
                           families.BUCKET_MAX_PADDING) for k in plans}
@@ -111,14 +121,24 @@ def main() -> None:
                       for b in length_buckets(lengths, max_padding=padding_of[name])))
     positions = {k: sum(positions_run(m, k) for m in v) for k, v in mbs.items()}
     buckets = families.length_buckets
-    variants = list(itertools.product(args.kernels, plans))
-    times: dict[str, list[float]] = {f"{k}/{b}": [] for k, b in variants}
+    variants = list(itertools.product(args.kernels, plans, [False, True] if args.compile else [False]))
+    name_of = {v: f"{v[0]}/{v[1]}" + ("/compiled" if v[2] else "") for v in variants}
+    times: dict[str, list[float]] = {name: [] for name in name_of.values()}
     with tempfile.TemporaryDirectory() as tmp:
         path = save_tiny(Path(tmp) / "m", max_position_embeddings=128, **SHAPE)
         worker = LearnerWorker(0, 1, "127.0.0.1", free_port(), str(path), lr=1e-6, dtype=args.dtype,
                                micro_batch_size=args.rows, threads=args.threads)
+        compiled_calls = {}
+        if args.compile:  # compiled in place once; each variant then sets or clears the compiled call
+            from models.blocks import compile_position_wise
+            compile_position_wise(worker.engine.module)
+            compiled_calls = {m: m._compiled_call_impl for m in worker.engine.module.modules()
+                              if getattr(m, "_compiled_call_impl", None) is not None}
         for step in range(args.steps + 1):
-            for kernel, batching in variants:  # alternated: every variant sees the same machine load
+            for variant in variants:  # alternated: every variant sees the same machine load
+                kernel, batching, compiled = variant
+                for module, call in compiled_calls.items():
+                    module._compiled_call_impl = call if compiled else None
                 worker.engine.module.set_attn_implementation(kernel)
                 worker.family.share_prompts = batching.startswith("shared_prompts")
                 families.length_buckets = functools.partial(buckets, max_padding=padding_of[batching])
@@ -126,22 +146,22 @@ def main() -> None:
                 worker.train_step(mbs[batching], "ppo_clip", params)
                 dt = time.perf_counter() - t0
                 if step > 0:  # the first step of each variant warms up
-                    times[f"{kernel}/{batching}"].append(dt)
-                print(json.dumps({"step": step, "variant": f"{kernel}/{batching}", "s": round(dt, 3)}), flush=True)
+                    times[name_of[variant]].append(dt)
+                print(json.dumps({"step": step, "variant": name_of[variant], "s": round(dt, 3)}), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med[f"{args.kernels[0]}/one_micro_batch"]
+    base_name = name_of[variants[0]]
+    base = med[base_name]
+    speedup_key = "speedup_vs_" + base_name.replace("/", "_")
     families.length_buckets = buckets
     report = {"workload": {"rows": args.rows, "real_tokens": sum(sequence_tokens(batch)), "model": SHAPE,
                            "lengths": args.lengths, "bucket_max_padding": padding_of,
                            "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
                            "max_tokens_per_micro_batch": args.max_tokens},
               "micro_batches": {k: len(v) for k, v in mbs.items()}, "token_positions": positions,
-              "step_s": times, "median_step_s": med, f"speedup_vs_{args.kernels[0]}_one_micro_batch": {k: base / v
-                                                                                       for k, v in med.items()}}
+              "step_s": times, "median_step_s": med, speedup_key: {k: base / v for k, v in med.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("token_positions", "median_step_s",
-                                             f"speedup_vs_{args.kernels[0]}_one_micro_batch")}))
+    print(json.dumps({k: report[k] for k in ("token_positions", "median_step_s", speedup_key)}))
 
 
 if __name__ == "__main__":

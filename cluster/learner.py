@@ -67,7 +67,8 @@ class LearnerWorker(ActorProbes):
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
                  trust_remote_code: bool = False, offload_between_phases: bool = False, pack_sequences: bool = False,
                  logprob_chunk_tokens: int = 512, attn_implementation: str | None = None,
-                 adapter: dict[str, Any] | None = None, share_prompts: bool = False):
+                 adapter: dict[str, Any] | None = None, share_prompts: bool = False,
+                 compile_position_wise: bool = False):
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
                           LOCAL_WORLD_SIZE=str(world_size))
@@ -140,6 +141,12 @@ class LearnerWorker(ActorProbes):
             from models.adapters import make_adapter
             model = make_adapter(model, adapter, get("adapter", adapter["name"]))
         self.with_ref = with_ref
+        if compile_position_wise:
+            if zero_stage == 3:  # its hooks gather each module's partitioned weights around the call
+                raise ValueError("learner.compile_position_wise needs learner.zero_stage 0-2 (ZeRO-3 gathers "
+                                 "partitioned weights in module hooks that a compiled module would trace)")
+            from models.blocks import compile_position_wise as compile_modules
+            compile_modules(model)
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

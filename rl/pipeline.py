@@ -162,6 +162,9 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
                           f"does not sample from; use top_p 1.0 and top_k 0 with it")
     check_params("optimizer", lc.optimizer.name, as_container(lc.optimizer.params), "learner.optimizer.params",
                  supplied=("params", "lr", "weight_decay"))
+    if lc.compile_position_wise and lc.zero_stage == 3:
+        raise ConfigError("learner.compile_position_wise: ZeRO-3 gathers partitioned weights in module hooks that "
+                          "a compiled module would trace; use learner.zero_stage 0-2 or set it false")
     if getattr(get("optimizer", lc.optimizer.name), "forward_only", False) and lc.zero_stage != 0:
         raise ConfigError(f"learner.optimizer {lc.optimizer.name!r} is forward-only (it perturbs the full weights on "
                          f"every rank): it needs learner.zero_stage 0, got {lc.zero_stage}")

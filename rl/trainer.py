@@ -538,7 +538,8 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
         attn_implementation=lc.attn_implementation,
         adapter=as_container(lc.adapter) if lc.adapter and family is None else None,  # the policy's adapter
-        share_prompts=lc.share_prompts and family is None, wait=wait)
+        share_prompts=lc.share_prompts and family is None,
+        compile_position_wise=lc.compile_position_wise and family is None, wait=wait)
 
 
 def needs_critic(cfg: DictConfig) -> bool:

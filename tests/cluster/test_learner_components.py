@@ -190,6 +190,33 @@ def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_sam
     assert torch.allclose(s["after"], e["after"], atol=1e-4)  # ... to the same place under both kernels
 
 
+def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
+    """`learner.compile_position_wise`: every decoder layer's MLP and norms run compiled (inductor) in the learner;
+    logprobs, the step's gradient norm and the model after it equal the eager learner's (float rounding apart)."""
+    import ray
+    batch = _sft_batch(tiny)
+    results = {}
+    for compiled in (False, True):
+        group = _group(tiny, 1, 2, batch, lr=1e-2, compile_position_wise=compiled)
+        try:
+            results[compiled] = {
+                "compiled": ray.get(group.workers[0].__ray_call__.remote(
+                    lambda self: sorted(name for name, m in self.engine.module.named_modules()
+                                        if getattr(m, "_compiled_call_impl", None) is not None))),
+                "before": group.compute_logprobs(batch), "step": group.sft_step(batch, 2),
+                "after": group.compute_logprobs(batch)}
+        finally:
+            group.shutdown()
+    eager, fused = results[False], results[True]
+    assert eager["compiled"] == []
+    assert fused["compiled"] == [f"model.layers.{i}.{m}" for i in range(2)
+                                 for m in ("input_layernorm", "mlp", "post_attention_layernorm")]
+    assert torch.allclose(eager["before"], fused["before"], atol=1e-5)
+    assert abs(eager["step"]["grad_norm"] - fused["step"]["grad_norm"]) < 1e-4 * eager["step"]["grad_norm"]
+    assert not torch.allclose(eager["before"], eager["after"], atol=1e-3)  # the step moved the model ...
+    assert torch.allclose(eager["after"], fused["after"], atol=1e-4)  # ... to the same place either way
+
+
 def test_the_looped_family_refuses_another_attention_kernel(tmp_path):
     from models.families import LoopedFamily
     path = save_tiny(tmp_path, arch="ouro", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)

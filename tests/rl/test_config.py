@@ -140,6 +140,15 @@ def test_shared_prompts_are_refused_where_no_prompt_cache_can_run(recipe, overri
     check_components(config.load(ROOT / "recipes/quickstart.yaml", ["learner.share_prompts=true"]), None)
 
 
+def test_compiled_position_wise_modules_are_refused_under_zero3():
+    from rl.pipeline import check_components
+    with pytest.raises(ConfigError, match="learner.compile_position_wise: ZeRO-3 gathers"):
+        check_components(config.load(ROOT / "recipes/quickstart.yaml", [
+            "learner.compile_position_wise=true", "learner.zero_stage=3"]), None)
+    check_components(config.load(ROOT / "recipes/quickstart.yaml", [
+        "learner.compile_position_wise=true", "learner.zero_stage=2"]), None)
+
+
 @pytest.mark.parametrize("override,match", [
     ("learner.optimizer.params.betaz=[0.9,0.99]", "learner.optimizer.params.betaz: optimizer 'adamw' has no parameter"),
     ("learner.optimizer.name=lion", "unknown optimizer 'lion'"),

@@ -48,8 +48,17 @@ class RewardService(ActorProbes):
         self.max_worker_deaths = 3  # per score() call; beyond that, unfinished samples are marked failed
         self.grace_s = grace_s  # beyond every per-sample timer, before a silent worker counts as stuck
         pooled = sorted({f.name for f in functions if f.key not in self.in_process})
+        self._loading = None
         if pooled:  # start the worker processes and import the rewards now, while the other roles start
-            self._ensure_pool().map_async(load_rewards, [pooled] * self.num_workers, chunksize=1)
+            self._loading = self._ensure_pool().map_async(load_rewards, [pooled] * self.num_workers, chunksize=1)
+
+    def wait_started(self, timeout_s: float = 60.0) -> bool:
+        """Wait (at most `timeout_s`) until the worker processes have imported the rewards; whether they have.
+        The driver measures the machine's ceilings (`perf/mfu`) after it, on cores nothing else is busy on."""
+        if self._loading is None:
+            return True
+        self._loading.wait(timeout_s)
+        return self._loading.ready()
 
     def set_judges(self, judges: dict[str, Any]) -> None:
         """Hand the judge clients (`rewards.judges.JudgeClient`) to the rewards that call them."""

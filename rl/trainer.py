@@ -101,6 +101,8 @@ class RLTrainer:
                     group.wait_ready()
             ray.get([w.pid.remote() for w in self.rollout])
         # what perf/mfu and perf/mbu divide by: the model's size and each role's measured ceilings
+        # measured once every role has started: a reward worker still importing would share the cores
+        ray.get(self.rewards.wait_started.remote())
         self.hardware = {"model": ray.get(self.learners.workers[0].model_numbers.remote()),
                          "learner": ray.get(self.learners.workers[0].hardware_rates.remote(cfg.model.dtype)),
                          "rollout": ray.get(self.rollout[0].hardware_rates.remote(cfg.model.dtype))}

@@ -106,6 +106,9 @@ class RLTrainer:
         self.hardware = {"model": ray.get(self.learners.workers[0].model_numbers.remote()),
                          "learner": ray.get(self.learners.workers[0].hardware_rates.remote(cfg.model.dtype)),
                          "rollout": ray.get(self.rollout[0].hardware_rates.remote(cfg.model.dtype))}
+        # At start-up another process may still share the cores (Ray's own agents start beside the roles): a run
+        # of 3+ synchronous steps measures the ceilings again after its first step and keeps the better ones.
+        self.ceilings_to_check = cfg.trainer.steps >= 3 and cfg.trainer.max_staleness == 0
         self.pending: list[PendingRollout] = []  # submitted rollouts, oldest first
         self.next_submit = 0  # first step whose rollout is not submitted yet
         self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
@@ -246,6 +249,11 @@ class RLTrainer:
         })
         metrics.update({f"reward/{k}": v for k, v in component_means(batch.reward_components).items()})
         metrics.update(episode_metrics(batch))
+        if self.ceilings_to_check:  # after the first synchronous step, every role idle and warm
+            self.ceilings_to_check = False
+            dtype = self.cfg.model.dtype
+            self.hardware["learner"] = ray.get(self.learners.workers[0].hardware_rates.remote(dtype, again=True))
+            self.hardware["rollout"] = ray.get(self.rollout[0].hardware_rates.remote(dtype, again=True))
         metrics.update(utilisation(batch, timing, step_s, self.hardware, self.cfg, train_passes=len(train_metrics),
                                    logprob_passes=int(batch.old_logp is not None) + int(batch.ref_logp is not None)))
         for k, v in timing.items():

@@ -262,7 +262,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     `fused_attention`: the plain loop on CPU runs its one-query attention steps with the compiled kernel of
     `rollout.fused_attention` (architectures and the smallest batch listed there; others decode as they are).
     `packed_weights`: on CPU, the model's linear layers multiply with their weights packed once for the whole loop
-    (`rollout.packed_linear`; fp32 and bf16)."""
+    (`rollout.packed_linear`; fp32 and bf16). The plain loop drops the rows that ended from the batch it runs
+    (`compaction`); they sample the same tokens as if they had stayed (`sample_rows`)."""
     method = method if method is not None else Plain()
     forward_kwargs = forward_kwargs or {}
     device = prompt_ids.device
@@ -329,8 +330,9 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                     has = torch.tensor([bool(x) for x in first], device=device)
                     logits = torch.where(has[:, None], fed, logits)  # a row with nothing fed keeps its logits
             # The rows the forward runs (`live`: their indices in the batch): all of them, except in the plain loop,
-            # which drops the rows that have ended once they are an eighth of it (`compact`), as a server's
-            # continuous batching does; a method's hooks see every row.
+            # which drops the rows that have ended once they are an eighth of it (`compaction`), as a server's
+            # continuous batching does; a method's hooks (and `state.lookahead`, which only methods call) see
+            # every row.
             live, rows = torch.arange(B, device=device), list(range(B))
             while not bool((state.finished | capped).all()):
                 if process is not None:

@@ -86,7 +86,6 @@ def main() -> None:
     import models.families as families
     from cluster.learner import LearnerWorker, free_port
     from models.common import distinct_prompts
-    from models.families import length_buckets
     from models.tiny import save_tiny
     from rl.batch import (
         contiguous_plan,
@@ -103,14 +102,16 @@ def main() -> None:
         plans[f"token_budget{at(b)}"] = plan_micro_batches(sequence_tokens(batch), 1, b)
     paddings = {"": families.BUCKET_MAX_PADDING} if args.max_padding is None else {
         f"~{pad}": pad for pad in args.max_padding}
+    padding_of = {k: families.BUCKET_MAX_PADDING for k in plans}  # the response buckets' padding of each variant
     for b in args.max_tokens:
-        for name in paddings:
+        for name, pad in paddings.items():
             plans[f"shared_prompts{at(b)}{name}"] = plan_prompt_groups(batch, 1, b)
+            padding_of[f"shared_prompts{at(b)}{name}"] = pad
     if args.batchings:
         plans = {k: v for k, v in plans.items() if k.split("@")[0].split("~")[0] in args.batchings}
+    padding_of = {k: padding_of[k] for k in plans}
     mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
-    padding_of = {k: next((pad for name, pad in paddings.items() if name and k.endswith(name)),
-                          families.BUCKET_MAX_PADDING) for k in plans}
+    buckets = families.length_buckets
 
     def positions_run(m, name: str) -> int:  # token positions the decoder runs (padding included)
         if not name.startswith("shared_prompts"):
@@ -118,9 +119,8 @@ def main() -> None:
         lengths = m.response_attn.sum(-1).tolist()  # the responses run in buckets, without their last token
         return (len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) * m.prompt_ids.shape[1]
                 + sum(len(b) * (max(1, lengths[b[0]]) - 1)
-                      for b in length_buckets(lengths, max_padding=padding_of[name])))
+                      for b in buckets(lengths, max_padding=padding_of[name])))
     positions = {k: sum(positions_run(m, k) for m in v) for k, v in mbs.items()}
-    buckets = families.length_buckets
     variants = list(itertools.product(args.kernels, plans, [False, True] if args.compile else [False]))
     name_of = {v: f"{v[0]}/{v[1]}" + ("/compiled" if v[2] else "") for v in variants}
     times: dict[str, list[float]] = {name: [] for name in name_of.values()}

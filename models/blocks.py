@@ -33,11 +33,11 @@ def compile_position_wise(model: nn.Module) -> int:
     """Compile each decoder layer's position-wise modules (`POSITION_WISE`: its MLP and norms) in place with
     `torch.compile` (inductor, dynamic shapes, so lengths and batch sizes do not recompile); returns how many.
 
-    Why: in a bf16 CPU training step the matmuls run at the machine's rate and a fifth to a third of the time goes
-    to the elementwise work around them (the norms' fp32 round trips, SwiGLU), op by op, forward and backward;
-    compiled, each module's elementwise ops fuse into a few loops. Attention stays eager: it threads the KV cache that the
-    shared-prompt forward passes through it. A peft model compiles its base model's layers (the adapters' layers
-    inside the MLP included). The first step in a process pays the compile (seconds)."""
+    Why: in a bf16 CPU training step the matmuls run at the machine's rate and a fifth to a third of the time
+    goes to the elementwise work around them (the norms' fp32 round trips, SwiGLU), op by op, forward and
+    backward; compiled, each module's elementwise ops fuse into a few loops. Attention stays eager: it threads
+    the KV cache that the shared-prompt forward passes through it. A peft model compiles its base model's layers
+    (the adapters' layers inside the MLP included). The first step in a process pays the compile (seconds)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     compiled = 0
     for layer in decoder_layers(base):

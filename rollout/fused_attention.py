@@ -14,8 +14,8 @@ architectures in `ARCHITECTURES`, whose attention is the textbook one (no logit 
 sliding windows come through the mask). The model's config names `looprl_fused_decode|<its own kernel>` for the
 duration; blocks of more than one query (the prompt's prefill, inserted spans) and any module in training mode
 run the model's own kernel (eager or sdpa) with the same additive mask. The first call in a process compiles
-(seconds; `dynamic=True`, so batch and cache lengths do not recompile). Should the first call fail (inductor needs a C++ compiler), the loop warns once and decodes with the model's own
-kernel.
+(seconds; `dynamic=True`, so batch and cache lengths do not recompile). Should the first call fail (inductor
+needs a C++ compiler), the loop warns once and decodes with the model's own kernel.
 """
 
 from __future__ import annotations

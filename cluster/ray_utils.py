@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,55 @@ def actor_env() -> dict[str, str]:
     return env
 
 
+# transformers' optional imports that no looprl process uses: scikit-learn (assisted generation's candidate
+# generator, for one ROC curve, and pandas with it) and scipy (the object-detection losses' matching). Every
+# process that loads a transformers model imports them otherwise: 1.2-1.7 s of each actor's 5-7 s start-up on a
+# CPU core (`python -X importtime -c "import cluster.learner"`).
+SKIPPED_OPTIONAL_IMPORTS = ("is_sklearn_available", "is_scipy_available")
+
+
+def _report_unavailable(utils: Any) -> None:
+    for name in SKIPPED_OPTIONAL_IMPORTS:
+        if hasattr(utils, name):
+            setattr(utils, name, lambda: False)
+
+
+class _OnTransformersUtils(importlib.abc.MetaPathFinder):
+    """Finds `transformers.utils` with the finders after it and runs `_report_unavailable` on the module once it has
+    loaded (and before any model module reads it); then leaves `sys.meta_path`."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "transformers.utils":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            load = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                load(module)
+                _report_unavailable(module)
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def skip_optional_imports() -> None:
+    """Ray's `worker_process_setup_hook` for looprl's jobs (`job_runtime_env`): in each worker process, transformers
+    reports `SKIPPED_OPTIONAL_IMPORTS` as unavailable, so loading a model does not import them. A process that
+    never imports transformers (a reward worker) pays nothing: the change waits for `transformers.utils` to load.
+    Code that imports scikit-learn or scipy itself (a reward plugin, a stage) gets them as usual."""
+    if "transformers.utils" in sys.modules:
+        _report_unavailable(sys.modules["transformers.utils"])
+    elif not any(isinstance(f, _OnTransformersUtils) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnTransformersUtils())
+
+
+def job_runtime_env() -> dict[str, Any]:
+    """The runtime environment of looprl's Ray jobs: `actor_env()` and the worker set-up hook above (actors' own
+    `runtime_env` adds environment variables to it)."""
+    return {"env_vars": actor_env(), "worker_process_setup_hook": f"{__name__}.skip_optional_imports"}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Connect to `address`, else to a running cluster (RAY_ADDRESS or a local head), else start one.
 
@@ -51,7 +103,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         return "connected"
-    runtime_env = {"env_vars": actor_env()}
+    runtime_env = job_runtime_env()
     target = address or os.environ.get("RAY_ADDRESS")
     if target:
         ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)

@@ -145,6 +145,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_env()
+    from cluster.ray_utils import skip_optional_imports
+    skip_optional_imports()  # the `looprl` process loads models as its actors do (cluster.ray_utils)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["eval"]:  # its own parser (argparse cannot hand "--help" etc. through a subcommand)
         args = argparse.Namespace(eval_args=argv[1:], fn=cmd_eval)

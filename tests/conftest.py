@@ -27,10 +27,10 @@ def ray_cluster():
     """One private local Ray for the whole session (starting one costs seconds)."""
     import ray
 
-    from cluster.ray_utils import actor_env
+    from cluster.ray_utils import job_runtime_env
     started = not ray.is_initialized()
     if started:  # a private local instance: never attach to a cluster that happens to be running
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": actor_env()})
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=job_runtime_env())
     yield ray
     if started:
         ray.shutdown()

@@ -13,6 +13,17 @@ class _EnvProbe:
         raw = open(f"/proc/{os.getpid()}/environ", "rb").read().split(b"\0")
         return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
 
+    def modules_loaded_by_model_imports(self) -> dict[str, list[str]]:
+        import sys
+        before = [m for m in ("transformers", "transformers.utils") if m in sys.modules]
+        from transformers import AutoModelForCausalLM  # noqa: F401
+
+        import cluster.learner  # noqa: F401  (what a learner and a rollout worker import)
+        import rollout.hf_engine  # noqa: F401
+        after = [m for m in ("sklearn", "scipy", "pandas") if m in sys.modules]
+        import scipy.optimize  # noqa: F401  (code that imports them itself still can)
+        return {"before": before, "after": after, "explicit": [m for m in ("scipy",) if m in sys.modules]}
+
 
 def test_actors_start_with_thread_and_malloc_settings(ray_cluster):
     env = actor_env()
@@ -21,6 +32,11 @@ def test_actors_start_with_thread_and_malloc_settings(ray_cluster):
     for key in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "RAY_AUTH_MODE"):
         assert seen.get(key) == env[key], key
     assert int(env["MALLOC_MMAP_THRESHOLD_"]) <= 32 << 20  # glibc rejects larger thresholds on 64-bit
+    # the job's worker set-up hook reaches an actor with its own runtime_env: loading transformers' model classes
+    # imports none of its unused optional dependencies, and a worker that never loads them does not import
+    # transformers for the hook
+    loaded = ray.get(probe.modules_loaded_by_model_imports.remote())
+    assert loaded == {"before": [], "after": [], "explicit": ["scipy"]}
     ray.kill(probe)
 
 

@@ -30,6 +30,7 @@ from rl.config import ConfigError, as_container
 from rl.data import format_prompt
 from rl.losses import kl_in_reward, kl_penalty, soft_overlong_penalty
 from rl.registry import get
+from rollout.probes import best_rates
 from rollout.worker import RolloutWorker, RolloutWorkerRestarted, RolloutWorkerStuck
 
 
@@ -104,8 +105,8 @@ class RLTrainer:
         # measured once every role has started: a reward worker still importing would share the cores
         ray.get(self.rewards.wait_started.remote())
         self.hardware = {"model": ray.get(self.learners.workers[0].model_numbers.remote()),
-                         "learner": ray.get(self.learners.workers[0].hardware_rates.remote(cfg.model.dtype)),
-                         "rollout": ray.get(self.rollout[0].hardware_rates.remote(cfg.model.dtype))}
+                         "learner": ceilings(self.learners.workers[0], cfg.model.dtype, lc.threads),
+                         "rollout": ceilings(self.rollout[0], cfg.model.dtype, cfg.rollout.threads)}
         # At start-up another process may still share the cores (Ray's own agents start beside the roles): a run
         # of 3+ synchronous steps measures the ceilings again after its first step and keeps the better ones.
         self.ceilings_to_check = cfg.trainer.steps >= 3 and cfg.trainer.max_staleness == 0
@@ -252,8 +253,8 @@ class RLTrainer:
         if self.ceilings_to_check:  # after the first synchronous step, every role idle and warm
             self.ceilings_to_check = False
             dtype = self.cfg.model.dtype
-            self.hardware["learner"] = ray.get(self.learners.workers[0].hardware_rates.remote(dtype, again=True))
-            self.hardware["rollout"] = ray.get(self.rollout[0].hardware_rates.remote(dtype, again=True))
+            self.hardware["learner"] = ceilings(self.learners.workers[0], dtype, self.cfg.learner.threads, again=True)
+            self.hardware["rollout"] = ceilings(self.rollout[0], dtype, self.cfg.rollout.threads, again=True)
         metrics.update(utilisation(batch, timing, step_s, self.hardware, self.cfg, train_passes=len(train_metrics),
                                    logprob_passes=int(batch.old_logp is not None) + int(batch.ref_logp is not None)))
         for k, v in timing.items():
@@ -528,6 +529,23 @@ class RLTrainer:
 
 
 # ---------------------------------------------------------------------- helpers shared with other stages
+# The ceilings measured in this driver process, by (node, dtype, threads per actor): a node's matmul and copy rates
+# do not change between the runs of one process (the stages of a pipeline, a test session), and measuring them costs
+# about a second per role and run, in which nothing else may run.
+_CEILINGS: dict[tuple[str, str, int], dict[str, float]] = {}
+
+
+def ceilings(actor: Any, dtype: str, threads: int, again: bool = False) -> dict[str, float]:
+    """The hardware rates that `perf/mfu` and `perf/mbu` divide by (`rollout.probes.hardware_rates`) for a role whose
+    first actor is `actor`: measured by that actor, unless one with the same `threads` on the same node measured
+    them in `dtype` earlier in this process. `again` measures anew and keeps each rate's best (a ceiling)."""
+    key = (ray.get(actor.node_id.remote()), dtype, threads)
+    if key in _CEILINGS and not again:
+        return _CEILINGS[key]
+    _CEILINGS[key] = best_rates(ray.get(actor.hardware_rates.remote(dtype, again=again)), _CEILINGS.get(key))
+    return _CEILINGS[key]
+
+
 def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
                        micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
                        with_ref: bool = False, family: str | None = None, wait: bool = True) -> LearnerGroup:

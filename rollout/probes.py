@@ -29,6 +29,15 @@ class ActorProbes:
         return ray.get_runtime_context().get_node_id()
 
 
+def best_rates(rates: dict[str, float], before: dict[str, float] | None) -> dict[str, float]:
+    """`rates` with each ceiling the higher of its and `before`'s (a core that something else was busy on only
+    lowers a measured rate)."""
+    if before is None:
+        return rates
+    return {**rates, "matmul_flops": max(rates["matmul_flops"], before["matmul_flops"]),
+            "copy_bytes_per_s": max(rates["copy_bytes_per_s"], before["copy_bytes_per_s"])}
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 _RATES: dict[tuple[str, str], dict[str, float]] = {}
@@ -73,9 +82,7 @@ def hardware_rates(dtype: str = "float32", seconds: float = 0.3, again: bool = F
     copy_s = timed(lambda: dst.copy_(src), seconds)
     rates = {"matmul_flops": 2 * n ** 3 / matmul_s, "copy_bytes_per_s": 2 * src.numel() * 4 / copy_s,
              "device": device}
-    before = _RATES.get(key, rates)
-    _RATES[key] = {**rates, "matmul_flops": max(rates["matmul_flops"], before["matmul_flops"]),
-                   "copy_bytes_per_s": max(rates["copy_bytes_per_s"], before["copy_bytes_per_s"])}
+    _RATES[key] = best_rates(rates, _RATES.get(key))
     a = b = src = dst = None  # noqa: F841  (released before the cache is emptied)
     if device == "cuda":
         torch.cuda.empty_cache()  # give the engine back what the measurement held

@@ -17,3 +17,39 @@ def test_ceilings_are_measured_once_and_again_keeps_the_best(monkeypatch):
     # ... and a better earlier one is kept
     probes._RATES[("float32", "cpu")] = {**first, "matmul_flops": 1e20}
     assert probes.hardware_rates("float32", seconds=0.05, again=True)["matmul_flops"] == pytest.approx(1e20)
+
+
+def test_the_driver_measures_a_nodes_ceilings_once_per_dtype_and_thread_count(ray_cluster, monkeypatch):
+    """Each run asks its roles' first actors for the ceilings; a later actor with the same threads on the same node
+    is not asked again in this process (a measurement occupies the cores for about a second), one with other
+    threads or dtype is, and `again` asks anew and keeps the best."""
+    import ray
+
+    import rl.trainer as trainer
+    monkeypatch.setattr(trainer, "_CEILINGS", {})
+
+    @ray.remote(num_cpus=0)
+    class Role(probes.ActorProbes):
+        def __init__(self):
+            self.asked = 0
+
+        def hardware_rates(self, dtype="float32", again=False):
+            self.asked += 1
+            return probes.hardware_rates(dtype, seconds=0.02, again=again)
+
+        def times_asked(self):
+            return self.asked
+
+    first, second = Role.remote(), Role.remote()
+    rates = trainer.ceilings(first, "float32", threads=1)
+    assert rates["matmul_flops"] > 1e8 and trainer.ceilings(second, "float32", threads=1) == rates
+    assert ray.get(second.times_asked.remote()) == 0
+    trainer.ceilings(second, "float32", threads=2)
+    trainer.ceilings(second, "bfloat16", threads=2)
+    assert ray.get([a.times_asked.remote() for a in (first, second)]) == [1, 2]
+    node = ray.get(first.node_id.remote())
+    trainer._CEILINGS[(node, "float32", 1)] = {**rates, "matmul_flops": 1e20}  # a better earlier measurement
+    assert trainer.ceilings(second, "float32", threads=1, again=True)["matmul_flops"] == pytest.approx(1e20)
+    assert ray.get(second.times_asked.remote()) == 3
+    for a in (first, second):
+        ray.kill(a)

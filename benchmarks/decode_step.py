@@ -2,8 +2,9 @@
 see the same machine, each adding one step towards what the loop runs: every row prefilled on its own with
 attention over strided views of the KV cache (what a decoding method that hooks the forward runs); the prompt
 prefill shared by the rows that repeat a prompt, same strided views; in bf16, attention over the cache's whole
-buffers (the plain loop in half precision on CPU; fp32 keeps the strided views); then the one-query attention steps
-fused into one compiled kernel (`rollout.fused_attention`; compiled in the warm-up round); and last the linear
+buffers (the plain loop in half precision on CPU without the fused kernel), also with the fused kernel; then the
+one-query attention steps fused into one compiled kernel (`rollout.fused_attention`; compiled in the warm-up round)
+over strided views of the filled part (what the loop runs with it); and last the linear
 layers' weights packed once per generate (`rollout.packed_linear`): the `hf` engine's defaults on CPU. With
 `--eos`, rows end at the tokenizer's EOS (a random model samples it about once in 100 tokens, as the race's
 rollouts end: about half run the whole length) and the last two variants keep the ended rows in the batch (as
@@ -73,13 +74,15 @@ def main() -> None:
     made = decoding.reserved_cache
     strided = lambda capacity, full_view=False: made(capacity, False)  # noqa: E731
     whole = lambda capacity, full_view=False: made(capacity, True)  # noqa: E731  (the plain loop's in bf16)
-    # the loop's own choice last: bf16 reads whole buffers, fp32 strided views (`rollout.decoding.ReservedLayer`)
-    loop_cache, cache_name = (whole, "whole cache buffers") if args.dtype == "bfloat16" else (strided, "strided cache views")
+    # the loop's own choice: bf16 without the fused kernel reads whole buffers, the fused kernel (and fp32) strided
+    # views (`rollout.decoding.ReservedLayer`)
+    loop_cache, cache_name = strided, "strided cache views"
     never = 2.0  # a COMPACT_SHARE that never drops a row
     variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided, False, False, never),
                 "shared prefill, strided cache views": (None, strided, False, False, never)}
     if args.dtype == "bfloat16":
         variants["shared prefill, whole cache buffers"] = (None, whole, False, False, never)
+        variants["shared prefill, whole cache buffers, fused attention"] = (None, whole, True, False, never)
     variants[f"shared prefill, {cache_name}, fused attention"] = (None, loop_cache, True, False, never)
     variants[f"shared prefill, {cache_name}, fused attention, packed weights"] = (None, loop_cache, True, True, never)
     if args.eos:

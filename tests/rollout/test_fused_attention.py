@@ -88,18 +88,20 @@ def _teacher_forced_logp(model, enc, resp, lengths):
 def test_the_loop_with_the_fused_kernel_samples_with_the_models_logprobs(tiny, monkeypatch, dtype):
     """The fused kernel keeps scores in fp32 where the model's bf16 kernel rounds them, so the two loops may sample
     differently; what must hold is that each run's logprobs are the model's, to the dtype's rounding, and that the
-    kernel ran at every decode step of every layer (and never at the prefill). In bf16 attention reads the cache's
-    whole buffers, in fp32 strided views of their filled part."""
+    kernel ran at every decode step of every layer (and never at the prefill), reading views of the cache's filled
+    part (not its whole buffers, as bf16 attention without the kernel does) in both dtypes."""
     tok, model = tiny
     cast = copy.deepcopy(model).to(dtype)
     enc = _prompts(tok)
     kw = dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
               pad_token_id=tok.pad_token_id)
     calls: list[int] = []
+    cached: list[int] = []  # the key positions each call read
     kernel = fused._kernel()
 
     def counting(*args):
         calls.append(args[0].shape[0])
+        cached.append(args[1].shape[2])
         return kernel(*args)
     monkeypatch.setattr(fused, "_kernel", lambda: counting)
     errors = {}
@@ -109,6 +111,8 @@ def test_the_loop_with_the_fused_kernel_samples_with_the_models_logprobs(tiny, m
         if on:
             steps = int(lengths.max())  # the longest row's tokens: the loop fed back all but the last
             assert steps > 3 and calls == [66] * (2 * (steps - 1))  # every layer, every decode step, all rows
+            P = enc["input_ids"].shape[1]  # both layers of decode step s read the prompt and s tokens
+            assert cached == [P + s for s in range(1, steps) for _ in range(2)]
             assert cast.config._attn_implementation == "eager"  # restored
         reference, real = _teacher_forced_logp(model, enc, resp, lengths)  # fp32 weights, the model's kernel
         errors[on] = (logp - reference)[real].abs()

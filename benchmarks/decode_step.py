@@ -5,10 +5,12 @@ prefill shared by the rows that repeat a prompt, same strided views; in bf16, at
 buffers (the plain loop in half precision on CPU without the fused kernel), also with the fused kernel; then the
 one-query attention steps fused into one compiled kernel (`rollout.fused_attention`; compiled in the warm-up round)
 over strided views of the filled part (what the loop runs with it); and last the linear
-layers' weights packed once per generate (`rollout.packed_linear`): the `hf` engine's defaults on CPU. With
+layers' weights packed once per generate (`rollout.packed_linear`), then the KV cache's storage reused from one
+generate to the next (`rollout.decoding.KVBuffers`): the `hf` engine's defaults on CPU. With
 `--eos`, rows end at the tokenizer's EOS (a random model samples it about once in 100 tokens, as the race's
-rollouts end: about half run the whole length) and the last two variants keep the ended rows in the batch (as
-before) or drop them once they are an eighth of it (`rollout.decoding.COMPACT_SHARE`, the loop's default).
+rollouts end: about half run the whole length) and the packed-weights variant runs twice, keeping the ended rows
+in the batch (as before) or dropping them once they are an eighth of it (`rollout.decoding.COMPACT_SHARE`, the
+loop's default, which the KV-storage variant keeps).
 
     python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
                                      [--dtype bfloat16] [--eos]
@@ -54,7 +56,7 @@ def main() -> None:
 
     import rollout.decoding as decoding
     from models.tiny import build_tiny_model, build_tiny_tokenizer
-    from rollout.decoding import decode
+    from rollout.decoding import KVBuffers, decode
     torch.set_num_threads(args.threads)
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, max_position_embeddings=256, **SHAPE)
@@ -72,8 +74,8 @@ def main() -> None:
     post = model.register_forward_hook(lambda *_: prefill.append(time.perf_counter() - started[-1])
                                        if len(started) == 1 else None)
     made = decoding.reserved_cache
-    strided = lambda capacity, full_view=False: made(capacity, False)  # noqa: E731
-    whole = lambda capacity, full_view=False: made(capacity, True)  # noqa: E731  (the plain loop's in bf16)
+    strided = lambda capacity, full_view=False, buffers=None: made(capacity, False, buffers)  # noqa: E731
+    whole = lambda capacity, full_view=False, buffers=None: made(capacity, True, buffers)  # noqa: E731
     # the loop's own choice: bf16 without the fused kernel reads whole buffers, the fused kernel (and fp32) strided
     # views (`rollout.decoding.ReservedLayer`)
     loop_cache, cache_name = strided, "strided cache views"
@@ -85,15 +87,18 @@ def main() -> None:
         variants["shared prefill, whole cache buffers, fused attention"] = (None, whole, True, False, never)
     variants[f"shared prefill, {cache_name}, fused attention"] = (None, loop_cache, True, False, never)
     variants[f"shared prefill, {cache_name}, fused attention, packed weights"] = (None, loop_cache, True, True, never)
+    last = f"shared prefill, {cache_name}, fused attention, packed weights"
     if args.eos:
-        variants[f"shared prefill, {cache_name}, fused attention, packed weights, ended rows dropped"] = (
-            None, loop_cache, True, True, decoding.COMPACT_SHARE)
+        last += ", ended rows dropped"
+        variants[last] = (None, loop_cache, True, True, decoding.COMPACT_SHARE)
+    kept = KVBuffers()  # the engine's: one for the process, reused by every generate of the variant
+    variants[last + ", KV storage reused"] = (None, loop_cache, True, True, variants[last][4], kept)
     share = decoding.COMPACT_SHARE
     lengths: dict[str, list[float]] = {k: [] for k in variants}
     times: dict[str, list[float]] = {k: [] for k in variants}
     prefills: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(args.reps + 1):  # the first round warms up
-        for name, (method, cache_factory, fused, packed, compact_share) in variants.items():
+        for name, (method, cache_factory, fused, packed, compact_share, *buffers) in variants.items():
             decoding.reserved_cache = cache_factory
             decoding.COMPACT_SHARE = compact_share
             started.clear()
@@ -102,7 +107,8 @@ def main() -> None:
             t0 = time.perf_counter()
             out = decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
                          eos_token_id=tok.eos_token_id if args.eos else -1, pad_token_id=tok.pad_token_id,
-                         method=method, fused_attention=fused, packed_weights=packed)
+                         method=method, fused_attention=fused, packed_weights=packed,
+                         kv_buffers=buffers[0] if buffers else None)
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 prefills[name].append(prefill[0])

@@ -26,7 +26,10 @@ optional methods the loop calls (each receives the `DecodeState` of the batch be
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +100,50 @@ def keep_cache_positions(cache: Any, state: DecodeState, keep: torch.Tensor) -> 
     state.attention_mask = state.attention_mask.index_select(1, keep.to(state.attention_mask.device))
 
 
+class KVBuffers:
+    """Storage for the decode loop's KV cache kept from one generate to the next (the `hf` engine holds one, on CPU).
+
+    Why: on CPU every generate otherwise allocates its cache anew, and a fresh buffer's first writes fault its
+    pages in: a 128-row bf16 generate of the race's 85M model touched about 120,000 fresh pages, 0.5-0.8 s of a
+    4.5 s generate on an AVX-512/AMX machine; with the storage reused, about 5,000 (`benchmarks/decode_step.py`).
+    (CUDA's caching allocator already reuses its memory: the engine keeps none there.)
+
+    Each cache layer (its index in the cache: `slot`) has two flat buffers for its keys and two for its values,
+    each as large as the largest the layer has asked for; a layer that selects its rows or grows its room reads
+    from the side it holds and writes into the other. What a buffer held before is stale but finite (the unfilled
+    columns are masked). One decode at a time uses them: `claim`."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[int, str, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def take(self, slot: int, role: str, side: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A `shape` view of the (`slot`, `role`, `side`) buffer, grown (zeros) when too small or of another dtype."""
+        n = math.prod(shape)
+        key = (slot, role, side)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < n or flat.dtype != like.dtype or flat.device != like.device:
+            flat = self._flat[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
+        return flat[:n].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+    def clear(self) -> None:
+        self._flat.clear()
+
+    @contextmanager
+    def claim(self) -> Iterator[KVBuffers]:
+        """These buffers for one decode; while another decode holds them, a fresh `KVBuffers` (kept by no one)."""
+        if not self._lock.acquire(blocking=False):
+            yield KVBuffers()
+            return
+        try:
+            yield self
+        finally:
+            self._lock.release()
+
+
 class ReservedLayer(DynamicLayer):
     """A KV-cache layer that writes into buffers with room for `capacity` positions and exposes the filled part
     as views (`keys`, `values`), so a decode step appends in place instead of copying the whole cache
@@ -113,12 +160,25 @@ class ReservedLayer(DynamicLayer):
     and the extra columns would cost (the fused kernel is bound by the cache's reads: on an AVX-512/AMX CPU the
     strided views made a 128-row bf16 generate 5.5 -> 4.9 s)."""
 
-    def __init__(self, capacity: int, full_view: bool = False) -> None:
+    def __init__(self, capacity: int, full_view: bool = False, buffers: KVBuffers | None = None, slot: int = 0
+                 ) -> None:
         super().__init__()
         self.capacity = capacity
         self.full_view = full_view
+        self.buffers, self.slot = buffers, slot  # storage reused across generates (`KVBuffers`), this layer's index
+        self._side: int | None = None  # which of its two sides of `buffers` the layer holds
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+
+    def _new_buffers(self, shape: tuple[int, ...], like_k: torch.Tensor, like_v: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value buffers of `shape`: fresh zeros, or the side of `buffers` this layer does not hold."""
+        if self.buffers is None:
+            # zeros, not empty: unfilled columns are read (and masked) under `full_view`; they must be finite
+            return like_k.new_zeros(shape), like_v.new_zeros(shape)
+        self._side = 0 if self._side is None else 1 - self._side
+        return (self.buffers.take(self.slot, "k", self._side, shape, like_k),
+                self.buffers.take(self.slot, "v", self._side, shape, like_v))
 
     def _owns(self) -> bool:
         """The filled part is a view of this layer's own buffers (not one a policy replaced)."""
@@ -145,8 +205,7 @@ class ReservedLayer(DynamicLayer):
         if not fits:  # first write, a replaced cache, or out of room
             self.capacity = max(self.capacity, 2 * need if self._owns() else need)
             shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
-            # zeros, not empty: unfilled columns are read (and masked) under `full_view`; they must be finite
-            k_buf, v_buf = key_states.new_zeros(shape), value_states.new_zeros(shape)
+            k_buf, v_buf = self._new_buffers(shape, key_states, value_states)
             if n:
                 k_buf[:, :, :n], v_buf[:, :, :n] = self.keys, self.values
             self._k, self._v = k_buf, v_buf
@@ -160,7 +219,9 @@ class ReservedLayer(DynamicLayer):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the batch rows `index` (repeats allowed) of the cache, with the same room."""
         n = self.keys.shape[-2]
-        self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+        k_buf, v_buf = self._new_buffers((len(index), *self._k.shape[1:]), self._k, self._v)
+        self._k, self._v = (torch.index_select(self._k, 0, index, out=k_buf),
+                            torch.index_select(self._v, 0, index, out=v_buf))
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
 
@@ -168,11 +229,12 @@ class ReservedLayer(DynamicLayer):
 COPYABLE_LAYERS = (ReservedLayer, DynamicLayer, DynamicSlidingWindowLayer)
 
 
-def reserved_cache(capacity: int, full_view: bool = False) -> Any:
+def reserved_cache(capacity: int, full_view: bool = False, buffers: KVBuffers | None = None) -> Any:
     """A `DynamicCache` whose layers are `ReservedLayer`s with room for `capacity` positions (`full_view`: attention
-    reads their whole buffers)."""
+    reads their whole buffers; `buffers`: their storage, reused across generates)."""
     cache = DynamicCache()
-    cache.layer_class_to_replicate = lambda: ReservedLayer(capacity, full_view)
+    made = iter(range(1 << 30))  # the layers' slots, in the order the model creates them
+    cache.layer_class_to_replicate = lambda: ReservedLayer(capacity, full_view, buffers, next(made))
     return cache
 
 
@@ -253,7 +315,8 @@ def compaction(alive: torch.Tensor, cache: Any) -> torch.Tensor | None:
 def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int,
            method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
-           forward_kwargs: dict | None = None, fused_attention: bool = False, packed_weights: bool = False
+           forward_kwargs: dict | None = None, fused_attention: bool = False, packed_weights: bool = False,
+           kv_buffers: KVBuffers | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
     `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
@@ -266,7 +329,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     `rollout.fused_attention` (architectures and the smallest batch listed there; others decode as they are).
     `packed_weights`: on CPU, the model's linear layers multiply with their weights packed once for the whole loop
     (`rollout.packed_linear`; fp32 and bf16). The plain loop drops the rows that ended from the batch it runs
-    (`compaction`); they sample the same tokens as if they had stayed (`sample_rows`)."""
+    (`compaction`); they sample the same tokens as if they had stayed (`sample_rows`). `kv_buffers`: the KV
+    cache's storage, reused from the caller's earlier generates (`KVBuffers`, claimed by the caller)."""
     method = method if method is not None else Plain()
     forward_kwargs = forward_kwargs or {}
     device = prompt_ids.device
@@ -290,7 +354,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     # it as it is, and the fused kernel is bound by the cache's reads: it attends the filled part alone
     dtype = next(model.parameters()).dtype
     full_view = plain and not fused and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-    cache = reserved_cache(capacity, full_view=full_view)
+    cache = reserved_cache(capacity, full_view=full_view, buffers=kv_buffers)
     next_pos = torch.zeros(B, dtype=torch.long, device=device)
     capped = torch.zeros(B, dtype=torch.bool, device=device)  # rows whose response reached max_new_tokens
     current: dict[str, Any] = {"logits": None, "pending": None}  # what the lookahead starts from
@@ -317,7 +381,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
               packed_linear_weights(model, enabled=packed_weights, rows=B)):
             if plain:
                 logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
-                                                forward_kwargs, lambda: reserved_cache(capacity, full_view=full_view))
+                                                forward_kwargs, lambda: reserved_cache(capacity, full_view, kv_buffers))
             else:
                 logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
             if insert is not None:  # before the first token: what the method inserts is fed at once

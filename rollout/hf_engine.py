@@ -11,6 +11,7 @@ temperature 1 and no truncation equals the raw model distribution.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False, batch_size: int = 256, attn_implementation: str | None = None,
                  adapter: dict[str, Any] | None = None, fused_decode_attention: bool = True,
-                 packed_linear_weights: bool = True):
+                 packed_linear_weights: bool = True, reuse_kv_buffers: bool = True):
         """`attn_implementation`: transformers' attention kernel for generation (None: the model's own); on
         CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's.
         `fused_decode_attention`: on CPU, the plain loop's decode steps attend with one compiled kernel
@@ -35,6 +36,9 @@ class HFEngine:
         `packed_linear_weights`: on CPU in fp32/bf16, the decode loop's linear layers multiply with their weights
         packed once per generate into oneDNN's layout (`rollout.packed_linear`; one more copy of the weights
         while it runs).
+        `reuse_kv_buffers`: on CPU, the decode loop's KV cache reuses its storage from one generate to the next
+        (`rollout.decoding.KVBuffers`: fresh buffers fault their pages in at every generate; the storage, twice the
+        largest cache, stays allocated between generates, freed by `sleep`).
         `adapter`: the learner's adapter (`learner.adapter`): the base model is wrapped with it, unmerged, and
         `load_weights` then takes the adapter's tensors alone."""
         self.tokenizer = load_tokenizer(model_path)
@@ -54,6 +58,8 @@ class HFEngine:
         self.adapted = bool(adapter)
         self.fused_decode_attention = fused_decode_attention
         self.packed_linear_weights = packed_linear_weights
+        from rollout.decoding import KVBuffers
+        self.kv_buffers = KVBuffers() if reuse_kv_buffers and self.device.type == "cpu" else None
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
         self._commits: list | None = None  # the last diffusion chunk's per-row commit logs, for its Batch
@@ -130,11 +136,12 @@ class HFEngine:
                              "(model_type llada); this model is causal"))
         if self.is_diffusion:
             return self._diffuse(method, ids, mask, sp)
-        return decode(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
-                      top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      method=method, tokenizer=tok,
-                      stop=sp.stop, forward_kwargs=self._exit_kwargs(sp), fused_attention=self.fused_decode_attention,
-                      packed_weights=self.packed_linear_weights)
+        with self.kv_buffers.claim() if self.kv_buffers is not None else nullcontext() as buffers:
+            return decode(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                          top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          method=method, tokenizer=tok, stop=sp.stop, forward_kwargs=self._exit_kwargs(sp),
+                          fused_attention=self.fused_decode_attention, packed_weights=self.packed_linear_weights,
+                          kv_buffers=buffers)
 
     def _diffuse(self, method: Any, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams
                  ) -> tuple[torch.Tensor, ...]:
@@ -189,7 +196,10 @@ class HFEngine:
                 state[k].copy_(v.to(state[k].dtype))
 
     def sleep(self) -> None:
-        """Free the GPU while the colocated learner trains: the model waits in host memory (no-op on CPU)."""
+        """Free the GPU while the colocated learner trains: the model waits in host memory (on CPU: the KV cache's
+        kept storage is freed)."""
+        if self.kv_buffers is not None:
+            self.kv_buffers.clear()
         if self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ from models.ouro import build_tiny_ouro
 from models.sampling import warp_logits
 from models.tiny import build_tiny_tokenizer, save_tiny
 from rollout.base import SamplingParams
+from rollout.decoding import KVBuffers
 from rollout.hf_engine import HFEngine
 
 
@@ -30,7 +31,7 @@ def _engine_around(model, tokenizer):
     engine = HFEngine.__new__(HFEngine)
     engine.model, engine.tokenizer, engine.device = model, tokenizer, torch.device("cpu")
     engine.batch_size, engine._methods, engine.fused_decode_attention = 64, {}, True
-    engine.packed_linear_weights = True
+    engine.packed_linear_weights, engine.kv_buffers = True, KVBuffers()
     return engine
 
 

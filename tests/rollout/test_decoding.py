@@ -303,14 +303,14 @@ def test_the_plain_loop_in_bf16_reads_whole_cache_buffers_and_samples_what_strid
     made: list[bool] = []
     factory = decoding.reserved_cache
 
-    def recording(capacity, full_view=False):
+    def recording(capacity, full_view=False, buffers=None):
         made.append(full_view)
-        return factory(capacity, full_view)
+        return factory(capacity, full_view, buffers)
     monkeypatch.setattr(decoding, "reserved_cache", recording)
     torch.manual_seed(4)
     whole = decode(model, enc["input_ids"], enc["attention_mask"], **kw)
     assert made and all(made)
-    monkeypatch.setattr(decoding, "reserved_cache", lambda capacity, full_view=False: factory(capacity, False))
+    monkeypatch.setattr(decoding, "reserved_cache", lambda capacity, full_view=False, buffers=None: factory(capacity, False, buffers))
     torch.manual_seed(4)
     strided = decode(model, enc["input_ids"], enc["attention_mask"], **kw)
     assert torch.equal(whole[0], strided[0]) and torch.equal(whole[2], strided[2])
@@ -397,3 +397,57 @@ def test_the_plain_loop_drops_ended_rows_and_samples_what_every_row_samples(engi
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         else:
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_storage_kept_across_generates_is_reused_and_samples_what_fresh_buffers_sample(engine, dtype):
+    """`KVBuffers`: the loop's cache takes its storage from buffers kept between generates (the shared prefill's
+    row copy, each compaction and each growth write into the side the layer does not hold). Consecutive generates,
+    rows ending at EOS (compactions) and a smaller batch after a larger one: the same tokens, lengths and logprobs
+    as fresh buffers, and after the first generate no buffer is allocated again. In bf16 attention reads the
+    whole buffers (stale columns from an earlier generate are masked)."""
+    import copy
+
+    from rollout.decoding import KVBuffers
+    tok = engine.tokenizer
+    model = copy.deepcopy(engine.model).to(dtype)
+    head = model.get_output_embeddings()
+    bias = torch.zeros(head.out_features, dtype=dtype)
+    bias[tok.eos_token_id] = 1.5  # rows end at different steps: the loop compacts its batch
+    head.register_forward_hook(lambda m, a, out: out + bias)
+    kw = dict(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    kept = KVBuffers()
+    storage: list[dict] = []
+    for copies, seed in ((16, 7), (16, 8), (5, 9)):
+        enc = tok([p for p in PROMPTS for _ in range(copies)], return_tensors="pt", padding=True,
+                  padding_side="left", add_special_tokens=False)
+        torch.manual_seed(seed)
+        fresh = decode(model, enc["input_ids"], enc["attention_mask"], **kw)
+        torch.manual_seed(seed)
+        reused = decode(model, enc["input_ids"], enc["attention_mask"], kv_buffers=kept, **kw)
+        for a, b in zip(reused, fresh):
+            assert torch.equal(a, b)
+        storage.append({key: flat.data_ptr() for key, flat in kept._flat.items()})
+    assert len(set(fresh[2].tolist())) > 3 and bool(fresh[4].any())  # rows ended at several steps
+    layers = len(model.model.layers)
+    assert set(storage[0]) == {(slot, role, side) for slot in range(layers) for role in "kv" for side in (0, 1)}
+    assert storage[1] == storage[0] and storage[2] == storage[0]  # nothing allocated after the first generate
+    assert kept.nbytes() > 0
+    kept.clear()
+    assert kept.nbytes() == 0
+
+
+def test_kv_storage_serves_one_decode_at_a_time():
+    from rollout.decoding import KVBuffers
+    kept = KVBuffers()
+    like = torch.zeros(1)
+    with kept.claim() as first:
+        assert first is kept
+        first.take(0, "k", 0, (2, 3), like)
+        with kept.claim() as second:  # a concurrent decode gets storage of its own
+            assert second is not kept and second.nbytes() == 0
+    with kept.claim() as again:
+        assert again is kept and again.take(0, "k", 0, (3, 2), like).data_ptr() == kept._flat[(0, "k", 0)].data_ptr()
+    grown = kept.take(0, "k", 0, (4, 4), like)  # larger than the buffer: a new one
+    assert grown.shape == (4, 4) and kept._flat[(0, "k", 0)].numel() == 16

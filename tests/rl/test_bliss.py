@@ -141,7 +141,9 @@ def test_an_outer_step_over_two_ranks_equals_one_rank_on_the_whole_batch(tmp_pat
         assert torch.allclose(got["weights"], ref_weights, atol=1e-7) and got["weights"].sum() == pytest.approx(1.0)
         for ref, key in ((ref_proxy, "proxy"), (ref_score, "score")):
             for name, v in ref.items():
-                assert torch.allclose(got[key][name], v, atol=2e-6, rtol=1e-4), (key, name)
+                # fp32 sums in another order (two ranks' halves plus an all-reduce) through the Hessian-vector
+                # products: up to 3.5e-6 apart on an AVX-512 CPU, where the step moves the weights by up to 1e-2
+                assert torch.allclose(got[key][name], v, atol=1e-5, rtol=1e-4), (key, name)
         assert got["metrics"]["val_ce"] == pytest.approx(ref_metrics["val_ce"], rel=1e-5)
     # the step moved both models (the comparison is not between two untouched copies)
     proxy0, score0, _, _, _ = _setup()

@@ -16,9 +16,9 @@ rows), as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), eac
 token-budget micro-batches that keep a prompt's rows together and run each prompt once (`learner.share_prompts`).
 Several `--max-tokens` give a variant per budget (named `...@budget`); several `--max-padding` a shared-prompts
 variant per padding allowed in a response bucket (`models.families.length_buckets`, named `...~padding`);
-`--compile` runs every variant also with the decoder layers' MLPs and norms compiled (`learner.compile_position_wise`,
-named `.../compiled`; compiled in the warm-up step); `--batchings` keeps only the micro-batchings named (the first
-variant named is then the ratios' base).
+`--compile` runs every variant also with the decoder layers' MLPs, norms and rotary embedding compiled
+(`learner.compile_position_wise`, named `.../compiled`; compiled in the warm-up step); `--batchings` keeps only
+the micro-batchings named (the first variant named is then the ratios' base).
 Reports the median step time of each variant (after one warm-up step) and the ratios to the first kernel's one
 micro-batch.
 Results: benchmarks/results/learner_step.json.
@@ -128,17 +128,24 @@ def main() -> None:
         path = save_tiny(Path(tmp) / "m", max_position_embeddings=128, **SHAPE)
         worker = LearnerWorker(0, 1, "127.0.0.1", free_port(), str(path), lr=1e-6, dtype=args.dtype,
                                micro_batch_size=args.rows, threads=args.threads)
-        compiled_calls = {}
-        if args.compile:  # compiled in place once; each variant then sets or clears the compiled call
-            from models.blocks import compile_position_wise
+        compiled_calls, rotary = {}, {}
+        if args.compile:  # compiled in place once; each variant then sets or clears the compiled calls
+            import sys
+
+            from models.blocks import compile_position_wise, compile_rotary
             compile_position_wise(worker.engine.module)
             compiled_calls = {m: m._compiled_call_impl for m in worker.engine.module.modules()
                               if getattr(m, "_compiled_call_impl", None) is not None}
+            for name in compile_rotary(worker.engine.module):  # its modeling module's function: compiled, original
+                fn = sys.modules[name].apply_rotary_pos_emb
+                rotary[sys.modules[name]] = (fn, fn.looprl_original)
         for step in range(args.steps + 1):
             for variant in variants:  # alternated: every variant sees the same machine load
                 kernel, batching, compiled = variant
                 for module, call in compiled_calls.items():
                     module._compiled_call_impl = call if compiled else None
+                for module, (fast, original) in rotary.items():
+                    module.apply_rotary_pos_emb = fast if compiled else original
                 worker.engine.module.set_attn_implementation(kernel)
                 worker.family.share_prompts = batching.startswith("shared_prompts")
                 families.length_buckets = functools.partial(buckets, max_padding=padding_of[batching])

@@ -191,8 +191,9 @@ def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_sam
 
 
 def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
-    """`learner.compile_position_wise`: every decoder layer's MLP and norms run compiled (inductor) in the learner;
-    logprobs, the step's gradient norm and the model after it equal the eager learner's (float rounding apart)."""
+    """`learner.compile_position_wise`: every decoder layer's MLP and norms, and the rotary embedding its attention
+    applies, run compiled (inductor) in the learner; logprobs, the step's gradient norm and the model after it
+    equal the eager learner's (float rounding apart)."""
     import ray
     batch = _sft_batch(tiny)
     results = {}
@@ -203,12 +204,16 @@ def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
                 "compiled": ray.get(group.workers[0].__ray_call__.remote(
                     lambda self: sorted(name for name, m in self.engine.module.named_modules()
                                         if getattr(m, "_compiled_call_impl", None) is not None))),
+                "rotary": ray.get(group.workers[0].__ray_call__.remote(
+                    lambda self: getattr(__import__("transformers.models.llama.modeling_llama", fromlist=["x"])
+                                         .apply_rotary_pos_emb, "looprl_compiled", False))),
                 "before": group.compute_logprobs(batch), "step": group.sft_step(batch, 2),
                 "after": group.compute_logprobs(batch)}
         finally:
             group.shutdown()
     eager, fused = results[False], results[True]
-    assert eager["compiled"] == []
+    assert eager["compiled"] == [] and not eager["rotary"]
+    assert fused["rotary"]  # the learner's process applies the compiled rotary embedding
     assert fused["compiled"] == [f"model.layers.{i}.{m}" for i in range(2)
                                  for m in ("input_layernorm", "mlp", "post_attention_layernorm")]
     assert torch.allclose(eager["before"], fused["before"], atol=1e-5)

@@ -78,21 +78,20 @@ def main() -> None:
     whole = lambda capacity, full_view=False, buffers=None: made(capacity, True, buffers)  # noqa: E731
     # the loop's own choice: bf16 without the fused kernel reads whole buffers, the fused kernel (and fp32) strided
     # views (`rollout.decoding.ReservedLayer`)
-    loop_cache, cache_name = strided, "strided cache views"
     never = 2.0  # a COMPACT_SHARE that never drops a row
     variants = {"every row prefilled, strided cache views": (PrefillEveryRow(), strided, False, False, never),
                 "shared prefill, strided cache views": (None, strided, False, False, never)}
     if args.dtype == "bfloat16":
         variants["shared prefill, whole cache buffers"] = (None, whole, False, False, never)
         variants["shared prefill, whole cache buffers, fused attention"] = (None, whole, True, False, never)
-    variants[f"shared prefill, {cache_name}, fused attention"] = (None, loop_cache, True, False, never)
-    variants[f"shared prefill, {cache_name}, fused attention, packed weights"] = (None, loop_cache, True, True, never)
-    last = f"shared prefill, {cache_name}, fused attention, packed weights"
+    variants["shared prefill, strided cache views, fused attention"] = (None, strided, True, False, never)
+    last = "shared prefill, strided cache views, fused attention, packed weights"
+    variants[last] = (None, strided, True, True, never)
     if args.eos:
         last += ", ended rows dropped"
-        variants[last] = (None, loop_cache, True, True, decoding.COMPACT_SHARE)
+        variants[last] = (None, strided, True, True, decoding.COMPACT_SHARE)
     kept = KVBuffers()  # the engine's: one for the process, reused by every generate of the variant
-    variants[last + ", KV storage reused"] = (None, loop_cache, True, True, variants[last][4], kept)
+    variants[last + ", KV storage reused"] = (None, strided, True, True, variants[last][4], kept)
     share = decoding.COMPACT_SHARE
     lengths: dict[str, list[float]] = {k: [] for k in variants}
     times: dict[str, list[float]] = {k: [] for k in variants}

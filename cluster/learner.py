@@ -86,10 +86,10 @@ class LearnerWorker(ActorProbes):
                              f"(the causal family can)")
         self.family = family_cls(chunk_tokens=logprob_chunk_tokens, **({"share_prompts": True} if share_prompts
                                                                        else {}))
-        if share_prompts and (pack_sequences or gradient_checkpointing):
+        if share_prompts and gradient_checkpointing and not pack_sequences:
             raise ValueError("learner.share_prompts runs each prompt into a KV cache, which "
-                             + ("learner.pack_sequences does not use" if pack_sequences
-                                else "model.gradient_checkpointing turns off in training"))
+                             "model.gradient_checkpointing turns off in training (learner.pack_sequences shares "
+                             "prompts without one)")
         if pack_sequences and not self.family.supports_packing:
             raise ValueError(f"learner.pack_sequences: model family {family!r} cannot run packed sequences")
         self.pack = pack_sequences
@@ -137,6 +137,14 @@ class LearnerWorker(ActorProbes):
                 ref.eval()
             self.ref = ref
         model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, **attn)
+        if share_prompts and pack_sequences:
+            from models.varlen_attention import ARCHITECTURES, applies
+            if not applies(model):
+                raise ValueError(f"learner.share_prompts with learner.pack_sequences: a packed row shares its "
+                                 f"prompts through looprl's variable-length attention, which runs the "
+                                 f"architectures {sorted(ARCHITECTURES)} without a sliding window and with attention "
+                                 f"other than flash-attention's (this model: {model.config.model_type!r}, "
+                                 f"{model.config._attn_implementation!r}); set one of them false")
         if self.adapted:
             from models.adapters import make_adapter
             model = make_adapter(model, adapter, get("adapter", adapter["name"]))

@@ -19,6 +19,24 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tup
     return first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device), "amin"), inverse
 
 
+def length_buckets(lengths: list[int], max_padding: float, min_tokens: int = 0) -> list[list[int]]:
+    """Indices grouped to run at their group's longest length: longest first, a group closed when one more would
+    make its padded size (count × its longest) exceed `1 + max_padding` times its real size, unless it holds fewer
+    than `min_tokens` in all."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    buckets: list[list[int]] = []
+    real = 0
+    for i in order:
+        if buckets and (real < min_tokens or
+                        (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] <= (1 + max_padding) * (real + lengths[i])):
+            buckets[-1].append(i)
+            real += lengths[i]
+        else:
+            buckets.append([i])
+            real = lengths[i]
+    return buckets
+
+
 def init_weights(module: nn.Module, std: float, norm_types: tuple[type, ...]) -> None:
     """transformers' `_init_weights` for a Llama-style model: linear and embedding weights ~ N(0, std), linear biases
     0, the weights of norms of `norm_types` 1."""

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import models.varlen_attention as varlen
 from models.common import distinct_prompts
+from models.common import length_buckets as common_length_buckets
 from models.diffusion import LLaDAConfig, mask_for_training
 from models.ouro import OuroConfig, exit_pdf
 from models.sampling import truncates, warp_logits
@@ -188,27 +190,79 @@ def response_positions(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, cols
 
 
-def packed_inputs(batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The real tokens of every row (prompt then response, no padding) in one row `[1, T]`, positions
-    restarting at 0 for each sequence, and for every generated response token (row-major, as
-    `response_positions`) the index in `[0, T)` of the token that predicts it. transformers' attention
-    starts a new causal block wherever the positions restart, so sequences do not see each other."""
+def packed_inputs(batch: Any, share_prompts: bool = False
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The micro-batch's real tokens in one row `[1, T]`, no padding: each row's prompt then its response (without
+    the last token, whose hidden state predicts nothing), positions from 0 per sequence; with `share_prompts`, each
+    distinct prompt once (`models.common.distinct_prompts`), then every row's response with positions continuing
+    its prompt's. Returns the inputs; for every generated response token (row-major, as `response_positions`) the
+    index in `[0, T)` of the token that predicts it; and per sequence the row positions it attends beyond its own
+    (its shared prompt's, else none) and its own positions (`models.varlen_attention.packed_layout`'s arguments).
+    Without shared prompts transformers' own kernels also keep the sequences apart (a new causal block where the
+    positions restart); shared prompts need `models.varlen_attention`."""
     attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
-    ids, pos, src = [], [], []
-    offset = 0
-    for i in range(len(batch)):
-        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()]
-        n_resp = int(attn[i].sum())
-        seq = torch.cat([prompt, batch.response_ids[i, :n_resp]])
-        ids.append(seq)
-        pos.append(torch.arange(len(seq)))
-        src.append(offset + len(prompt) - 1 + torch.arange(n_resp))
-        offset += len(seq)
+    n_resp = attn.long().sum(-1).tolist()
+    ids: list[torch.Tensor] = []
+    pos: list[torch.Tensor] = []
+    prefixes: list[torch.Tensor] = []
+    owns: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    none = torch.zeros(0, dtype=torch.long)
+
+    def add(tokens: torch.Tensor, start: int, prefix: torch.Tensor) -> torch.Tensor:
+        offset = sum(len(x) for x in ids)
+        own = torch.arange(offset, offset + len(tokens))
+        ids.append(tokens)
+        pos.append(torch.arange(start, start + len(tokens)))
+        prefixes.append(prefix)
+        owns.append(own)
+        return own
+
+    def prompt(i: int) -> torch.Tensor:
+        return batch.prompt_ids[i][batch.prompt_mask[i].bool()]
+
+    if share_prompts:
+        first, inverse = distinct_prompts(batch.prompt_ids, batch.prompt_mask)
+        prompt_at = [add(prompt(int(g)), 0, none) for g in first]
+        for i in range(len(batch)):
+            at = prompt_at[int(inverse[i])]
+            own = add(batch.response_ids[i, :max(n_resp[i] - 1, 0)], len(at), at)
+            src.append(torch.cat([at[-1:], own])[:n_resp[i]])
+    else:
+        for i in range(len(batch)):
+            p = prompt(i)
+            own = add(torch.cat([p, batch.response_ids[i, :max(n_resp[i] - 1, 0)]]), 0, none)
+            src.append(own[len(p) - 1:len(p) - 1 + n_resp[i]])
     inputs = {"input_ids": torch.cat(ids)[None], "position_ids": torch.cat(pos)[None]}
-    return inputs, torch.cat(src)
+    return inputs, torch.cat(src), (prefixes, owns)
 
 
-def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor], cache: Any = None) -> torch.Tensor:
+@contextmanager
+def _packed_attention(module: torch.nn.Module, total: int, sequences: tuple[list[torch.Tensor], list[torch.Tensor]],
+                      shared: bool) -> Iterator[dict[str, Any]]:
+    """The forward keywords (none, or the packed layout) under which `module` attends a packed row of `total`
+    positions: `models.varlen_attention`'s bucketed kernel where it applies (no `[T, T]` mask), else transformers'
+    own handling of restarting positions (flash-attention's variable-length kernels; sdpa/eager through a dense
+    block mask), which cannot share prompts."""
+    if varlen.applies(module):
+        config = module.config
+        heads = config.num_attention_heads
+        layout = varlen.packed_layout(*sequences, total, heads, getattr(config, "num_key_value_heads", None) or heads)
+        layout = layout.to(_device(module))
+        with varlen.varlen_attention(module):
+            yield {varlen.LAYOUT_KEY: layout}
+    elif shared:
+        raise ValueError("learner.share_prompts with learner.pack_sequences: a packed row shares its prompts "
+                         f"through looprl's variable-length attention, which runs the architectures "
+                         f"{sorted(varlen.ARCHITECTURES)} without a sliding window and with attention other than "
+                         f"flash-attention's (this model: {getattr(module.config, 'model_type', None)!r}, "
+                         f"{module.config._attn_implementation!r})")
+    else:
+        yield {}
+
+
+def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor], cache: Any = None, **kwargs: Any
+                 ) -> torch.Tensor:
     """The hidden state the model's output head reads: the decoder's last (normed) hidden state, or for a
     looped model the readout loop's (`early_exit_step`, else the final loop).
 
@@ -229,7 +283,7 @@ def _last_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor], cache:
     try:
         none = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
         cached = {"use_cache": True, "past_key_values": cache} if cache is not None else {"use_cache": False}
-        model(**inputs, **cached, logits_to_keep=none)
+        model(**inputs, **cached, logits_to_keep=none, **kwargs)
     finally:
         handle.remove()
     return captured["h"]
@@ -244,22 +298,10 @@ BUCKET_MAX_PADDING = 0.05
 
 def length_buckets(lengths: list[int], max_padding: float = BUCKET_MAX_PADDING, min_tokens: int = 256
                    ) -> list[list[int]]:
-    """Row indices grouped for forwards at their own width: rows longest first, a bucket closed when one more row
-    would make its padded size (rows × its longest) exceed `1 + max_padding` times its real tokens, unless it holds
+    """Row indices grouped for forwards at their own width (`models.common.length_buckets`), unless a bucket holds
     fewer than `min_tokens` real tokens (a matmul of a few rows runs below the machine's rate, and each bucket is
     one more forward through every layer)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    buckets: list[list[int]] = []
-    real = 0
-    for i in order:
-        if buckets and (real < min_tokens or
-                        (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] <= (1 + max_padding) * (real + lengths[i])):
-            buckets[-1].append(i)
-            real += lengths[i]
-        else:
-            buckets.append([i])
-            real = lengths[i]
-    return buckets
+    return common_length_buckets(lengths, max_padding, min_tokens)
 
 
 def shared_prompt_hidden(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -324,8 +366,9 @@ def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1
     device = _device(module)
     rows, cols = response_positions(batch)
     if pack:
-        inputs, src = packed_inputs(batch)
-        h = _last_hidden(model, {k: v.to(device) for k, v in inputs.items()})[0, src.to(device)]
+        inputs, src, sequences = packed_inputs(batch, share_prompts=share_prompts)
+        with _packed_attention(module, inputs["input_ids"].shape[1], sequences, share_prompts) as kwargs:
+            h = _last_hidden(model, {k: v.to(device) for k, v in inputs.items()}, **kwargs)[0, src.to(device)]
     elif share_prompts:
         h = shared_prompt_hidden(model, batch)[rows.to(device), cols.to(device)]
     else:
@@ -519,8 +562,9 @@ class ValueFamily:
         device = _device(_unwrap(model))
         rows, cols = response_positions(batch)
         if pack:
-            inputs, src = packed_inputs(batch)
-            scores = model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False).logits
+            inputs, src, sequences = packed_inputs(batch)
+            with _packed_attention(_unwrap(model), inputs["input_ids"].shape[1], sequences, False) as kwargs:
+                scores = model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False, **kwargs).logits
             v = scores[0, src.to(device), 0]
         else:
             scores = model(**{k: v.to(device) for k, v in batch.model_inputs().items()}, use_cache=False).logits

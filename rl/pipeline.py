@@ -142,10 +142,15 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
         raise ConfigError("rollout.engine: vllm has no SimpleGPT architecture (model_type simplegpt, "
                           "model.tiny.norm_placement: simplenorm); the hf engine serves it")
     shares = getattr(family, "supports_shared_prompts", False)
-    if lc.share_prompts and (not shares or lc.pack_sequences or cfg.model.gradient_checkpointing):
+    packed_flash = lc.pack_sequences and str(lc.attn_implementation or "").startswith("flash")
+    if lc.share_prompts and (not shares or packed_flash
+                             or (cfg.model.gradient_checkpointing and not lc.pack_sequences)):
         why = (f"model family {family_name!r} runs its own forward (the causal family can share prompts)"
-               if not shares else "learner.pack_sequences runs no KV cache" if lc.pack_sequences
-               else "model.gradient_checkpointing turns the KV cache off in training")
+               if not shares else
+               f"a packed row shares its prompts through looprl's variable-length attention, not "
+               f"learner.attn_implementation {lc.attn_implementation!r} (set it to eager or sdpa)" if packed_flash
+               else "model.gradient_checkpointing turns the KV cache off in training (learner.pack_sequences "
+                    "shares prompts without one)")
         raise ConfigError(f"learner.share_prompts: {why}; set learner.share_prompts false")
     if lc.pack_sequences and not getattr(family, "supports_packing", False):
         raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "

@@ -66,7 +66,8 @@ def test_same_update_across_ranks_micro_batches_and_zero(ray_cluster, setup, agg
 def test_token_budget_micro_batches_packing_and_shared_prompts_give_the_same_update(ray_cluster, setup):
     """Micro-batches formed by token count (uneven row counts per micro-batch and rank), run padded, packed
     into one row, or with each prompt's forward shared by its rows (`share_prompts`, a prompt's rows kept in one
-    micro-batch): the loss, gradient norm and update equal the single full-batch step, for ZeRO 0 and 3."""
+    micro-batch; padded, or packed: each prompt once in the row, `models.varlen_attention`): the loss, gradient
+    norm and update equal the single full-batch step, for ZeRO 0 and 3."""
     from rl.batch import plan_micro_batches, plan_prompt_groups, sequence_tokens
     path, batch = setup
     plan = plan_micro_batches(sequence_tokens(batch), 2, 56)
@@ -74,9 +75,9 @@ def test_token_budget_micro_batches_packing_and_shared_prompts_give_the_same_upd
     assert [len(bins) for bins in plan_prompt_groups(batch, 1, 48)] == [2]  # one prompt's 4 rows per micro-batch
     ref_m, ref_state = _train(path, batch, 1, 1, 0, "seq-mean-token-mean")
     for ranks, zero, layout, budget in [(2, 0, "pack", 56), (2, 3, "pack", 56), (2, 0, "padded", 56),
-                                        (2, 3, "share", 56), (1, 0, "share", 48)]:
+                                        (2, 3, "share", 56), (1, 0, "share", 48), (2, 3, "pack+share", 56)]:
         m, state = _train(path, batch, ranks, 1, zero, "seq-mean-token-mean", max_tokens=budget,
-                          pack=layout == "pack", share_prompts=layout == "share")
+                          pack=layout.startswith("pack"), share_prompts=layout.endswith("share"))
         case = (ranks, zero, layout)
         assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6), case
         assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), case

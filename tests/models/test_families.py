@@ -47,7 +47,8 @@ def full_logits_reference(model, batch, temperature=1.0, top_k=0, top_p=1.0):
     return logp.masked_fill(~attn, 0), entropy.masked_fill(~attn, 0)
 
 
-LAYOUTS = {"padded": {}, "packed": {"pack": True}, "shared prompts": {"share_prompts": True}}
+LAYOUTS = {"padded": {}, "packed": {"pack": True}, "shared prompts": {"share_prompts": True},
+           "packed, shared prompts": {"pack": True, "share_prompts": True}}
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 4096])

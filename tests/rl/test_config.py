@@ -130,7 +130,8 @@ def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(
 
 @pytest.mark.parametrize("recipe,overrides,match", [
     ("rltt_tiny", [], r"learner.share_prompts: model family 'looped' runs its own forward"),
-    ("quickstart", ["learner.pack_sequences=true"], r"learner.share_prompts: learner.pack_sequences runs no KV cache"),
+    ("quickstart", ["learner.pack_sequences=true", "learner.attn_implementation=flash_attention_2"],
+     r"learner.share_prompts: a packed row shares its prompts through looprl's variable-length attention"),
     ("quickstart", ["model.gradient_checkpointing=true"], r"learner.share_prompts: model.gradient_checkpointing"),
 ])
 def test_shared_prompts_are_refused_where_no_prompt_cache_can_run(recipe, overrides, match):
@@ -138,6 +139,9 @@ def test_shared_prompts_are_refused_where_no_prompt_cache_can_run(recipe, overri
     with pytest.raises(ValueError, match=match):
         check_components(config.load(ROOT / f"recipes/{recipe}.yaml", ["learner.share_prompts=true", *overrides]), None)
     check_components(config.load(ROOT / "recipes/quickstart.yaml", ["learner.share_prompts=true"]), None)
+    # a packed row shares prompts without a KV cache, so with gradient checkpointing too
+    check_components(config.load(ROOT / "recipes/quickstart.yaml", [
+        "learner.share_prompts=true", "learner.pack_sequences=true", "model.gradient_checkpointing=true"]), None)
 
 
 def test_compiled_position_wise_modules_are_refused_under_zero3():

@@ -148,21 +148,29 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dt
 # looprl's settings for the realistic race, all on 2 cores: colocated roles take turns with 2 threads each
 # (synchronous), or one thread each overlapping (one-step-off); eager attention decodes faster on CPU, and
 # trains faster at these lengths (sdpa's fused CPU kernel has a slow backward: `learner.attn_implementation`);
-# token-budget micro-batches group rows of similar length, each run at its own width (less padding); the 8 rows
-# of a prompt share its forward (`learner.share_prompts`, the budget then keeps them in one micro-batch).
-# Packing is off: without flash-attention's varlen kernels a packed row attends through a dense mask.
+# token-budget micro-batches group rows of similar length; each micro-batch runs as one packed row of its real
+# tokens (`learner.pack_sequences`: every linear layer runs once over them, no padding) holding each prompt once,
+# the 8 rows of a prompt attending to it (`learner.share_prompts`; the budget keeps them in one micro-batch;
+# `models.varlen_attention` keeps the sequences apart in buckets of similar length, no [T, T] mask). Packed with
+# shared prompts against padded response buckets after a shared prompt forward (the previous settings,
+# `..._buckets`), alternated in one process: bf16 4.69 -> 3.95 s, fp32 15.3 -> 12.8 s a learner step
+# (`benchmarks/learner_step.py --lengths race --batchings shared_prompts packed_shared_prompts`).
 # In bf16 a budget that holds the step's 128 rows in one micro-batch runs 1.25x faster than 2048 tokens (bigger
 # matmul blocks, fewer small ops; +1.4 GiB peak: `benchmarks/learner_step.py --max-tokens 2048 8192`); fp32's
 # matmuls are at their peak rate at 2048 already and gain nothing from it. In bf16 the decoder layers' MLPs and
 # norms run compiled (`learner.compile_position_wise`: 1.17x on the learner step, `--compile` there).
 ROLLOUT_EAGER = ["rollout.engine_params.attn_implementation=eager"]
-LEARNER_CPU = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=2048",
-               "learner.share_prompts=true"]
-LEARNER_CPU_BF16 = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=8192",
-                    "learner.share_prompts=true", "learner.compile_position_wise=true"]
+LEARNER_CPU_BUCKETS = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=2048",
+                       "learner.share_prompts=true"]
+LEARNER_CPU = [*LEARNER_CPU_BUCKETS, "learner.pack_sequences=true"]
+LEARNER_CPU_BF16_BUCKETS = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=8192",
+                            "learner.share_prompts=true", "learner.compile_position_wise=true"]
+LEARNER_CPU_BF16 = [*LEARNER_CPU_BF16_BUCKETS, "learner.pack_sequences=true"]
 LEARNER_UNSHARED = LEARNER_CPU[:2]
 RACE_LOOPRL = {
     "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU_BF16),
+    "bfloat16_sync_buckets": dict(dtype="bfloat16", threads=2, staleness=0,
+                                  extra=ROLLOUT_EAGER + LEARNER_CPU_BF16_BUCKETS),
     "bfloat16_sync_budget_2048": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),
     "bfloat16_sync_unshared": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_UNSHARED),
     "bfloat16_sync_previous": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER),
@@ -171,6 +179,7 @@ RACE_LOOPRL = {
                                extra=["rollout.engine_params={}", *LEARNER_CPU_BF16]),
     "bfloat16_one_step_off": dict(dtype="bfloat16", threads=1, staleness=1, extra=ROLLOUT_EAGER + LEARNER_CPU_BF16),
     "float32_sync": dict(dtype="float32", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),
+    "float32_sync_buckets": dict(dtype="float32", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU_BUCKETS),
 }
 
 

@@ -13,7 +13,10 @@ model end (geometric, mean 80, capped at 64: about half run the whole length). T
 ZeRO-0 on one rank. Variants:
 `learner.attn_implementation` sdpa or eager, and the rows as one padded micro-batch (`micro_batch_size` =
 rows), as token-budget micro-batches (`learner.max_tokens_per_micro_batch`), each at its own width, or as
-token-budget micro-batches that keep a prompt's rows together and run each prompt once (`learner.share_prompts`).
+token-budget micro-batches that keep a prompt's rows together and run each prompt once (`learner.share_prompts`),
+or as token-budget micro-batches each run as one packed row of its real tokens (`learner.pack_sequences`;
+`packed_shared_prompts`: each prompt once in the row, its responses attending to it; both through
+`models.varlen_attention` for the eager and sdpa kernels).
 Several `--max-tokens` give a variant per budget (named `...@budget`); several `--max-padding` a shared-prompts
 variant per padding allowed in a response bucket (`models.families.length_buckets`, named `...~padding`);
 `--compile` runs every variant also with the decoder layers' MLPs, norms and rotary embedding compiled
@@ -76,7 +79,7 @@ def main() -> None:
                    help="prompt and response lengths: 18-30 and uniform 8-64, or the race's (see above)")
     p.add_argument("--compile", action="store_true", help="each variant also with compiled MLPs and norms")
     p.add_argument("--batchings", nargs="+", default=None,
-                   choices=["one_micro_batch", "token_budget", "shared_prompts"],
+                   choices=["one_micro_batch", "token_budget", "shared_prompts", "packed", "packed_shared_prompts"],
                    help="only these micro-batchings (default: all)")
     p.add_argument("--max-padding", type=float, nargs="+", default=None,
                    help="padding allowed in a shared-prompts response bucket (several: a variant for each)")
@@ -107,13 +110,19 @@ def main() -> None:
         for name, pad in paddings.items():
             plans[f"shared_prompts{at(b)}{name}"] = plan_prompt_groups(batch, 1, b)
             padding_of[f"shared_prompts{at(b)}{name}"] = pad
+    for b in args.max_tokens:  # one packed row per micro-batch (`learner.pack_sequences`), prompts once or not
+        plans[f"packed{at(b)}"] = plan_micro_batches(sequence_tokens(batch), 1, b)
+        plans[f"packed_shared_prompts{at(b)}"] = plan_prompt_groups(batch, 1, b)
     if args.batchings:
         plans = {k: v for k, v in plans.items() if k.split("@")[0].split("~")[0] in args.batchings}
-    padding_of = {k: padding_of[k] for k in plans}
+    padding_of = {k: padding_of.get(k, families.BUCKET_MAX_PADDING) for k in plans}
     mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
     buckets = families.length_buckets
 
     def positions_run(m, name: str) -> int:  # token positions the decoder runs (padding included)
+        if name.startswith("packed"):  # real tokens, without each response's last; prompts once if shared
+            _, _, (_, owns) = families.packed_inputs(m, share_prompts=name.startswith("packed_shared"))
+            return sum(len(o) for o in owns)
         if not name.startswith("shared_prompts"):
             return m.prompt_ids.numel() + m.response_ids.numel()
         lengths = m.response_attn.sum(-1).tolist()  # the responses run in buckets, without their last token
@@ -147,7 +156,8 @@ def main() -> None:
                 for module, (fast, original) in rotary.items():
                     module.apply_rotary_pos_emb = fast if compiled else original
                 worker.engine.module.set_attn_implementation(kernel)
-                worker.family.share_prompts = batching.startswith("shared_prompts")
+                worker.family.share_prompts = "shared_prompts" in batching
+                worker.pack = batching.startswith("packed")
                 families.length_buckets = functools.partial(buckets, max_padding=padding_of[batching])
                 t0 = time.perf_counter()
                 worker.train_step(mbs[batching], "ppo_clip", params)

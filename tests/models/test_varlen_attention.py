@@ -155,3 +155,16 @@ def test_shared_prompts_in_a_packed_row_need_the_variable_length_kernel(qwen3_ba
         assert torch.allclose(ref, packed, atol=1e-5)
         with pytest.raises(ValueError, match=r"learner.share_prompts with learner.pack_sequences.*'mistral'"):
             response_logprobs(model, batch, pack=True, share_prompts=True)
+
+
+def test_the_critic_reads_the_same_values_from_a_packed_row(qwen3_batch, tmp_path):
+    """The value family (token classification on the policy's architecture) packs through the same kernel: its
+    values equal the padded forward's."""
+    from models.families import ValueFamily
+    model, batch = qwen3_batch
+    model.save_pretrained(tmp_path)
+    critic = ValueFamily().load(str(tmp_path), attn_implementation="eager").eval()
+    with torch.no_grad():
+        padded = ValueFamily().forward(critic, batch)["values"]
+        packed = ValueFamily().forward(critic, batch, pack=True)["values"]
+    assert padded.abs().sum() > 0 and torch.allclose(padded, packed, atol=1e-5)

@@ -138,13 +138,8 @@ class LearnerWorker(ActorProbes):
             self.ref = ref
         model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, **attn)
         if share_prompts and pack_sequences:
-            from models.varlen_attention import ARCHITECTURES, applies
-            if not applies(model):
-                raise ValueError(f"learner.share_prompts with learner.pack_sequences: a packed row shares its "
-                                 f"prompts through looprl's variable-length attention, which runs the "
-                                 f"architectures {sorted(ARCHITECTURES)} without a sliding window and with attention "
-                                 f"other than flash-attention's (this model: {model.config.model_type!r}, "
-                                 f"{model.config._attn_implementation!r}); set one of them false")
+            from models.varlen_attention import require
+            require(model)
         if self.adapted:
             from models.adapters import make_adapter
             model = make_adapter(model, adapter, get("adapter", adapter["name"]))

@@ -251,13 +251,9 @@ def _packed_attention(module: torch.nn.Module, total: int, sequences: tuple[list
         layout = layout.to(_device(module))
         with varlen.varlen_attention(module):
             yield {varlen.LAYOUT_KEY: layout}
-    elif shared:
-        raise ValueError("learner.share_prompts with learner.pack_sequences: a packed row shares its prompts "
-                         f"through looprl's variable-length attention, which runs the architectures "
-                         f"{sorted(varlen.ARCHITECTURES)} without a sliding window and with attention other than "
-                         f"flash-attention's (this model: {getattr(module.config, 'model_type', None)!r}, "
-                         f"{module.config._attn_implementation!r})")
     else:
+        if shared:
+            varlen.require(module)  # raises: the kernel does not apply to this model
         yield {}
 
 

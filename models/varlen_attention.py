@@ -226,6 +226,18 @@ def applies(model: torch.nn.Module) -> bool:
             and not str(config._attn_implementation or "").startswith(("flash", "kernels")))
 
 
+def require(model: torch.nn.Module) -> None:
+    """Raise the error that names `learner.share_prompts` with `learner.pack_sequences` when `model` cannot share
+    prompts in a packed row (this kernel does not apply to it: `applies`)."""
+    if not applies(model):
+        config = model.config
+        raise ValueError(f"learner.share_prompts with learner.pack_sequences: a packed row shares its prompts through "
+                         f"looprl's variable-length attention, which runs the architectures {sorted(ARCHITECTURES)} "
+                         f"without a sliding window and with attention other than flash-attention's (this model: "
+                         f"{getattr(config, 'model_type', None)!r}, {config._attn_implementation!r}); set one of "
+                         f"them false")
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     if NAME not in AttentionInterface._global_mapping:

@@ -32,6 +32,24 @@ def test_packed_layout_by_hand():
         packed_layout([torch.zeros(0, dtype=torch.long)], [at(4)], total=4, heads=3, kv_heads=2)
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_the_row_gather_equals_index_select_forward_and_backward(offset):
+    """`Gather` against torch's `index_select`: rows read as 8-byte words (offset 0) or not (a bf16 view starting
+    one element in), a row gathered twice (its gradients add) and one never gathered (zero gradient)."""
+    from models.varlen_attention import _gather
+    flat = torch.randn(offset + 5 * 4, generator=torch.Generator().manual_seed(0)).bfloat16()
+    rows = flat[offset:].view(5, 4).detach().requires_grad_()
+    assert rows.storage_offset() == offset
+    index = torch.tensor([3, 0, 3, 1, 4])
+    gather = _gather(index, 5, torch.tensor([True, True, False, True, True]), torch.ones(5, dtype=torch.bool))
+    grad = torch.randn(5, 4).bfloat16()
+    out = gather(rows)
+    assert torch.equal(out, rows.index_select(0, index))
+    mine = torch.autograd.grad(out, rows, grad)[0]
+    theirs = torch.autograd.grad(rows.index_select(0, index), rows, grad)[0]
+    assert torch.equal(mine, theirs) and (mine[2] == 0).all()
+
+
 def _sequences(prompt_lengths, response_lengths, n):
     """Packed-row sequences: each prompt, then n responses attending to it."""
     prefixes, owns, at = [], [], 0

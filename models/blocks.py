@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -104,3 +106,22 @@ def block_outputs(model: nn.Module, batch: dict[str, torch.Tensor], upto: int | 
         for h in handles:
             h.remove()
     return outs
+
+
+# model_types whose attention is softmax(q·kᵀ·scaling + mask)·v with grouped key/value heads and nothing else (no
+# logit soft-capping, no attention sinks): the ones looprl's own attention kernels serve
+TEXTBOOK_ATTENTION = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+@contextmanager
+def attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
+    """While inside, `model`'s attention layers run the function registered as `name` in transformers' attention
+    interface (they look their config's `_attn_implementation` up at every call); the model's own is restored on
+    exit."""
+    config = model.config
+    own = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = own

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from models.blocks import TEXTBOOK_ATTENTION as ARCHITECTURES
+from models.blocks import attention_implementation
 from models.common import length_buckets
 
-# model_types whose attention is the textbook one (as `rollout.fused_attention.ARCHITECTURES`)
-ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 NAME = "looprl_varlen"
 LAYOUT_KEY = "looprl_packed_layout"
 # padding a bucket may carry, in keys per sequence (count x longest over the real ones). The position-wise ops run
@@ -250,10 +250,5 @@ def varlen_attention(model: torch.nn.Module) -> Iterator[None]:
     """While inside, `model` attends with `varlen_attention_forward` (its own kernel restored on exit); its forward
     then needs the layout as keyword `LAYOUT_KEY` and builds no mask."""
     _register()
-    config = model.config
-    own = config._attn_implementation
-    config._attn_implementation = NAME
-    try:
+    with attention_implementation(model, NAME):
         yield
-    finally:
-        config._attn_implementation = own

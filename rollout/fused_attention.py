@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from models.blocks import TEXTBOOK_ATTENTION as ARCHITECTURES
+from models.blocks import attention_implementation
 from rollout.base import run_or_fall_back
 
-# model_types whose attention is softmax(q·kᵀ·scaling + mask)·v with grouped key/value heads and nothing else
-ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 PREFIX = "looprl_fused_decode|"
 # the fewest (row, head) pairs a decode step must attend for the kernel to pay: its compile costs 3-4 s in every
 # process (the on-disk cache warm), which a small batch never wins back (the race's 128 rows x 12 heads: 1,536)
@@ -115,10 +115,5 @@ def fused_decode_attention(model: torch.nn.Module, enabled: bool = True, rows: i
         yield False
         return
     _register()
-    config = model.config
-    own = config._attn_implementation
-    config._attn_implementation = PREFIX + own
-    try:
+    with attention_implementation(model, PREFIX + model.config._attn_implementation):
         yield True
-    finally:
-        config._attn_implementation = own

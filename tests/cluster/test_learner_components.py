@@ -191,8 +191,8 @@ def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_sam
 
 
 def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
-    """`learner.compile_position_wise`: every decoder layer's MLP and norms, and the rotary embedding its attention
-    applies, run compiled (inductor) in the learner; logprobs, the step's gradient norm and the model after it
+    """`learner.compile_position_wise`: every decoder layer's MLP and norms, the final norm, and the rotary embedding
+    its attention applies, run compiled (inductor) in the learner; logprobs, the step's gradient norm and the model after it
     equal the eager learner's (float rounding apart)."""
     import ray
     batch = _sft_batch(tiny)
@@ -215,7 +215,7 @@ def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
     assert eager["compiled"] == [] and not eager["rotary"]
     assert fused["rotary"]  # the learner's process applies the compiled rotary embedding
     assert fused["compiled"] == [f"model.layers.{i}.{m}" for i in range(2)
-                                 for m in ("input_layernorm", "mlp", "post_attention_layernorm")]
+                                 for m in ("input_layernorm", "mlp", "post_attention_layernorm")] + ["model.norm"]
     assert torch.allclose(eager["before"], fused["before"], atol=1e-5)
     assert abs(eager["step"]["grad_norm"] - fused["step"]["grad_norm"]) < 1e-4 * eager["step"]["grad_norm"]
     assert not torch.allclose(eager["before"], eager["after"], atol=1e-3)  # the step moved the model ...

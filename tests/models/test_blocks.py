@@ -32,5 +32,6 @@ def test_position_wise_compilation_covers_every_layers_mlp_and_norms_and_the_rot
     monkeypatch.setattr(llama, "apply_rotary_pos_emb", llama.apply_rotary_pos_emb)
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, hidden_size=32, num_layers=3, num_heads=2, intermediate_size=64)
-    assert compile_position_wise(model) == 3 * 3  # mlp, input_layernorm, post_attention_layernorm per layer
+    # mlp, input_layernorm, post_attention_layernorm per layer, and the final norm
+    assert compile_position_wise(model) == 3 * 3 + 1
     assert getattr(llama.apply_rotary_pos_emb, "looprl_compiled", False)

@@ -217,11 +217,15 @@ class ReservedLayer(DynamicLayer):
         return self.keys, self.values
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` (repeats allowed) of the cache, with the same room."""
+        """Keep the batch rows `index` (repeats allowed) of the cache, with the same room. Only the filled positions
+        are copied (the prompt's few after a shared prefill, about half the room when ended rows are dropped: the
+        rest was never written); past them the new buffers hold finite values (zeros, or a reused buffer's stale
+        ones), as `_new_buffers` gives them, which the attention mask masks."""
         n = self.keys.shape[-2]
         k_buf, v_buf = self._new_buffers((len(index), *self._k.shape[1:]), self._k, self._v)
-        self._k, self._v = (torch.index_select(self._k, 0, index, out=k_buf),
-                            torch.index_select(self._v, 0, index, out=v_buf))
+        torch.index_select(self._k[:, :, :n], 0, index, out=k_buf[:, :, :n])
+        torch.index_select(self._v[:, :, :n], 0, index, out=v_buf[:, :, :n])
+        self._k, self._v = k_buf, v_buf
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
 
 

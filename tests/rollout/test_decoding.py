@@ -237,6 +237,28 @@ def test_reserved_cache_layer_appends_in_place_grows_and_follows_a_replaced_cach
     assert torch.equal(keys, torch.cat([torch.cat(parts, -2).index_select(-2, keep), k], -2))
 
 
+def test_selecting_rows_copies_their_filled_positions_into_the_other_buffers_and_appending_goes_on():
+    """`ReservedLayer.select_rows` (a shared prefill's copies, dropping ended rows) copies only the filled positions
+    of the rows kept, in the index's order (repeats allowed), into buffers with the same room; past them the buffers
+    stay finite (zeros here: masked under `full_view`), and the next write appends in place after them."""
+    from rollout.decoding import KVBuffers, ReservedLayer
+    for buffers in (None, KVBuffers()):
+        layer = ReservedLayer(capacity=6, full_view=True, buffers=buffers)
+        k = torch.randn(4, 2, 3, 4)
+        layer.update(k, k + 1)
+        before = layer._k.data_ptr()
+        layer._k[:, :, 3:] = 7.0  # never-written room: not copied
+        index = torch.tensor([2, 0, 2])
+        layer.select_rows(index)
+        assert layer._k.data_ptr() != before and layer._k.shape == (3, 2, 6, 4)
+        assert torch.equal(layer.keys, k[index]) and torch.equal(layer.values, k[index] + 1)
+        assert torch.isfinite(layer._k).all() and not layer._k[:, :, 3:].any()
+        k1 = torch.randn(3, 2, 1, 4)
+        keys, values = layer.update(k1, k1)
+        assert keys.shape[-2] == 6 and torch.equal(keys[:, :, :4], torch.cat([k[index], k1], -2))
+        assert layer._k.data_ptr() == keys.data_ptr()  # appended into the selected buffers, no copy
+
+
 def test_a_full_view_layer_hands_attention_its_whole_buffers_and_reports_their_length_for_the_mask():
     from rollout.decoding import ReservedLayer
     layer = ReservedLayer(capacity=6, full_view=True)

@@ -43,6 +43,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # the (m, k, n) matmuls whose best rate is the ceiling. On CPU a square 1024 matmul alone understated it: on an AMX
 # Xeon (2 threads, bf16) it ran at 1.1 TFLOP/s while the learner's own [5626, 768] x [768, 768 or 1536] products ran at
 # 2.1-2.3 and a (4096, 1024, 1024) one at 2.3 (its 1024-column operand stays in cache); fp32 ran at 0.24-0.30 on all
+# of them. The probe's time is split over the shapes.
 MATMUL_SHAPES = {"cpu": ((1024, 1024, 1024), (4096, 1024, 1024)), "cuda": ((8192, 8192, 8192),)}
 
 _RATES: dict[tuple[str, str], dict[str, float]] = {}
@@ -50,9 +51,9 @@ _RATES: dict[tuple[str, str], dict[str, float]] = {}
 
 def hardware_rates(dtype: str = "float32", seconds: float = 0.3, again: bool = False) -> dict[str, float]:
     """The ceilings the `perf/mfu` and `perf/mbu` metrics divide by, measured in this process with its torch
-    threads (on CPU) or on its GPU: matmuls in `dtype` (`matmul_flops`, FLOP/s: the best of `MATMUL_SHAPES`, each
-    timed for `seconds`) and a large tensor copy (`copy_bytes_per_s`, bytes read + written per second). Measured
-    once per process; `again` measures anew and keeps each rate's best so far (a ceiling: a core that something
+    threads (on CPU) or on its GPU: matmuls in `dtype` (`matmul_flops`, FLOP/s: the best of `MATMUL_SHAPES`, timed
+    for `seconds` in all) and a large tensor copy (`copy_bytes_per_s`, bytes read + written per second, timed for
+    `seconds`). Measured once per process; `again` measures anew and keeps each rate's best so far (a ceiling: a core that something
     else was busy on only lowers it)."""
     import time
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,7 +84,8 @@ def hardware_rates(dtype: str = "float32", seconds: float = 0.3, again: bool = F
     for m, k, n in MATMUL_SHAPES[device]:
         a = torch.randn(m, k, device=device).to(DTYPES[dtype])
         b = torch.randn(k, n, device=device).to(DTYPES[dtype])
-        matmul_flops = max(matmul_flops, 2 * m * k * n / timed(lambda a=a, b=b: a @ b, seconds))
+        per_shape_s = seconds / len(MATMUL_SHAPES[device])
+        matmul_flops = max(matmul_flops, 2 * m * k * n / timed(lambda a=a, b=b: a @ b, per_shape_s))
     src = torch.empty((256 << 20) // 4, device=device)  # 256 MB, well past any CPU cache
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), seconds)

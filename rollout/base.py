@@ -53,12 +53,17 @@ def encode_prompts(tok: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
 def attach_prompt_fields(batch: Batch, prompts: list[str], n: int, group_ids: list[int] | None,
                         ground_truth: list[Any] | None, metadata: list[dict] | None) -> Batch:
     """Give each of the `n` rows per prompt (prompt-major) its prompt's text, group id, ground truth and
-    metadata; shared by the engines so their batches carry the same fields."""
+    metadata; shared by the engines so their batches carry the same fields. What the engine put in a row's
+    metadata (the `hf` engine's `gen_s`: its share of the decode time, which `perf/decode_mfu` reads) is kept
+    beside the prompt's."""
     group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
     batch.group_id = torch.tensor([g for g in group_ids for _ in range(n)], dtype=torch.long)
     batch.prompts = [p for p in prompts for _ in range(n)]
     batch.ground_truth = [g for g in (ground_truth or [None] * len(prompts)) for _ in range(n)]
-    batch.metadata = [dict(m) for m in (metadata or [{} for _ in prompts]) for _ in range(n)]
+    rows = len(prompts) * n
+    own = batch.metadata if len(batch.metadata) == rows else [{} for _ in range(rows)]
+    given = [m for m in (metadata or [{} for _ in prompts]) for _ in range(n)]
+    batch.metadata = [{**o, **dict(g)} for o, g in zip(own, given)]
     return batch
 
 

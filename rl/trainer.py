@@ -250,6 +250,8 @@ class RLTrainer:
         })
         metrics.update({f"reward/{k}": v for k, v in component_means(batch.reward_components).items()})
         metrics.update(episode_metrics(batch))
+        if (engine_s := engine_seconds(batch)) is not None:  # generation itself, overlapped or not
+            metrics["rollout/engine_s"] = engine_s
         if self.ceilings_to_check:  # after the first synchronous step, every role idle and warm
             self.ceilings_to_check = False
             dtype = self.cfg.model.dtype
@@ -788,6 +790,13 @@ def step_spans(batch: Batch, ends: list[list[int]], tokenizer: Any) -> torch.Ten
     return out
 
 
+def engine_seconds(batch: Batch) -> float | None:
+    """Seconds the rollout engines spent generating `batch`, summed over workers (each row carries its share of its
+    chunk's decode time, `gen_s`, in its metadata: the `hf` engine reports it); None unless every row does."""
+    reported = [m["gen_s"] for m in batch.metadata if isinstance(m, dict) and "gen_s" in m]
+    return float(sum(reported)) if reported and len(reported) == len(batch) else None
+
+
 def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware: dict[str, dict[str, float]],
                 cfg: DictConfig, train_passes: int, logprob_passes: int) -> dict[str, float]:
     """How close each phase ran to the machine's limits, against ceilings measured in the actors.
@@ -824,10 +833,10 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
     # all workers' steps (they run in parallel) and every row's reads of its cached keys and values
     decode_bytes = weight_bytes * steps + hardware["model"].get("kv_bytes_per_token", 0.0) * cached_reads
     learner_s = timing.get("train", 0.0) + timing.get("logprobs", 0.0)
-    # the workers' own generation time (each row carries its share), which an overlapped rollout hides from
-    # the step's `generate` phase; else the phase times the workers
-    reported = [m["gen_s"] for m in batch.metadata if isinstance(m, dict) and "gen_s" in m]
-    worker_s = sum(reported) if len(reported) == len(batch) else timing.get("generate", 0.0) * workers
+    # the workers' own generation time, which an overlapped rollout hides from the step's `generate` phase; else
+    # the phase times the workers
+    reported = engine_seconds(batch)
+    worker_s = reported if reported is not None else timing.get("generate", 0.0) * workers
     out = {"perf/mfu": learner_flops / max(learner_s * ranks * peak_l, 1e-9) if learner_flops else 0.0,
            "perf/decode_mfu": decode_flops / max(worker_s * peak_r, 1e-9),
            "perf/mbu": decode_bytes / max(worker_s * bandwidth, 1e-9)}

@@ -55,7 +55,7 @@ def test_run_and_resume_matches_uninterrupted(ray_cluster, tmp_path):
     lines = read_metrics(out)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     for key in ("time/generate", "time/reward", "time/train", "time/sync", "time/other", "perf/tokens_per_s",
-                "perf/mfu", "perf/mbu", "perf/step_over_floor"):
+                "perf/mfu", "perf/mbu", "perf/step_over_floor", "rollout/engine_s"):
         assert key in lines[0]
     summary = json.loads((out / "summary.json").read_text())
     assert {"accuracy_before_rl", "accuracy_after_rl", "reward/mean"} <= set(summary)
@@ -138,6 +138,8 @@ def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_pat
     sync, one_off = read_metrics(tmp_path / "k0"), read_metrics(tmp_path / "k1")
     assert [m["rollout/staleness"] for m in sync] == [0, 0, 0]
     assert [m["rollout/staleness"] for m in one_off] == [0, 1, 1]
+    # the engine's own generation time reaches the metrics through the actor and the batch's concatenation
+    assert all(m["rollout/engine_s"] > 0 for m in sync + one_off)
     # step 1 of both: same weights, prompts and seeds, hence the same samples and the same update
     for key in COMPARE:
         assert sync[0][key] == pytest.approx(one_off[0][key], rel=1e-5, abs=1e-7), key
@@ -191,7 +193,7 @@ def test_failing_reward_plugin_marks_samples_and_run_completes(ray_cluster, tmp_
     assert sum(m["reward/failures"] for m in metrics) > 0
     assert metrics[0]["eval/accuracy_std_over_runs"] >= 0 and 0 <= metrics[0]["eval/accuracy"] <= 1
     for key in ("time/generate", "time/reward", "time/train", "time/sync", "time/other", "perf/tokens_per_s",
-                "perf/mfu", "perf/mbu", "perf/step_over_floor"):
+                "perf/mfu", "perf/mbu", "perf/step_over_floor", "rollout/engine_s"):
         assert key in metrics[0]
     assert {"accuracy_before_rl", "accuracy_after_rl", "reward/mean"} <= set(summary)
     accuracy = [m["eval/accuracy"] for m in metrics]

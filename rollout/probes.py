@@ -53,8 +53,8 @@ def hardware_rates(dtype: str = "float32", seconds: float = 0.3, again: bool = F
     """The ceilings the `perf/mfu` and `perf/mbu` metrics divide by, measured in this process with its torch
     threads (on CPU) or on its GPU: matmuls in `dtype` (`matmul_flops`, FLOP/s: the best of `MATMUL_SHAPES`, timed
     for `seconds` in all) and a large tensor copy (`copy_bytes_per_s`, bytes read + written per second, timed for
-    `seconds`). Measured once per process; `again` measures anew and keeps each rate's best so far (a ceiling: a core that something
-    else was busy on only lowers it)."""
+    `seconds`). Measured once per process; `again` measures anew and keeps each rate's best so far (a ceiling: a
+    core that something else was busy on only lowers it)."""
     import time
     device = "cuda" if torch.cuda.is_available() else "cpu"
     key = (dtype, device)
@@ -81,10 +81,10 @@ def hardware_rates(dtype: str = "float32", seconds: float = 0.3, again: bool = F
                     break
         return best
     matmul_flops = 0.0
+    per_shape_s = seconds / len(MATMUL_SHAPES[device])
     for m, k, n in MATMUL_SHAPES[device]:
         a = torch.randn(m, k, device=device).to(DTYPES[dtype])
         b = torch.randn(k, n, device=device).to(DTYPES[dtype])
-        per_shape_s = seconds / len(MATMUL_SHAPES[device])
         matmul_flops = max(matmul_flops, 2 * m * k * n / timed(lambda a=a, b=b: a @ b, per_shape_s))
     src = torch.empty((256 << 20) // 4, device=device)  # 256 MB, well past any CPU cache
     dst = torch.empty_like(src)

@@ -136,7 +136,7 @@ def measure(dtype: str, threads: int) -> dict:
     from cluster.learner import LearnerWorker, free_port
     from models.tiny import build_tiny_tokenizer, save_tiny
     from rl.batch import Batch, micro_batches_of, plan_prompt_groups, sequence_tokens
-    from rl.trainer import utilisation
+    from rl.trainer import cached_reads, utilisation
     from rollout.decoding import KVBuffers, decode
     from rollout.probes import hardware_rates
     tok = build_tiny_tokenizer()
@@ -196,9 +196,7 @@ def measure(dtype: str, threads: int) -> dict:
     train, generate_s = statistics.median(train_s), statistics.median(gen_s)
     perf = utilisation(batch, {"train": train, "generate": generate_s}, train + generate_s, hardware, cfg,
                        train_passes=1, logprob_passes=0)
-    lengths_l, prompts_l = lengths.tolist(), mask.sum(-1).tolist()
-    kv_bytes = numbers["kv_bytes_per_token"] * sum((r - 1) * p + r * (r - 1) / 2 for p, r in zip(prompts_l, lengths_l)
-                                                  if r > 0)
+    kv_bytes = numbers["kv_bytes_per_token"] * cached_reads(batch)
     kv_read_s = kv_bytes / rates["copy_bytes_per_s"]
     bound = learner["linear"] + learner["attention"] + dec["linear"] + kv_read_s
     # the floor with each prompt once per group (its 8 rows share one prompt forward in both phases; rows are

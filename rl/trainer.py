@@ -797,6 +797,14 @@ def engine_seconds(batch: Batch) -> float | None:
     return float(sum(reported)) if reported and len(reported) == len(batch) else None
 
 
+def cached_reads(batch: Batch) -> float:
+    """Cached positions the decode reads for `batch`: each fed token of a row reads its cache, `(r - 1) p + r (r - 1)
+    / 2` for a prompt of p and a response of r tokens."""
+    lengths = batch.response_attn.sum(-1).tolist()
+    prompt_lengths = batch.prompt_mask.sum(-1).tolist()
+    return float(sum((r - 1) * p + r * (r - 1) / 2 for p, r in zip(prompt_lengths, lengths) if r > 0))
+
+
 def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware: dict[str, dict[str, float]],
                 cfg: DictConfig, train_passes: int, logprob_passes: int) -> dict[str, float]:
     """How close each phase ran to the machine's limits, against ceilings measured in the actors.
@@ -828,10 +836,8 @@ def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware:
     chunk = cfg.rollout.generation_batch_size
     steps = sum(max(lengths[i:i + chunk]) for w in range(workers)
                 for i in range(w * per_worker, min(len(lengths), (w + 1) * per_worker), chunk))
-    prompt_lengths = batch.prompt_mask.sum(-1).tolist()
-    cached_reads = sum((r - 1) * p + r * (r - 1) / 2 for p, r in zip(prompt_lengths, lengths) if r > 0)
     # all workers' steps (they run in parallel) and every row's reads of its cached keys and values
-    decode_bytes = weight_bytes * steps + hardware["model"].get("kv_bytes_per_token", 0.0) * cached_reads
+    decode_bytes = weight_bytes * steps + hardware["model"].get("kv_bytes_per_token", 0.0) * cached_reads(batch)
     learner_s = timing.get("train", 0.0) + timing.get("logprobs", 0.0)
     # the workers' own generation time, which an overlapped rollout hides from the step's `generate` phase; else
     # the phase times the workers

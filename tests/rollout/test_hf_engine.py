@@ -31,14 +31,14 @@ def test_rows_keep_their_prompts_metadata_and_the_engines_decode_time(engine):
     """`perf/decode_mfu` divides by the engine's own decode time (`gen_s`, each row its share of its chunk's), which
     must survive the prompt's metadata being attached (the step's generate phase also holds the remote call)."""
     import time
-    engine.batch_size = 4  # two chunks: 4 rows and 2
+    batch_size, engine.batch_size = engine.batch_size, 4  # two chunks: 4 rows and 2
     try:
         t0 = time.perf_counter()
         b = engine.generate(["12+3*4=", "5+6*7="], SamplingParams(n=3, max_new_tokens=8, seed=0),
                             metadata=[{"row": 7}, {"row": 8}])
         call_s = time.perf_counter() - t0
     finally:
-        engine.batch_size = 256
+        engine.batch_size = batch_size
     assert [m["row"] for m in b.metadata] == [7, 7, 7, 8, 8, 8]
     assert all(m["gen_s"] > 0 for m in b.metadata)
     assert b.metadata[0]["gen_s"] == b.metadata[3]["gen_s"]  # rows of one chunk share its time equally

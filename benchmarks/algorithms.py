@@ -22,7 +22,7 @@ ALGOS = sorted(p.stem for p in (ROOT / "recipes/algos").glob("*.yaml"))
 
 
 def _run(recipe: Path, overrides: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "rl.cli", "run", str(recipe), "logging.progress_bar=false",
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "run", str(recipe), "logging.progress_bar=false",
                            "logging.tensorboard=false", *overrides], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])

@@ -61,10 +61,10 @@ def _row_losses(model_path: str, rows: list[dict]) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from models.tokenizer import load_tokenizer
     from rl.batch import batch_of_examples
     from rl.bliss import sequence_stats
     from rl.sft_data import prompt_response_example
-    from rollout.base import load_tokenizer
     tok = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     out: list[float] = []

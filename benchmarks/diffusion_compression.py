@@ -91,9 +91,9 @@ def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     from transformers import AutoModel
 
     from models.quant import load_fake_quant, quantize_blocks
+    from models.tokenizer import load_tokenizer
     from rl.fair_calib import lag_summary, stability_lags
     from rl.fair_calib_stage import quantize_model
-    from rollout.base import load_tokenizer
     torch.manual_seed(seed)
     tok = load_tokenizer(str(model_dir))
     fp = AutoModel.from_pretrained(model_dir).eval()
@@ -131,7 +131,7 @@ def core_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     from transformers import AutoModel
 
     from models.diffusion import Remasking
-    from rollout.base import load_tokenizer
+    from models.tokenizer import load_tokenizer
     torch.manual_seed(seed)
     tok = load_tokenizer(str(model_dir))
     model = AutoModel.from_pretrained(model_dir).eval()

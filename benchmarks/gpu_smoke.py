@@ -63,7 +63,7 @@ def main() -> None:
         out = ROOT / "runs" / "gpu_smoke" / name
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "rl.cli", "run", "recipes/quickstart.yaml", f"output_dir={out}",
+            [sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", f"output_dir={out}",
              "sft.enabled=false", f"trainer.steps={args.steps}", "trainer.prompts_per_step=16", "rollout.n=8",
              "rollout.max_new_tokens=64", "model.dtype=bfloat16", "trainer.save_hf=false",
              "logging.progress_bar=false", "logging.tensorboard=false", "trainer.eval_max_prompts=32", *MODEL,

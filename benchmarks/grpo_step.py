@@ -64,7 +64,7 @@ def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, stal
                  f"trainer.max_staleness={staleness}", f"rollout.engine={engine}", f"algorithm.is_correction={'token' if staleness else 'none'}",
                  *[f"model.tiny.{k}={v}" for k, v in m.items()]]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "rl.cli", "run", str(ROOT / "recipes/quickstart.yaml"), *overrides],
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "run", str(ROOT / "recipes/quickstart.yaml"), *overrides],
                           cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])

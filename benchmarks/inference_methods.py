@@ -32,7 +32,7 @@ recent-only at equal B with similar local recall, the advantage growing as B shr
 8 query and 2 KV heads; the spec's API and memory check, no accuracy): 4 prompts, 512 greedy new tokens, peak KV
 bytes and tokens per second against the full cache, per policy at B = 64 (+ 4 sink + 16 recent), evicting every
 step, and BeaconKV evicting every 32 steps (the scoring amortised, as the paper's periodic eviction does).
-`--only kv_recall`: accuracy on a long-range recall task (`rl.kv_recall`, a labelled synthetic harness): per seed a
+`--only kv_recall`: accuracy on a long-range recall task (`rollout.kv_recall`, a labelled synthetic harness): per seed a
 tiny GQA Llama (d = 64, 2 blocks, 4 query and 2 KV heads) is taught in process (3,000 AdamW steps of 64) to read a
 table of 8 single-letter keys with digit values (the prompt, random order) and write the values back in
 alphabetical order with 8 filler characters after each (the answer, 80 tokens), so each value is read from a
@@ -263,8 +263,8 @@ RECALL = {"n_keys": 8, "filler": 8, "steps": 3000, "held_out": 100, "interval": 
 
 
 def kv_recall_seed(seed: int) -> dict:
-    from rl.kv_recall import evaluate_recall, tiny_recall_lm
     from rl.registry import get
+    from rollout.kv_recall import evaluate_recall, tiny_recall_lm
     model, tok, held_out = tiny_recall_lm(seed, RECALL["steps"], n_keys=RECALL["n_keys"], filler=RECALL["filler"],
                                           log=lambda line: print(line, flush=True))
     examples = held_out(RECALL["held_out"])

@@ -36,7 +36,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, {root!r})
 from transformers import AutoModelForCausalLM
-from rollout.base import load_tokenizer
+from models.tokenizer import load_tokenizer
 variant, path, rows, new_tokens = {variant!r}, {path!r}, {rows}, {new_tokens}
 model = AutoModelForCausalLM.from_pretrained(path)
 tok = load_tokenizer(path)

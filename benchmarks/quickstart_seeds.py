@@ -29,7 +29,7 @@ def main() -> None:
     for seed in args.seeds:
         out_dir = Path(args.runs_dir) / f"seed{seed}"
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "rl.cli", "run", str(ROOT / "recipes/quickstart.yaml"), f"seed={seed}",
+        cmd = [sys.executable, "-m", "cluster.cli", "run", str(ROOT / "recipes/quickstart.yaml"), f"seed={seed}",
                f"output_dir={out_dir}", "logging.progress_bar=false", *args.overrides]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -17,7 +17,7 @@ def run_recipe(recipe: str, overrides: list[str], out_dir: Path, name: str) -> d
     """`looprl run ROOT/recipe output_dir=out_dir *overrides`; exits with its stderr tail if the run fails.
     Returns `summary.json` plus `metrics` (the rows of `metrics.jsonl`) and `wall_s`."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "rl.cli", "run", str(ROOT / recipe), f"output_dir={out_dir}",
+    cmd = [sys.executable, "-m", "cluster.cli", "run", str(ROOT / recipe), f"output_dir={out_dir}",
            "logging.progress_bar=false", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -10,7 +10,7 @@ coefficient):
     isolates loop credit (everything else is RLTT's);
   * `grpo`: the released baseline, crediting the final loop only (`ppo_clip`, KL k1 in the reward).
 Afterwards the SFT checkpoint and the final policies are read out greedily after every loop t on the held-out
-problems (`rl.math_eval`, `exit_at_step=t`); per-problem correctness is kept, and every pair of arms is
+problems (`cluster.math_eval`, `exit_at_step=t`); per-problem correctness is kept, and every pair of arms is
 compared per loop by a paired t-test over (seed, problem) pairs with the 95% interval of the mean difference.
 The paper's claims, in direction: RLTT >= GRPO on final-loop accuracy, and RLTT raises intermediate-loop
 accuracy more. The JSON records every number; a PNG shows per-loop accuracy averaged over seeds.
@@ -37,7 +37,7 @@ PAIRS = [("rltt", "grpo"), ("rltt", "rltt_last"), ("rltt_last", "grpo")]
 
 def _per_loop(model: Path, data: Path, loops: int, max_new_tokens: int) -> dict[str, list[float]]:
     """Greedy per-problem correctness after each loop t (`exit_at_step=t`)."""
-    from rl.math_eval import MathEvalConfig, MathEvaluator
+    from cluster.math_eval import MathEvalConfig, MathEvaluator
     cfg = MathEvalConfig(problem_column="prompt", answer_column="answer", max_new_tokens=max_new_tokens,
                          device="cpu", batch_size=256)
     ev = MathEvaluator(str(model), cfg, str(data))

@@ -8,7 +8,7 @@ Per seed, `recipes/research_plans_tiny.yaml` runs the SFT warm-up (plans and gra
 taught (`plan_rubric_check` at weight 1; the self-grade is logged at weight 0): what plain optimisation of
 the true score reaches, so that the self-grader's exploitation is told apart from over-optimisation.
 Recorded per run:
-- the grader's item-level agreement with the rule it was taught (`rewards.rubric.rule_verdicts`), on
+- the grader's item-level agreement with the rule it was taught (`rl.rubric.rule_verdicts`), on
   200 fresh grader prompts (new goals and plans, greedy);
 - the self-grade and the rule's score of the training samples, averaged over the first and the last
   `--window` RL steps; the held-out self-grade and rule score (greedy) before and after RL, and every
@@ -70,7 +70,8 @@ def heldout_rule_score(model: Path, eval_path: Path) -> float:
 def item_pass_rates(grader_model: Path, policy_model: Path, eval_path: Path) -> dict[str, list[float]]:
     """Per rubric item, on the policy's greedy held-out plans: the share that state the step as written (the
     rule) and the share the frozen grader passes."""
-    from rewards.rubric import extract_plan, grader_prompt, parse_grades, rule_verdicts
+    from rewards.rubric import extract_plan, parse_grades
+    from rl.rubric import grader_prompt, rule_verdicts
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     rows = [json.loads(x) for x in open(eval_path)]

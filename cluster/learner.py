@@ -616,7 +616,7 @@ class LearnerWorker(ActorProbes):
                 module = module.get_base_model()
             module.save_pretrained(path, state_dict=sd)
             if tokenizer_path:
-                from rollout.base import load_tokenizer
+                from models.tokenizer import load_tokenizer
                 load_tokenizer(tokenizer_path).save_pretrained(path)
 
     def shutdown(self) -> None:

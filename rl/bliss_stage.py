@@ -23,11 +23,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, say, stage_cfg
 
 
 class TargetLogprobs:
@@ -88,7 +87,7 @@ def make_proxy(base: str, out_dir: Path, spec: dict[str, Any], seed: int) -> str
         return str(spec["path"])
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rollout.base import load_tokenizer
+    from models.tokenizer import load_tokenizer
     config = AutoConfig.from_pretrained(base)
     sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
     sizes.update({k: v for k, v in spec.items() if k != "path"})
@@ -136,12 +135,9 @@ class BlissStage(Stage):
         import pandas as pd
         from omegaconf import OmegaConf
 
-        from cluster.learner import free_port
-        from cluster.ray_utils import bundle_options
+        from models.tokenizer import load_tokenizer
         from rl.batch import batch_of_examples
-        from rl.pipeline import _sft_stage, stage_cfg
         from rl.sft_data import sft_examples, sft_rows_and_examples
-        from rollout.base import load_tokenizer
         cfg = stage_cfg(ctx)
         pool_path = ctx.artifact("sft")
         val_path = self.val_path or cfg.sft.eval_path or ctx.artifact("sft_val")
@@ -161,7 +157,7 @@ class BlissStage(Stage):
         warm_cfg = OmegaConf.merge(cfg, {"output_dir": str(out / "proxy_warmup"), "resume": "no",
                                          "sft": {"epochs": 0, "steps": self.proxy_warmup_steps, "save_every": 0}})
         say(f"{ctx.name}: proxy warm-up, {self.proxy_warmup_steps} steps on random pool rows")
-        _sft_stage(warm_cfg, proxy_init, str(warm_path), tok, pool, ctx.runtime.placement)
+        ctx.runtime.fine_tune(warm_cfg, proxy_init, str(warm_path), tok, pool)
 
         # 2. the target (warmed up on random pool rows first when asked, as the paper's reference model), its
         # log-probabilities and the data-parallel bilevel ranks
@@ -169,29 +165,28 @@ class BlissStage(Stage):
         if self.target_warmup_steps:
             target_path = out / "target"
             say(f"{ctx.name}: target warm-up, {self.target_warmup_steps} steps on random pool rows")
-            _sft_stage(OmegaConf.merge(warm_cfg, {"output_dir": str(out / "target_warmup"),
-                                                  "sft": {"steps": self.target_warmup_steps}}), base,
-                       str(target_path), tok, pool, ctx.runtime.placement)
+            ctx.runtime.fine_tune(OmegaConf.merge(warm_cfg, {"output_dir": str(out / "target_warmup"),
+                                                             "sft": {"steps": self.target_warmup_steps}}), base,
+                                  str(target_path), tok, pool)
             base = produced["policy"] = str(target_path)
-        placement = ctx.runtime.placement  # rank r in learner bundle r, the target beside rank 0
-        target = ray.remote(TargetLogprobs).options(**bundle_options(placement, 0, self.target_num_gpus)).remote(
-            base, cfg.model.dtype, cfg.model.trust_remote_code)
-        port = free_port()
-        addr = "127.0.0.1" if self.world_size == 1 else ray.util.get_node_ip_address()
-        workers = [ray.remote(BlissWorker).options(**bundle_options(placement, r, self.num_gpus_per_rank)).remote(
-            r, self.world_size, addr, port, self.hyper, cfg.learner.threads) for r in range(self.world_size)]
+        rt = ctx.runtime  # rank r in learner bundle r, the target beside rank 0
+        target = rt.start_actor(TargetLogprobs, base, cfg.model.dtype, cfg.model.trust_remote_code,
+                                num_gpus=self.target_num_gpus)
+        addr, port = rt.rendezvous(self.world_size)
+        workers = [rt.start_actor(BlissWorker, r, self.world_size, addr, port, self.hyper, cfg.learner.threads,
+                                  bundle=r, num_gpus=self.num_gpus_per_rank) for r in range(self.world_size)]
         per_rank = self.batch_size // self.world_size
         scores = torch.zeros(len(pool))
         shards = [list(range(len(pool)))[r::self.rounds] for r in range(self.rounds)]
         selected, history = [], []
         try:
             for rnd, shard in enumerate(shards):
-                ray.get([w.reset.remote(str(warm_path), seed + rnd) for w in workers])
+                rt.wait([w.reset.remote(str(warm_path), seed + rnd) for w in workers])
                 for step in range(1, self.outer_steps + 1):
                     idx = rng.sample(shard, min(self.batch_size, len(shard)))
                     idx += rng.sample(shard, self.batch_size - len(idx))  # a shard smaller than a batch repeats rows
                     batch = batch_of_examples([pool[i] for i in idx], pad)
-                    target_logp = ray.get(target.logprobs.remote(batch)) if self.hyper["gamma"] else None
+                    target_logp = rt.wait(target.logprobs.remote(batch)) if self.hyper["gamma"] else None
                     futures = []
                     for r, w in enumerate(workers):
                         part = batch_of_examples([pool[i] for i in idx[r * per_rank:(r + 1) * per_rank]], pad)
@@ -200,19 +195,18 @@ class BlissStage(Stage):
                         if target_logp is not None:
                             tl = target_logp[r * per_rank:(r + 1) * per_rank, :part.response_ids.shape[1]]
                         futures.append(w.outer_step.remote(part, vb, tl))
-                    metrics = ray.get(futures)[0]
+                    metrics = rt.wait(futures)[0]
                     history.append({"round": rnd, "step": step, **metrics})
                     if step % self.log_every == 0 or step == self.outer_steps:
                         say(f"{ctx.name}: round {rnd} step {step}/{self.outer_steps} val CE {metrics['val_ce']:.4f}")
                 for start in range(0, len(shard), 256):
                     chunk = shard[start:start + 256]
-                    scores[chunk] = ray.get(workers[0].scores.remote(batch_of_examples([pool[i] for i in chunk], pad)))
+                    scores[chunk] = rt.wait(workers[0].scores.remote(batch_of_examples([pool[i] for i in chunk], pad)))
                 keep = max(1, int(len(shard) * self.ratio))
                 top = sorted(shard, key=lambda i: (-float(scores[i]), i))[:keep]
                 selected.append(sorted(top))
         finally:
-            for actor in [target, *workers]:
-                ray.kill(actor)
+            rt.stop_actors([target, *workers])
 
         scores_path = out / "bliss_scores.parquet"
         round_of = {i: r for r, shard in enumerate(shards) for i in shard}

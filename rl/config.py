@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -568,3 +568,10 @@ def as_container(node: Any) -> Any:
     if isinstance(node, (DictConfig, ListConfig)):
         return OmegaConf.to_container(node, resolve=True)
     return node
+
+
+def engine_actor_config(cfg: DictConfig, **overrides: Any) -> dict[str, Any]:
+    """A judge-group config (`reward.judges` entry) that serves a model the way the rollout engines do (engine,
+    its params, dtype, threads), for stages that run a frozen model of their own."""
+    return {**asdict(JudgeConfig()), "engine": cfg.rollout.engine, "engine_params": as_container(cfg.rollout.engine_params),
+            "dtype": cfg.model.dtype, "threads": cfg.rollout.threads, "num_cpus": 0, **overrides}

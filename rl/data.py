@@ -106,3 +106,9 @@ class PromptSampler:
 def shuffle_sampler(rows: list[dict], seed: int) -> PromptSampler:
     """`trainer.prompt_sampler: {name: shuffle}` (the default): every row once per epoch, in a seeded order."""
     return PromptSampler(len(rows), seed)
+
+
+def prompt_row_columns(d: Any) -> list[str]:
+    """The columns of a train/eval row under the recipe's `data` section: the prompt, the answer and
+    `data.metadata_columns`."""
+    return [d.prompt_column, d.answer_column, *d.metadata_columns]

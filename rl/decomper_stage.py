@@ -22,7 +22,7 @@ from typing import Any
 
 from rl.batch import pad_token_rows
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
 
 
 def _batches(sequences: list[list[int]], pad_id: int, batch_size: int) -> list[dict]:
@@ -44,6 +44,7 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
     from transformers import AutoModelForCausalLM
 
     from models.blocks import decoder_layers
+    from models.tokenizer import load_tokenizer
     from rl.decomper import (
         block_drift,
         closed_form_bias,
@@ -53,7 +54,6 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
         target_linears,
         token_kl_and_nll,
     )
-    from rollout.base import load_tokenizer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     original = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
                                                     trust_remote_code=trust_remote_code).to(device).eval()
@@ -115,10 +115,6 @@ class CompressLowRankStage(Stage):
         self.batch_size, self.lr, self.epochs, self.eps, self.num_gpus = batch_size, float(lr), epochs, float(eps), num_gpus
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        import ray
-
-        from cluster.ray_utils import bundle_options
-        from rl.pipeline import policy_sft_data
         cfg, base, tokenizer, _, examples, _ = policy_sft_data(ctx, "calibration text")
         need = self.calib_sequences + self.heldout_sequences
         if len(examples) < need:
@@ -127,14 +123,13 @@ class CompressLowRankStage(Stage):
         picked = random.Random(cfg.seed).sample(range(len(examples)), need)
         seqs = [(examples[i].prompt_ids + examples[i].response_ids)[:self.calib_length] for i in picked]
         out = Path(ctx.stage_dir)
-        task = ray.remote(compress_model).options(**bundle_options(ctx.runtime.placement, 0, self.num_gpus))
         say(f"{ctx.name}: {self.method} SVD at ratio {self.ratio}, compensation {self.compensation}, "
             f"{self.calib_sequences} calibration sequences")
-        report = ray.get(task.remote(base, str(out / "model"), seqs[:self.calib_sequences],
-                                     seqs[self.calib_sequences:], tokenizer.pad_token_id, ratio=self.ratio,
-                                     method=self.method, compensation=self.compensation, learn_init=self.learn_init,
-                                     lr=self.lr, epochs=self.epochs, batch_size=self.batch_size, eps=self.eps,
-                                     dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code))
+        report = ctx.runtime.run_task(
+            compress_model, base, str(out / "model"), seqs[:self.calib_sequences], seqs[self.calib_sequences:],
+            tokenizer.pad_token_id, ratio=self.ratio, method=self.method, compensation=self.compensation,
+            learn_init=self.learn_init, lr=self.lr, epochs=self.epochs, batch_size=self.batch_size, eps=self.eps,
+            dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code, num_gpus=self.num_gpus)
         report_path = out / "compression_report.json"
         report_path.write_text(json.dumps(report, indent=1))
         summary = {"ratio": self.ratio, "method": self.method, "compensation": self.compensation,

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rl.data import prompt_row_columns
 from rl.registry import register
 from rl.stages import Stage, StageContext, StageError, say
 
@@ -54,8 +55,8 @@ def extract_in_task(model_path: str, pairs: list[dict[str, str]], layers: list[i
     from transformers import AutoModelForCausalLM
 
     from models.blocks import decoder_layers
+    from models.tokenizer import load_tokenizer
     from rl.densesteer import last_token_states, mean_difference
-    from rollout.base import load_tokenizer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
                                                  trust_remote_code=trust_remote_code).to(device).eval()
@@ -113,15 +114,12 @@ class SteerExtractStage(Stage):
         reward, density ρ by `rl.densesteer.density`; `rl.densesteer.select_steering` picks."""
         import statistics
 
-        import ray
         from omegaconf import OmegaConf
 
+        from models.tokenizer import load_tokenizer
         from rl.densesteer import density, select_steering
-        from rl.pipeline import _rows, prompt_row_columns, stage_rollout_workers
-        from rl.trainer import generate, reward_items
-        from rollout.base import load_tokenizer
         cfg, rt = ctx.cfg, ctx.runtime
-        rows = _rows(ctx, "train", prompt_row_columns(cfg.data))[:int(self.select.get("num_problems", 50))]
+        rows = ctx.rows("train", prompt_row_columns(cfg.data))[:int(self.select.get("num_problems", 50))]
         if not rows:
             raise StageError(f"{ctx.name}: select needs training prompts (data.train_path or a synthetic task)")
         tokenizer = load_tokenizer(ctx.require("base_model"))
@@ -130,14 +128,14 @@ class SteerExtractStage(Stage):
         candidates = []
         min_index = int((cfg.rollout.eval_decoding_params or {}).get("min_token_index", 0)) \
             if cfg.rollout.eval_decoding == "steer" else 0
-        with stage_rollout_workers(ctx, cfg) as workers:
+        with rt.rollout_workers(ctx, cfg) as workers:
             for layer, lam in arms:
                 arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": "steer", "eval_runs": 1}})
                 # replaced, not merged: a `selection` in the recipe's parameters would override the candidate
                 arm_cfg.rollout.eval_decoding_params = {"vectors": vectors, "layer": layer, "strength": lam,
                                                         "min_token_index": min_index}
-                batch = generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
-                scored = ray.get(rt.reward_service.score.remote(reward_items(batch), evaluation=True))
+                batch = rt.generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
+                scored = rt.score(batch, evaluation=True)
                 candidates.append({
                     "layer": layer, "strength": lam,
                     "rho": statistics.mean(density(t)["rho"] for t in batch.responses),
@@ -150,20 +148,18 @@ class SteerExtractStage(Stage):
         return {"problems": len(rows), "candidates": candidates, "selected": chosen}
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        import ray
         import torch
 
-        from cluster.ray_utils import bundle_options
         path = self.pairs or ctx.artifact("steer_pairs")
         if path is None:
             raise StageError(f"{ctx.name}: no pair file: set params.pairs (JSONL of prompt, dense, sparse) or use a "
                              f"synthetic task that publishes steer_pairs (data.synthetic.task: styles)")
         pairs = read_pairs(path, self.max_pairs)
         cfg, policy = ctx.cfg, ctx.require("policy")
-        task = ray.remote(extract_in_task).options(**bundle_options(ctx.runtime.placement, 0, self.num_gpus))
         say(f"{ctx.name}: steering vectors from {len(pairs)} (dense, sparse) pairs of {path}")
-        vectors, report = ray.get(task.remote(policy, pairs, self.layers, self.chat_template, self.batch_size,
-                                              cfg.model.dtype, cfg.model.trust_remote_code))
+        vectors, report = ctx.runtime.run_task(extract_in_task, policy, pairs, self.layers, self.chat_template,
+                                               self.batch_size, cfg.model.dtype, cfg.model.trust_remote_code,
+                                               num_gpus=self.num_gpus)
         out = ctx.stage_dir
         torch.save({int(k): v.contiguous() for k, v in vectors.items()}, out / "steering_vectors.pt")
         report["pair_file"] = path

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from rl import dsr
+from rl.data import prompt_row_columns
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, say, stage_cfg
 
 ROLES = ("decomposer", "formalizer", "repairer", "judge")
 MODES = ("tree", "global")
@@ -204,9 +205,7 @@ class AutoformalizeStage(Stage):
             [dsr.format_request(r, self.style) for r in reqs])])
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        from rewards.judges import start_judges, stop_judges
         from rl.config import as_container
-        from rl.pipeline import _rows, prompt_row_columns, stage_cfg
         cfg = stage_cfg(ctx)
         unknown = sorted({j for j in self.roles.values() if j not in cfg.reward.judges})
         if unknown:
@@ -214,7 +213,7 @@ class AutoformalizeStage(Stage):
         if self.prime_path:
             rows = load_prime(self.prime_path)
         else:
-            rows = _rows(ctx, "eval", prompt_row_columns(cfg.data) + ["item", "broken"])
+            rows = ctx.rows("eval", prompt_row_columns(cfg.data) + ["item", "broken"])
         rows = rows[:cfg.trainer.eval_max_prompts]
         if not rows:
             raise StageError(f"{ctx.name}: no held-out statements (data.eval_path, a synthetic task's eval split or "
@@ -229,7 +228,7 @@ class AutoformalizeStage(Stage):
             if jc["chat_template"] is None:
                 jc["chat_template"] = bool(cfg.data.chat_template)
             judges[name] = jc
-        clients = start_judges(judges, ctx.require("policy"))
+        clients = ctx.runtime.start_judges(judges, ctx.require("policy"))
         ask = {role: clients[name].generate for role, name in self.roles.items()}
         report: dict[str, Any] = {"statements": len(rows), "compiler": self.compiler, "budget": self.budget,
                                   "roles": self.roles, "inputs": {}}
@@ -239,7 +238,7 @@ class AutoformalizeStage(Stage):
             if "from_broken" in self.inputs:
                 report["inputs"]["from_broken"] = self._from_broken(rows, ask, check)
         finally:
-            stop_judges(clients)
+            ctx.runtime.stop_judges(clients)
         path = ctx.stage_dir / "autoformalize.json"
         path.write_text(json.dumps(report, indent=1, ensure_ascii=False))
         ctx.summary[ctx.name] = {inp: {mode: {k: v for k, v in r.items() if k not in ("items",)}

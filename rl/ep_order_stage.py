@@ -33,7 +33,7 @@ from rl.ep_order import (
     zone_proportions,
 )
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
 
 
 def embed_examples(model_path: str, examples: list, pad_id: int, batch_size: int, tokens: str, dtype: str,
@@ -83,11 +83,8 @@ class EPOrderStage(Stage):
         self.embed_batch_size, self.embed_num_gpus = embed_batch_size, embed_num_gpus
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        import ray
         from omegaconf import OmegaConf
 
-        from cluster.ray_utils import bundle_options
-        from rl.pipeline import _sft_stage, policy_sft_data
         cfg, base, tokenizer, rows, examples, dropped = policy_sft_data(ctx, "SFT data to order")
         out = ctx.stage_dir
         seed = cfg.seed
@@ -100,13 +97,12 @@ class EPOrderStage(Stage):
                                                  "eval_path": None}})
         say(f"{ctx.name}: warm-up on {len(share)} of {len(examples)} rows")
         warm_path = out / "warmup_model"
-        warm = _sft_stage(warm_cfg, base, str(warm_path), tokenizer, [examples[i] for i in share],
-                          ctx.runtime.placement)
+        warm = ctx.runtime.fine_tune(warm_cfg, base, str(warm_path), tokenizer, [examples[i] for i in share])
 
         # 2. embed every row (a Ray task beside the cluster's actors)
-        task = ray.remote(embed_examples).options(**bundle_options(ctx.runtime.placement, 0, self.embed_num_gpus))
-        emb, losses = ray.get(task.remote(str(warm_path), examples, tokenizer.pad_token_id, self.embed_batch_size,
-                                          self.embed_tokens, cfg.model.dtype, cfg.model.trust_remote_code))
+        emb, losses = ctx.runtime.run_task(embed_examples, str(warm_path), examples, tokenizer.pad_token_id,
+                                           self.embed_batch_size, self.embed_tokens, cfg.model.dtype,
+                                           cfg.model.trust_remote_code, num_gpus=self.embed_num_gpus)
 
         # 3. cluster, chain, order
         k = self.k or choose_k(emb, seed, self.k_candidates, self.restarts)

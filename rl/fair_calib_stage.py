@@ -21,7 +21,7 @@ from typing import Any
 
 from rl.batch import pad_token_rows
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
 
 
 def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], list[int]]], diag: list[list[int]],
@@ -35,6 +35,7 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
     from transformers import AutoModel
 
     from models.quant import quantize_blocks, save_fake_quant
+    from models.tokenizer import load_tokenizer
     from rl.fair_calib import (
         calibrate_blocks,
         position_weights,
@@ -42,7 +43,6 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
         trajectory_diagnostics,
         window_prior,
     )
-    from rollout.base import load_tokenizer
     torch.manual_seed(seed)
     fp = AutoModel.from_pretrained(model_path).eval()
     report: dict[str, Any] = {"w_bits": w_bits, "a_bits": a_bits, "weighting": weighting, "transform": transform}
@@ -108,10 +108,6 @@ class QuantizeFairStage(Stage):
         self.epochs, self.lr, self.batch_size, self.num_gpus = epochs, float(lr), batch_size, num_gpus
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        import ray
-
-        from cluster.ray_utils import bundle_options
-        from rl.pipeline import policy_sft_data
         cfg, base, tokenizer, _, examples, _ = policy_sft_data(ctx, "calibration sequences")
         if tokenizer.mask_token_id is None:
             raise StageError(f"{ctx.name}: quantize_fair calibrates masked-diffusion models; {base} has no mask token")
@@ -125,15 +121,15 @@ class QuantizeFairStage(Stage):
         gen = int(cfg.rollout.max_new_tokens)
         dp = cfg.rollout.eval_decoding_params or {}
         out = Path(ctx.stage_dir)
-        task = ray.remote(quantize_model).options(**bundle_options(ctx.runtime.placement, 0, self.num_gpus))
         say(f"{ctx.name}: W{self.w_bits}A{self.a_bits}, {self.weighting} weighting, {self.probes} probes, "
             f"{self.calib_sequences} calibration sequences")
-        report = ray.get(task.remote(
-            base, str(out / "model"), calib, diag, tokenizer.pad_token_id, tokenizer.mask_token_id,
+        report = ctx.runtime.run_task(
+            quantize_model, base, str(out / "model"), calib, diag, tokenizer.pad_token_id, tokenizer.mask_token_id,
+            num_gpus=self.num_gpus,
             w_bits=self.w_bits, a_bits=self.a_bits, weighting=self.weighting, probes=self.probes,
             window=self.window, floor_frac=self.floor_frac, beta=self.beta, lambda1=self.lambda1, gen_length=gen,
             block_length=int(dp.get("block_length") or gen), steps=int(dp.get("steps") or gen), epochs=self.epochs,
-            lr=self.lr, batch_size=self.batch_size, seed=cfg.seed, transform=self.transform))
+            lr=self.lr, batch_size=self.batch_size, seed=cfg.seed, transform=self.transform)
         report_path = out / "quantization_report.json"
         report_path.write_text(json.dumps(report, indent=1))
         ctx.summary[ctx.name] = {"weighting": self.weighting, "rtn": report["rtn"], "calibrated": report["calibrated"]}

@@ -18,8 +18,10 @@ import json
 import statistics
 from typing import Any
 
+from rl.config import as_container
+from rl.data import prompt_row_columns
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, say, stage_cfg
 
 ARMS = ("plain", "post_hoc", "guidance")
 
@@ -40,10 +42,9 @@ class CiteEvalStage(Stage):
         self.judge, self.max_statements, self.examples = judge, max_statements, examples
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        import ray
         from omegaconf import OmegaConf
 
-        from rewards.judges import stop_judges
+        from models.tokenizer import load_tokenizer
         from rl.guidance import (
             ContainmentJudge,
             LLMCitationJudge,
@@ -51,11 +52,8 @@ class CiteEvalStage(Stage):
             score_citations,
             strip_citations,
         )
-        from rl.pipeline import _rows, prompt_row_columns, stage_cfg, stage_rollout_workers
-        from rl.trainer import generate
-        from rollout.base import load_tokenizer
         cfg, rt = stage_cfg(ctx), ctx.runtime
-        rows = _rows(ctx, "eval", prompt_row_columns(cfg.data))[:cfg.trainer.eval_max_prompts]
+        rows = ctx.rows("eval", prompt_row_columns(cfg.data))[:cfg.trainer.eval_max_prompts]
         if not rows:
             raise StageError(f"{ctx.name}: no held-out prompts (data.eval_path or a synthetic task's eval split)")
         if cfg.rollout.engine != "hf" and "guidance" in self.arms:
@@ -68,21 +66,19 @@ class CiteEvalStage(Stage):
             if self.judge not in cfg.reward.judges:
                 raise StageError(f"{ctx.name}: judge {self.judge!r} is neither 'containment' nor a reward.judges "
                                  f"entry ({sorted(cfg.reward.judges)})")
-            from rewards.judges import start_judges
-            from rl.config import as_container
-            clients = start_judges({self.judge: as_container(cfg.reward.judges[self.judge])}, ctx.require("policy"))
+            clients = rt.start_judges({self.judge: as_container(cfg.reward.judges[self.judge])}, ctx.require("policy"))
             judge = LLMCitationJudge(lambda prompts: clients[self.judge].generate(prompts, temperature=0.0))
         tokenizer = load_tokenizer(ctx.require("base_model"))
         report: dict[str, Any] = {"prompts": len(rows), "judge": self.judge, "arms": {}}
         try:
-            with stage_rollout_workers(ctx, cfg) as workers:
+            with rt.rollout_workers(ctx, cfg) as workers:
                 answers: dict[str, list[str]] = {}
                 decodings = {"plain": (None, {}), "guidance": ("citation_guidance", self.guidance_params)}
                 for arm in [a for a in ("plain", "guidance") if a in self.arms or (a == "plain" and "post_hoc" in self.arms)]:
                     name, params = decodings[arm]
                     arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": name, "eval_decoding_params": params,
                                                                 "eval_runs": 1}})
-                    batch = generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
+                    batch = rt.generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
                     answers[arm] = list(batch.responses)
                     if arm == "plain" and "post_hoc" in self.arms:
                         answers["post_hoc"] = [post_hoc_cite(strip_citations(a), r[cfg.data.prompt_column])
@@ -93,14 +89,14 @@ class CiteEvalStage(Stage):
                 items = [{"prompt": r[cfg.data.prompt_column], "response": strip_citations(a),
                           "ground_truth": r.get(cfg.data.answer_column), "metadata": {}, "truncated": False}
                          for a, r in zip(answers[arm], rows)]
-                scored = ray.get(rt.reward_service.score.remote(items, evaluation=True))
+                scored = rt.score_items(items, evaluation=True)
                 correct = [s["score"] for s in scored if not s["failed"]]
                 report["arms"][arm] = {
                     **{k: statistics.mean(s[k] for s in scores) for k in ("recall", "precision", "f1")},
                     "correctness": statistics.mean(correct) if correct else None,
                     "examples": answers[arm][:self.examples]}
         finally:
-            stop_judges(clients)
+            rt.stop_judges(clients)
         path = ctx.stage_dir / "cite_eval.json"
         path.write_text(json.dumps(report, indent=1))
         ctx.summary[ctx.name] = {arm: {k: v for k, v in r.items() if k != "examples"}

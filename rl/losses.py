@@ -97,8 +97,8 @@ def rollout_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
     with torch.no_grad():
         mask = response_mask.to(old_logp.dtype)
         log_ratio = (old_logp - rollout_logp) * mask
-        metrics = {"mismatch_kl": float(_masked_mean(kl_penalty(rollout_logp, old_logp, "k3"), mask)),
-                   "mismatch_abs_diff": float(_masked_mean(log_ratio.abs(), mask))}
+        metrics = {"mismatch_kl": float(masked_mean(kl_penalty(rollout_logp, old_logp, "k3"), mask)),
+                   "mismatch_abs_diff": float(masked_mean(log_ratio.abs(), mask))}
         if level == "none":
             return None, metrics
         if level == "sequence":
@@ -108,8 +108,8 @@ def rollout_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
         weights = torch.exp(log_ratio)
         weights = torch.where(over, torch.full_like(weights, cap) if mode == "truncate" else torch.zeros_like(weights),
                               weights) * mask
-        metrics["is_weight_mean"] = float(_masked_mean(weights, mask))
-        metrics["is_capped_frac"] = float(_masked_mean(over.to(mask.dtype), mask))
+        metrics["is_weight_mean"] = float(masked_mean(weights, mask))
+        metrics["is_capped_frac"] = float(masked_mean(over.to(mask.dtype), mask))
     return weights, metrics
 
 
@@ -141,11 +141,11 @@ def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGG_MODES}")
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _regularise_and_aggregate(pg: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, *,
+def regularise_and_aggregate(pg: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, *,
                               ref_logp: torch.Tensor | None, entropy: torch.Tensor | None, kl_coef: float,
                               kl_estimator: str, entropy_coef: float, agg: str, num_tokens: float | None,
                               num_seqs: float | None, norm_len: float | None
@@ -161,7 +161,7 @@ def _regularise_and_aggregate(pg: torch.Tensor, logp: torch.Tensor, mask: torch.
             raise ValueError("kl_coef > 0 in the loss needs reference logprobs (ref_logp)")
         kl = kl_penalty(logp, ref_logp, kl_estimator)
         per_token = per_token + kl_coef * kl
-        metrics["kl"] = float(_masked_mean(kl.detach(), mask))
+        metrics["kl"] = float(masked_mean(kl.detach(), mask))
     if entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs per-token entropy")
@@ -198,14 +198,14 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
-    loss, metrics = _regularise_and_aggregate(
+    loss, metrics = regularise_and_aggregate(
         pg, logp, mask, ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef, kl_estimator=kl_estimator,
         entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     with torch.no_grad():
         clipped = ((pg_clipped > pg_unclipped) & (mask > 0)).to(logp.dtype)
         metrics["clipfrac"] = float(clipped.sum() / mask.sum().clamp(min=1.0))
-        metrics["approx_kl_old"] = float(_masked_mean(0.5 * log_ratio.square(), mask))
-        metrics["ratio_mean"] = float(_masked_mean(ratio, mask))
+        metrics["approx_kl_old"] = float(masked_mean(0.5 * log_ratio.square(), mask))
+        metrics["ratio_mean"] = float(masked_mean(ratio, mask))
     return loss, metrics
 
 
@@ -243,7 +243,7 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     else:
         ratio = torch.exp(log_s).expand_as(logp)
     pg, clipped = _clipped_surrogate(ratio, advantages, eps_low, eps_high)
-    loss, metrics = _regularise_and_aggregate(
+    loss, metrics = regularise_and_aggregate(
         pg, logp, mask, ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef, kl_estimator=kl_estimator,
         entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     with torch.no_grad():
@@ -274,12 +274,12 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0)).detach()
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     pg = -weight * advantages * logp
-    loss, metrics = _regularise_and_aggregate(
+    loss, metrics = regularise_and_aggregate(
         pg, logp, mask, ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef, kl_estimator=kl_estimator,
         entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     with torch.no_grad():
         metrics["clipfrac"] = float(((weight != ratio).to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0))
-        metrics["ratio_mean"] = float(_masked_mean(ratio, mask))
+        metrics["ratio_mean"] = float(masked_mean(ratio, mask))
     return loss, metrics
 
 
@@ -354,12 +354,12 @@ def tgpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     w = torch.where(seq_adv > 0, torch.ones_like(score), score.clamp(w_min, 1.0)).detach()
     pg, clipped = _clipped_surrogate(ratio, advantages, eps_low, eps_high)
     pg = w.unsqueeze(-1) * gamma * pg
-    loss, metrics = _regularise_and_aggregate(
+    loss, metrics = regularise_and_aggregate(
         pg, logp, mask, ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef, kl_estimator=kl_estimator,
         entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     with torch.no_grad():
         metrics["clipfrac"] = float((clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0))
-        metrics["gate_mean"] = float(_masked_mean(gamma, mask))
+        metrics["gate_mean"] = float(masked_mean(gamma, mask))
         metrics["trust_mean"] = float(w.mean())
     return loss, metrics
 
@@ -377,11 +377,11 @@ def value_clip_loss(values: torch.Tensor, old_values: torch.Tensor, returns: tor
         clipped_values = old_values + (values - old_values).clamp(-clip, clip)
         clipped = (clipped_values - returns) ** 2
         per_token = 0.5 * torch.maximum(unclipped, clipped)
-        clip_frac = float(_masked_mean((clipped > unclipped).to(mask.dtype), mask))
+        clip_frac = float(masked_mean((clipped > unclipped).to(mask.dtype), mask))
     else:
         per_token, clip_frac = 0.5 * unclipped, 0.0
     loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
-    return loss, {"value_clip_frac": clip_frac, "values_mean": float(_masked_mean(values.detach(), mask))}
+    return loss, {"value_clip_frac": clip_frac, "values_mean": float(masked_mean(values.detach(), mask))}
 
 
 @register("loss", "bradley_terry")

@@ -46,8 +46,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import ray
-
 from rl.memo import (
     BASE_PROMPT,
     PrefixReplayBuffer,
@@ -61,7 +59,15 @@ from rl.memo import (
     trueskill_env,
 )
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, config_fingerprint_part, files_identity, say
+from rl.stages import (
+    Stage,
+    StageContext,
+    StageError,
+    StageRuntime,
+    config_fingerprint_part,
+    files_identity,
+    say,
+)
 
 BASELINE = "baseline"
 # Styles of the generation-0 variations (the released code draws from a longer list of the same kind).
@@ -189,8 +195,9 @@ class ModelClient:
     the driver, so a move batch lost with a worker is generated again and no game is played twice."""
 
     def __init__(self, workers: list[Any] | None, judge: Any, tokenizer: Any, chat_template: bool,
-                 temperature: float, max_new_tokens: int, retries: int = 3):
+                 temperature: float, max_new_tokens: int, retries: int = 3, wait: Any = None):
         self.workers, self.judge, self.tok, self.chat = workers, judge, tokenizer, chat_template
+        self.wait = wait  # the runtime's `wait` for the workers' results (`StageRuntime.wait`)
         self.temperature, self.max_new_tokens, self.retries = temperature, max_new_tokens, retries
         self.restarts = 0
 
@@ -217,7 +224,7 @@ class ModelClient:
         for w in range(k):
             for attempt in range(self.retries + 1):
                 try:
-                    out[w] = ray.get(refs[w]).responses
+                    out[w] = self.wait(refs[w]).responses
                     break
                 except Exception as exc:  # a dead or restarted worker: it serves the stage's model again
                     if attempt == self.retries:
@@ -234,7 +241,7 @@ class ModelClient:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
-                ray.get(self.workers[w].accept_initial_weights.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                self.wait(self.workers[w].accept_initial_weights.remote(), timeout=max(1.0, deadline - time.monotonic()))
                 return
             except Exception:
                 time.sleep(1.0)
@@ -260,7 +267,7 @@ class MemoStage(Stage):
                  analyzer_temperature: float = 1.0, analyzer_max_new_tokens: int = 512,
                  base_prompt: str = BASE_PROMPT, initial_prompts: list[str] | None = None,
                  observation_chars: int = 0, requests: str = "released", seed: int = 0):
-        from rollout.games import GAMES
+        from rl.games import GAMES
         if fitness not in ("winrate", "trueskill"):
             raise ValueError(f"memo fitness {fitness!r}: expected winrate | trueskill")
         if requests not in ("released", "compact"):
@@ -296,9 +303,7 @@ class MemoStage(Stage):
 
     # ------------------------------------------------------------------ driver
     def run(self, ctx: StageContext) -> dict[str, str]:
-        from rewards.judges import stop_judges
-        from rl.trainer import make_rollout_workers
-        from rollout.base import load_tokenizer
+        from models.tokenizer import load_tokenizer
         cfg, rt = ctx.cfg, ctx.runtime
         unknown = [n for n in [self.analyzer, *self.eval_opponents] if n not in (None, BASELINE, *cfg.reward.judges)]
         if unknown:
@@ -306,25 +311,23 @@ class MemoStage(Stage):
                              f"{list(cfg.reward.judges)}, or 'baseline' for an evaluation opponent)")
         policy = ctx.require("policy")
         tok = load_tokenizer(ctx.require("base_model"))
-        workers = make_rollout_workers(cfg, policy, rt.placement)
-        judges = self._start_judges(cfg, policy)
+        workers = rt.start_rollout_workers(cfg, policy)
+        judges = self._start_judges(rt, cfg, policy)
         try:
-            player = ModelClient(workers, None, tok, cfg.data.chat_template, self.temperature, self.max_new_tokens)
+            player = ModelClient(workers, None, tok, cfg.data.chat_template, self.temperature, self.max_new_tokens,
+                                 wait=rt.wait)
             analyzer = (ModelClient(None, judges[self.analyzer], tok, False, self.analyzer_temperature,
                                     self.analyzer_max_new_tokens) if self.analyzer else
                         ModelClient(workers, None, tok, cfg.data.chat_template, self.analyzer_temperature,
-                                    self.analyzer_max_new_tokens))
+                                    self.analyzer_max_new_tokens, wait=rt.wait))
             opponents = {n: ModelClient(None, judges[n], tok, False, self.temperature, self.max_new_tokens)
                          for n in self.eval_opponents if n != BASELINE}
             return self._evolve(ctx, player, analyzer, opponents)
         finally:
-            for w in workers:
-                ray.kill(w)
-            stop_judges(judges)
+            rt.stop_actors(workers)
+            rt.stop_judges(judges)
 
-    def _start_judges(self, cfg: Any, policy: str) -> dict[str, Any]:
-        from cluster.ray_utils import actor_env
-        from rewards.judges import start_judges
+    def _start_judges(self, rt: StageRuntime, cfg: Any, policy: str) -> dict[str, Any]:
         from rl.config import as_container
         names = {n for n in [self.analyzer, *self.eval_opponents] if n not in (None, BASELINE)}
         if not names:
@@ -333,7 +336,7 @@ class MemoStage(Stage):
         for spec in specs.values():
             if spec["chat_template"] is None:
                 spec["chat_template"] = cfg.data.chat_template
-        return start_judges(specs, policy, env=actor_env())
+        return rt.start_judges(specs, policy)
 
     def _evolve(self, ctx: StageContext, player: ModelClient, analyzer: ModelClient,
                 opponents: dict[str, ModelClient]) -> dict[str, str]:
@@ -431,7 +434,7 @@ class MemoStage(Stage):
         """Play `specs` (agents, seed, replay prefix) in lockstep, at most `max_concurrent_games` at once.
         `prompts[agent](observation)` renders an agent's turn; `clients` names the model of agents that are
         not the player (evaluation opponents)."""
-        from rollout.games import TextArenaGame
+        from rl.games import TextArenaGame
         pending, active, done = list(enumerate(specs)), [], []
         tick = 0
         while pending or active:

@@ -19,6 +19,7 @@ import json
 import shutil
 from typing import Any
 
+from rl.config import as_container, engine_actor_config
 from rl.monoscale import (
     LMDistiller,
     LMFamiliarizer,
@@ -56,11 +57,7 @@ class MonoScaleStage(Stage):
     def run(self, ctx: StageContext) -> dict[str, str]:
         from dataclasses import asdict
 
-        from cluster.ray_utils import actor_env
-        from rewards.judges import start_judges, stop_judges
-        from rl.config import as_container
-        from rl.pipeline import engine_actor_config
-        cfg, out = ctx.cfg, ctx.stage_dir
+        cfg, out, rt = ctx.cfg, ctx.stage_dir, ctx.runtime
         shutil.rmtree(out / "memory", ignore_errors=True)  # a re-run logs its own decisions only
         out.mkdir(parents=True, exist_ok=True)
         for role, name in (("router", self.router), ("distiller", self.distiller), ("familiarizer", self.familiarizer)):
@@ -71,14 +68,13 @@ class MonoScaleStage(Stage):
               engine_actor_config(cfg))
         jc.update(temperature=0.0, max_new_tokens=self.max_new_tokens, chat_template=bool(jc.get("chat_template")))
         policy = ctx.require("policy")
-        client = start_judges({"router": jc}, jc.get("model_path") or policy, env=actor_env())["router"]
+        client = rt.start_judges({"router": jc}, jc.get("model_path") or policy)["router"]
         clients = [client]
         try:
             helpers = {}
             for role, name in (("distiller", self.distiller), ("familiarizer", self.familiarizer)):
                 if name is not None:
-                    helpers[role] = start_judges({role: as_container(cfg.reward.judges[name])}, policy,
-                                                 env=actor_env())[role]
+                    helpers[role] = rt.start_judges({role: as_container(cfg.reward.judges[name])}, policy)[role]
                     clients.append(helpers[role])
             router = LMRouter(lambda prompts: client.generate(prompts))
             pool, cards, kinds = make_growing_pool(**self.pool)
@@ -93,7 +89,7 @@ class MonoScaleStage(Stage):
                 report["runs"][mode] = result
                 say(f"{ctx.name}: {mode}: J by round {[round(j, 3) for j in result['j']]}")
         finally:
-            stop_judges(clients)
+            rt.stop_judges(clients)
         (out / "report.json").write_text(json.dumps(report, indent=2))
         memory = report["runs"].get("monoscale", next(iter(report["runs"].values())))["memory"]
         (out / "router_memory.json").write_text(memory)

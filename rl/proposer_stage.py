@@ -25,11 +25,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import ray
-
+from rl.config import engine_actor_config
+from rl.data import prompt_row_columns
 from rl.proposer import last_integer, parse_final
 from rl.registry import register
-from rl.stages import Stage, StageContext, StageError, say
+from rl.stages import Stage, StageContext, StageError, StageRuntime, say, stage_cfg
 
 
 @register("stage", "proposer_solver_sft")
@@ -53,11 +53,9 @@ class ProposerSolverSFT(Stage):
     def run(self, ctx: StageContext) -> dict[str, str]:
         from omegaconf import OmegaConf
 
+        from models.tokenizer import load_tokenizer
         from rl.data import load_rows
-        from rl.pipeline import _sft_stage, _start_judges, prompt_row_columns, stage_cfg
         from rl.sft_data import prompt_response_example
-        from rl.trainer import generate, make_rollout_workers, reward_items
-        from rollout.base import load_tokenizer
         cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.stage_dir
         out.mkdir(parents=True, exist_ok=True)
         if cfg.rollout.env is None:
@@ -69,7 +67,7 @@ class ProposerSolverSFT(Stage):
             rt.trainer.close()
             rt.trainer = None
         if not rt.judges:
-            rt.judges = _start_judges(cfg, start, rt.reward_service, ctx.summary, ctx.require)
+            rt.judges = rt.serve_reward_judges(cfg, start, ctx.summary, ctx.require)
         if self.solutions not in rt.judges:
             raise StageError(f"stage {ctx.name!r}: solutions {self.solutions!r} names no reward.judges entry "
                              f"(known: {sorted(rt.judges)})")
@@ -77,14 +75,13 @@ class ProposerSolverSFT(Stage):
         seeds = load_rows(ctx.require(self.seeds), prompt_row_columns(d), f"stage {ctx.name} seeds")
         rows = [seeds[i % len(seeds)] for i in range(self.proposals)]
         tok = load_tokenizer(ctx.require("base_model"))
-        workers = make_rollout_workers(cfg, proposer, rt.placement)
+        workers = rt.start_rollout_workers(cfg, proposer)
         try:
-            batch = generate(workers, tok, cfg, rows, temperature=cfg.rollout.temperature, n=1,
-                             seed=cfg.seed * 1_000_003 + self.seed)
+            batch = rt.generate(workers, tok, cfg, rows, temperature=cfg.rollout.temperature, n=1,
+                                seed=cfg.seed * 1_000_003 + self.seed)
         finally:
-            for w in workers:
-                ray.kill(w)
-        scored = ray.get(rt.reward_service.score.remote(reward_items(batch)))
+            rt.stop_actors(workers)
+        scored = rt.score(batch)
         episodes, problems = [], {}
         for response, s in zip(batch.responses, scored):
             final = parse_final(response)
@@ -104,7 +101,7 @@ class ProposerSolverSFT(Stage):
                                   max(1, len(episodes)), "distinct_valid": len(problems), "sft_rows": len(sft_rows),
                                   "unsolved": unsolved}
         eval_rows = self._eval_rows(ctx)
-        report["solver_accuracy_before"] = self._accuracy(cfg, solver, eval_rows)
+        report["solver_accuracy_before"] = self._accuracy(rt, cfg, solver, eval_rows)
         solver_out = out / "solver"
         if sft_rows:
             steps = self.steps or max(1, -(-len(sft_rows) // self.batch_size))
@@ -112,8 +109,8 @@ class ProposerSolverSFT(Stage):
                                             "sft": {"steps": steps, "batch_size": self.batch_size, "lr": self.lr,
                                                     "warmup_steps": min(cfg.sft.warmup_steps, steps // 10)}})
             examples = [prompt_response_example(tok, r["prompt"], r["target"]) for r in sft_rows]
-            report["sft"] = _sft_stage(sft_cfg, solver, str(solver_out), tok, examples, rt.placement)
-            report["solver_accuracy_after"] = self._accuracy(cfg, str(solver_out), eval_rows)
+            report["sft"] = rt.fine_tune(sft_cfg, solver, str(solver_out), tok, examples)
+            report["solver_accuracy_after"] = self._accuracy(rt, cfg, str(solver_out), eval_rows)
         else:
             say(f"{ctx.name}: no verified problem to train on; the solver stays as it was")
             report["solver_accuracy_after"] = report["solver_accuracy_before"]
@@ -140,19 +137,15 @@ class ProposerSolverSFT(Stage):
                 raise StageError(f"stage {ctx.name!r}: {path} row {i} lacks prompt or answer")
         return rows[:self.eval_max]
 
-    def _accuracy(self, cfg: Any, model: str, rows: list[dict]) -> float:
+    def _accuracy(self, rt: StageRuntime, cfg: Any, model: str, rows: list[dict]) -> float:
         """Greedy exact-answer accuracy of `model` on `rows`, from a frozen engine actor."""
-        from cluster.ray_utils import actor_env
-        from rewards.judges import start_judges
-        from rl.pipeline import engine_actor_config
         jc = engine_actor_config(cfg, max_new_tokens=self.max_new_tokens, num_gpus=self.eval_num_gpus,
                                  chat_template=bool(cfg.data.chat_template))
-        client = start_judges({"solver": jc}, model, env=actor_env())["solver"]
+        client = rt.start_judges({"solver": jc}, model)["solver"]
         try:
             said = client.generate([r["prompt"] for r in rows])
         finally:
-            for w in client.workers:
-                ray.kill(w)
+            rt.stop_judges([client])
         return sum(last_integer(s) == str(r["answer"]).strip() for s, r in zip(said, rows)) / max(1, len(rows))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.losses import LossParameter, _masked_mean, _regularise_and_aggregate
+from rl.losses import LossParameter, masked_mean, regularise_and_aggregate
 from rl.registry import register
 
 LOOP_WEIGHTINGS = ("uniform", "progressive", "exit_pdf", "learned", "last")
@@ -72,7 +72,7 @@ def rltt_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     trajectory_logp = (omega * loop_logp).sum(-1)
     pg = -advantages * trajectory_logp
     final = loop_logp[..., -1]
-    loss, metrics = _regularise_and_aggregate(
+    loss, metrics = regularise_and_aggregate(
         pg, final, response_mask.to(final.dtype), ref_logp=ref_logp, entropy=entropy, kl_coef=kl_coef,
         kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs,
         norm_len=norm_len)
@@ -81,7 +81,7 @@ def rltt_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         mean_omega = omega if omega.dim() == 1 else (omega * mask[..., None]).sum((0, 1)) / mask.sum().clamp(min=1)
         for t in range(num_loops):
             metrics[f"loop_weight_{t + 1}"] = float(mean_omega[t])
-            metrics[f"loop_logp_{t + 1}"] = float(_masked_mean(loop_logp[..., t], mask))
+            metrics[f"loop_logp_{t + 1}"] = float(masked_mean(loop_logp[..., t], mask))
     return loss, metrics
 
 

@@ -4,8 +4,10 @@ A stage is a class: `Cls(**params)` then `run(ctx) -> artifacts`, where artifact
 (datasets, model folders, reports) that later stages read with `ctx.artifact(name)` (the latest stage that
 published a name wins: a data-selection stage's `train` replaces the data stage's for RL).
 
-* Built-in stages that drive actor groups (`runs_in_driver = True`) run in the driver and share its
-  runtime (`ctx.runtime`: Ray placement, reward service, the live trainer). Other stages run as a Ray
+* Built-in stages that drive actor groups (`runs_in_driver = True`) run in the driver and get its runtime
+  (`ctx.runtime`, a `StageRuntime`): the capabilities a stage uses instead of importing the driver: fine-tune
+  a model, start and use rollout workers, score with the reward service, start judges, run a function as a
+  Ray task in the run's reserved resources. Other stages run as a Ray
   task with the resources they declare (`resources`, default none reserved) and get a context without
   the runtime; what they add to `ctx.summary` comes back with their artifacts.
 * Every stage has a fingerprint: its name, params, the recipe keys it declares (`config_keys`; a user
@@ -22,15 +24,18 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from models.tokenizer import load_tokenizer
 from rl.config import as_container
-from rl.registry import get
+from rl.data import load_rows
+from rl.sft_data import sft_rows_and_examples
 
 
 class StageError(RuntimeError):
@@ -43,7 +48,7 @@ class StageContext:
     name: str  # this stage's name in the recipe
     artifacts: dict[str, dict[str, str]]  # artifacts of the stages before this one, by stage name, in order
     summary: dict[str, Any] = field(default_factory=dict)  # what this stage adds to summary.json
-    runtime: Any = None  # the driver's shared services (driver stages only)
+    runtime: StageRuntime | None = None  # the driver's capabilities (driver stages only)
     fingerprint: str = ""  # this stage's fingerprint (a checkpoint it writes is resumed only under the same one)
 
     @property
@@ -76,12 +81,116 @@ class StageContext:
             raise StageError(f"stage {self.name!r} needs the artifact {key!r} from before {later!r}")
         return value
 
+    def rows(self, split: str, columns: list[str]) -> list[dict]:
+        """The rows of the data split `split` (`train`, `eval`, ...) an earlier stage published, or none."""
+        path = self.artifact(split)
+        return load_rows(path, columns, f"data.{split}_path") if path else []
+
     def require(self, key: str) -> str:
         value = self.artifact(key)
         if value is None:
             raise StageError(f"stage {self.name!r} needs an artifact {key!r}, which no earlier stage "
                              f"({list(self.artifacts)}) published")
         return value
+
+
+class StageRuntime:
+    """What the driver lends the stages that run in it (`ctx.runtime`): every capability a stage needs from the
+    actor system, so that a stage imports nothing above the library. The driver's implementation is
+    `cluster.runtime.Runtime`; the methods here state the contract."""
+
+    placement: Any  # where the learner and rollout actors run (their reserved resources)
+    judges: dict[str, Any]  # the reward judges serving the run (name -> client)
+
+    def run_task(self, fn: Callable[..., Any], *args: Any, bundle: int = 0, num_gpus: float = 0.0, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` as a Ray task in the run's learner bundle `bundle` (taking `num_gpus` of its device);
+        returns its result."""
+        raise NotImplementedError
+
+    def start_actor(self, cls: type, *args: Any, bundle: int = 0, num_gpus: float = 0.0) -> Any:
+        """An actor `cls(*args)` of the stage's own in the learner bundle `bundle`; call its methods with
+        `handle.method.remote(...)`, wait with `wait`, stop it with `stop_actors`."""
+        raise NotImplementedError
+
+    def wait(self, refs: Any, timeout: float | None = None) -> Any:
+        """The result(s) of remote calls (one reference or a list), waiting at most `timeout` seconds."""
+        raise NotImplementedError
+
+    def rendezvous(self, world_size: int) -> tuple[str, int]:
+        """An address and a free port for a process group of `world_size` ranks started by a stage."""
+        raise NotImplementedError
+
+    def fine_tune(self, cfg: Any, model_path: str, out_path: str, tokenizer: Any, examples: list, *,
+                  eval_examples: list | None = None, fingerprint: str = "", shuffle: bool = True) -> dict[str, float]:
+        """SFT of `model_path` on tokenized `examples` under the recipe `cfg`'s `sft` section, saved as an HF
+        model at `out_path`; returns the summary (steps, wall time, final losses)."""
+        raise NotImplementedError
+
+    def learner_group(self, cfg: Any, model_path: str, **params: Any) -> Any:
+        """A learner group on `model_path` (`cluster.trainer.make_learner_group`'s parameters)."""
+        raise NotImplementedError
+
+    def start_rollout_workers(self, cfg: Any, model_path: str) -> list[Any]:
+        """Rollout workers serving `model_path`; the caller stops them (`stop_actors`)."""
+        raise NotImplementedError
+
+    def rollout_workers(self, ctx: StageContext, cfg: Any) -> AbstractContextManager[list[Any]]:
+        """The RL run's rollout workers when this run trains; otherwise workers on the stage's policy, stopped
+        when the block ends."""
+        raise NotImplementedError
+
+    def stop_actors(self, actors: list[Any]) -> None:
+        raise NotImplementedError
+
+    def generate(self, workers: list[Any], tokenizer: Any, cfg: Any, rows: list[dict], **sampling: Any) -> Any:
+        """A `Batch` of responses to `rows` from `workers` (`cluster.trainer.generate`'s parameters)."""
+        raise NotImplementedError
+
+    def score(self, batch: Any, evaluation: bool = False) -> list[dict]:
+        """The reward service's scores of `batch` (with `evaluation`, eval-only functions too)."""
+        raise NotImplementedError
+
+    def score_items(self, items: list[dict], evaluation: bool = False) -> list[dict]:
+        """The reward service's scores of reward items (`prompt`, `response`, `ground_truth`, `metadata`, ...)."""
+        raise NotImplementedError
+
+    def start_judges(self, judges: dict[str, Any], policy_path: str) -> dict[str, Any]:
+        """Judge groups (`reward.judges` entries) serving frozen models (a null `model_path`: `policy_path`)."""
+        raise NotImplementedError
+
+    def stop_judges(self, clients: Any) -> None:
+        """Stop judge clients (a dict of them by name, or any iterable of them)."""
+        raise NotImplementedError
+
+    def serve_reward_judges(self, cfg: Any, policy_path: str, summary: dict, artifact: Callable[[str], str]
+                            ) -> dict[str, Any]:
+        """Start the recipe's `reward.judges` and hand them to the reward service (the run's `judges`)."""
+        raise NotImplementedError
+
+
+def stage_cfg(ctx: StageContext) -> DictConfig:
+    """The recipe as a stage that formats prompts reads it: a `data.prompt_prefix` of the form `artifact:NAME`
+    becomes the text of that earlier stage's artifact (e.g. MEMO's `memo_prompt`) and a blank line. A copy:
+    the recipe itself (and so every stage's fingerprint) keeps the reference."""
+    prefix = ctx.cfg.data.prompt_prefix
+    if not str(prefix).startswith("artifact:"):
+        return ctx.cfg
+    text = Path(ctx.require(prefix.split(":", 1)[1])).read_text().strip()
+    return OmegaConf.merge(ctx.cfg, {"data": {"prompt_prefix": f"{text}\n\n"}})
+
+
+def policy_sft_data(ctx: StageContext, purpose: str) -> tuple[Any, str, Any, list[dict], list, dict[str, int]]:
+    """What a stage that reads the SFT data with the current policy needs: the stage's config, the `policy` folder,
+    its tokenizer, the SFT rows, their tokenized examples and the dropped-row counts. `purpose` names what the data
+    is for in the error raised when there is none."""
+    cfg = stage_cfg(ctx)
+    path = ctx.artifact("sft")
+    if path is None:
+        raise StageError(f"{ctx.name}: no {purpose} (set data.sft_path, or a synthetic task with an SFT split)")
+    base = ctx.require("policy")
+    tokenizer = load_tokenizer(base)
+    rows, examples, dropped = sft_rows_and_examples(tokenizer, path, "data.sft_path", cfg.sft, cfg.data)
+    return cfg, base, tokenizer, rows, examples, dropped
 
 
 class Stage:
@@ -132,89 +241,3 @@ def fingerprint(*parts: Any) -> str:
 def say(msg: str) -> None:
     """A progress line of the run on stderr."""
     print(f"[looprl] {msg}", file=sys.stderr, flush=True)
-
-
-def _record_path(cfg: DictConfig, name: str) -> Path:
-    return Path(cfg.output_dir) / "stages" / f"{name}.json"
-
-
-def read_record(cfg: DictConfig, name: str) -> dict | None:
-    path = _record_path(cfg, name)
-    if not path.is_file():
-        return None
-    record = json.loads(path.read_text())
-    return record if record.get("complete") else None
-
-
-def _run_remote(spec: str, params: dict[str, Any], key: str, ctx: StageContext
-                ) -> tuple[dict[str, str], dict[str, Any]]:
-    # resolved again in the task's process: a plugin class from a file is not importable by reference
-    artifacts = make_stage(spec, params, key).run(ctx)
-    return artifacts, ctx.summary
-
-
-def make_stage(spec: str, params: dict[str, Any], key: str) -> Any:
-    """The stage object for `spec` with `params`; a wrong parameter fails naming the recipe key."""
-    cls = get("stage", spec)
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise StageError(f"{key}.params: stage {spec!r} does not take {sorted(params)}: {exc}") from exc
-
-
-def run_stages(cfg: DictConfig, runtime: Any, only: str | None = None) -> dict[str, Any]:
-    """Run the recipe's stages in order (skipping those whose record matches), or only the stage `only`.
-    Returns the merged summary, with `stages`: each stage's artifacts, wall time and whether it was reused."""
-    import ray
-    entries = list(cfg.stages)
-    names = [e.label or e.name for e in entries]
-    if only is not None and only not in names:
-        raise StageError(f"--stage {only!r}: the recipe's stages are {names}")
-    summary: dict[str, Any] = {"stages": {}}
-    artifacts: dict[str, dict[str, str]] = {}
-    upstream: list[str] = []
-    for i, (entry, name) in enumerate(zip(entries, names)):
-        key = f"stages[{i}]"
-        params = as_container(entry.params)
-        stage = make_stage(entry.name, params, key)
-        inputs = stage.input_files(cfg) if hasattr(stage, "input_files") else []
-        fp = fingerprint(entry.name, params, config_fingerprint_part(cfg, getattr(stage, "config_keys", None)),
-                         files_identity(*inputs), upstream)
-        upstream.append(fp)
-        record = read_record(cfg, name)
-        if only is not None and name != only:
-            if record is None:
-                raise StageError(f"--stage {only!r} needs the artifacts of stage {name!r}, which has not completed "
-                                 f"in {cfg.output_dir} (run the recipe without --stage first)")
-            artifacts[name] = record["artifacts"]
-            continue
-        if (only is None and record is not None and record["fingerprint"] == fp
-                and all(Path(p).exists() for p in record["artifacts"].values())):
-            say(f"stage {name}: reusing its artifacts (same recipe and inputs)")
-            artifacts[name] = record["artifacts"]
-            summary.update(record.get("summary", {}))
-            summary["stages"][name] = {"artifacts": record["artifacts"], "wall_s": record["wall_s"], "reused": True}
-            continue
-        _record_path(cfg, name).unlink(missing_ok=True)
-        ctx = StageContext(cfg, name, dict(artifacts), fingerprint=fp)
-        t0 = time.perf_counter()
-        if getattr(stage, "runs_in_driver", False):
-            ctx.runtime = runtime
-            produced = stage.run(ctx)
-        else:
-            resources = dict(getattr(stage, "resources", Stage.resources))
-            task = ray.remote(_run_remote).options(num_cpus=resources.pop("num_cpus", 0),
-                                                   num_gpus=resources.pop("num_gpus", 0),
-                                                   resources=resources or None, max_retries=0)
-            say(f"stage {name}: running as a Ray task ({entry.name})")
-            produced, ctx.summary = ray.get(task.remote(entry.name, params, key, ctx))
-        produced = {k: str(v) for k, v in (produced or {}).items()}
-        wall = time.perf_counter() - t0
-        artifacts[name] = produced
-        summary.update(ctx.summary)
-        summary["stages"][name] = {"artifacts": produced, "wall_s": wall, "reused": False}
-        path = _record_path(cfg, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"stage": entry.name, "fingerprint": fp, "artifacts": produced, "wall_s": wall,
-                                    "summary": ctx.summary, "complete": True}, indent=2, default=str))
-    return summary

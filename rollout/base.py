@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rl.batch import Batch
 from rollout.probes import DTYPES, ActorProbes, hardware_rates, peak_rss_gib  # noqa: F401  (re-exported)
@@ -28,18 +27,6 @@ class SamplingParams:
     exit_at_step: int | None = None  # looped models (Ouro): read out after this loop, 1-based (None: the model's default)
     decoding: str | None = None  # decoding method (registry kind "decoding"; hf engine): None = transformers generate
     decoding_params: dict[str, Any] | None = None  # keyword arguments of the decoding method
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """The tokenizer saved with a model folder, left-padded for generation."""
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (ValueError, OSError, KeyError):
-        tok = PreTrainedTokenizerFast.from_pretrained(path)
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def encode_prompts(tok: Any, prompts: list[str]) -> dict[str, torch.Tensor]:

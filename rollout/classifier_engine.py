@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from models.tokenizer import load_tokenizer
 from rl.registry import register
-from rollout.base import DTYPES, load_tokenizer
+from rollout.base import DTYPES
 
 
 @register("engine", "hf_classifier")

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from models.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.registry import register
-from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_prompts, load_tokenizer
+from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_prompts
 
 
 @register("engine", "hf")

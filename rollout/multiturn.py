@@ -1,4 +1,4 @@
-"""The multi-turn rollout loop: episodes of an environment (`rollout.envs`) on token ids.
+"""The multi-turn rollout loop: episodes of an environment (`rl.env`) on token ids.
 
 Each turn, the engine continues every unfinished episode from its token ids so far (`generate_ids`:
 prompt ids in, new ids and their logprobs out); the sampled ids are appended as they are, the action's

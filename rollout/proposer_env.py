@@ -28,9 +28,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from rl.env import Env, EnvStep
 from rl.proposer import evaluate, parse_block, parse_final
 from rl.registry import register
-from rollout.envs import Env, EnvStep
 from rollout.tools import run_python
 
 STOP = ["</python>", "</check>", "</think>", "</final>"]  # the turn-ending tags (rollout.stop)

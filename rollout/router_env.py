@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rl.env import Env, EnvStep
 from rl.monoscale import AgentCard, MemoryEntry, RouterMemory, Task, first_agent_named, router_prompt
 from rl.registry import register
-from rollout.envs import Env, EnvStep
 from rollout.tools import run_python
 
 

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from models.tokenizer import load_tokenizer
 from rl.batch import Batch
 from rl.registry import register
-from rollout.base import SamplingParams, attach_prompt_fields, encode_prompts, load_tokenizer
+from rollout.base import SamplingParams, attach_prompt_fields, encode_prompts
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the LoRA ranks vLLM allocates buffers for
 

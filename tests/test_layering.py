@@ -1,39 +1,31 @@
-"""Imports point one way: driver → cluster → rewards → rollout → models and the algorithm core; no circles;
-the algorithm core imports neither Ray nor DeepSpeed nor vLLM nor `models/`. Every import statement
-counts, also those inside functions (a lazy import is still a dependency)."""
+"""The house's layers follow from its folders: every import between the packages points down the table below,
+no modules import each other in a circle, every module lies in a layer, and the Ray-free library (`rl/`)
+imports neither Ray nor DeepSpeed nor vLLM. Every import statement counts, also those inside functions (a
+lazy import is still a dependency)."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("rl", "rollout", "rewards", "models", "cluster")
-CORE = {"rl", "rl.batch", "rl.registry", "rl.config", "rl.data", "rl.advantages", "rl.losses", "rl.rltt", "rl.optim", "rl.memo", "rl.proposer", "rl.monoscale",
-        "rl.sft_data", "rl.ep_order", "rl.bliss", "rl.zo_finetuner", "rl.curvature", "rl.kv_compress", "rl.guidance", "rl.dsr"}
-# what each layer may import (its own layer included)
-ALLOWED = {
-    "core": {"core"},
-    "models": {"models"},
-    "rollout": {"core", "models", "rollout"},
-    "rewards": {"core", "models", "rollout", "rewards"},  # a grader may call a rollout engine
-    "cluster": {"core", "models", "rollout", "rewards", "cluster"},
-    "driver": {"core", "models", "rollout", "rewards", "cluster", "driver"},
-}
-CORE_FORBIDDEN_THIRD_PARTY = ("ray", "deepspeed", "vllm")
+# bottom to top: a module may import its own layer and the layers below it
+LAYERS = ("models", "rl", "rollout", "rewards", "cluster")
+RAY_FREE = {"rl": ("ray", "deepspeed", "vllm")}
 
 
-def layer_of(module: str) -> str:
-    if module in CORE:
-        return "core"
-    top = module.split(".")[0]
-    return "driver" if top == "rl" else top
+def layer_of(path: Path) -> str | None:
+    """The layer a file lies in: the first folder of its path inside the repository, if that is a layer."""
+    top = path.relative_to(ROOT).parts[0]
+    return top if top in LAYERS else None
 
 
-def project_modules() -> dict[str, Path]:
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
     mods = {}
-    for pkg in PACKAGES:
-        for f in (ROOT / pkg).rglob("*.py"):
-            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
-            mods[name.removesuffix(".__init__")] = f
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root)
+        if rel.parts[0] in ("tests", "benchmarks", "recipes", ".venv", "docs") or rel.parts[0].startswith("."):
+            continue
+        name = ".".join(rel.with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = f
     return mods
 
 
@@ -62,9 +54,9 @@ def upward_edges(edges: dict[str, set[str]], files: dict[str, Path]) -> list[str
     bad = []
     for src, targets in sorted(edges.items()):
         for dst in sorted(targets):
-            if layer_of(dst) not in ALLOWED[layer_of(src)]:
-                bad.append(f"{files[src].relative_to(ROOT)} ({layer_of(src)}) imports "
-                           f"{files[dst].relative_to(ROOT)} ({layer_of(dst)})")
+            a, b = layer_of(files[src]), layer_of(files[dst])
+            if a in LAYERS and b in LAYERS and LAYERS.index(b) > LAYERS.index(a):
+                bad.append(f"{files[src].relative_to(ROOT)} ({a}) imports {files[dst].relative_to(ROOT)} ({b})")
     return bad
 
 
@@ -101,6 +93,10 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def test_every_module_lies_in_a_layer():
+    assert sorted(str(p.relative_to(ROOT)) for p in project_modules().values() if layer_of(p) is None) == []
+
+
 def test_no_upward_imports_and_no_circles():
     mods = project_modules()
     edges, _ = graph(mods)
@@ -108,17 +104,32 @@ def test_no_upward_imports_and_no_circles():
     assert [[str(mods[m].relative_to(ROOT)) for m in c] for c in cycles(edges)] == []
 
 
-def test_the_algorithm_core_imports_no_ray_deepspeed_vllm():
+def test_the_library_imports_no_ray_deepspeed_vllm():
     mods = project_modules()
     _, everything = graph(mods)
-    bad = [f"{mods[m].relative_to(ROOT)} imports {n}" for m in sorted(CORE) for n in sorted(everything[m])
-           if n.split(".")[0] in CORE_FORBIDDEN_THIRD_PARTY]
+    bad = [f"{mods[m].relative_to(ROOT)} imports {n}" for m in sorted(mods) for n in sorted(everything[m])
+           if n.split(".")[0] in RAY_FREE.get(layer_of(mods[m]), ())]
     assert bad == []
 
 
-def test_the_checks_name_both_files_of_a_bad_edge_and_a_circle():
-    files = {m: ROOT / (m.replace(".", "/") + ".py") for m in ("rl.batch", "rl.trainer", "rollout.worker")}
-    edges = {"rl.batch": {"rollout.worker"}, "rollout.worker": {"rl.trainer"}, "rl.trainer": {"rl.batch"}}
-    assert upward_edges(edges, files) == ["rl/batch.py (core) imports rollout/worker.py (rollout)",
-                                          "rollout/worker.py (rollout) imports rl/trainer.py (driver)"]
-    assert cycles(edges) == [["rl.batch", "rl.trainer", "rollout.worker"]]
+def test_no_module_imports_a_private_name_of_another():
+    mods = project_modules()
+    bad = []
+    for name, path in sorted(mods.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in mods and node.module != name:
+                bad += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}" for a in node.names
+                        if a.name.startswith("_")]
+    assert bad == []
+
+
+def test_the_checks_name_both_files_of_a_bad_edge_a_circle_and_a_stray_module(tmp_path):
+    files = {m: ROOT / (m.replace(".", "/") + ".py") for m in ("rl.batch", "cluster.trainer", "rollout.worker")}
+    edges = {"rl.batch": {"rollout.worker"}, "rollout.worker": {"cluster.trainer"}, "cluster.trainer": {"rl.batch"}}
+    assert upward_edges(edges, files) == ["rl/batch.py (rl) imports rollout/worker.py (rollout)",
+                                          "rollout/worker.py (rollout) imports cluster/trainer.py (cluster)"]
+    assert cycles(edges) == [["cluster.trainer", "rl.batch", "rollout.worker"]]
+    assert layer_of(ROOT / "rl" / "methods" / "x.py") == "rl" and layer_of(ROOT / "tools" / "x.py") is None
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "helper.py").write_text("import rl\n")
+    assert list(project_modules(tmp_path)) == ["tools.helper"]

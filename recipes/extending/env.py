@@ -4,7 +4,7 @@ Recipe: `rollout.env: recipes/extending/env.py:GuessTheAnswer` with `reward.func
 
 import re
 
-from rollout.envs import Env, EnvStep
+from rl.env import Env, EnvStep
 
 
 class GuessTheAnswer(Env):

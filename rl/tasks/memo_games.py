@@ -118,7 +118,7 @@ def random_prompt_text(rng: random.Random, game: str) -> str:
 
 def game_observations(game: str, num: int, rng: random.Random, seed_base: int) -> list[str]:
     """Observations of positions reached by random play (TextArena's own text)."""
-    from rollout.games import TextArenaGame
+    from rl.games import TextArenaGame
     out: list[str] = []
     k = 0
     while len(out) < num:

@@ -3,7 +3,7 @@
 A goal names a factor and an outcome ("Find how salt changes growth."). Its rubric has four items,
 each one step a sound plan takes (`Vary salt.`, `Measure growth.`, `Keep a control.`,
 `Repeat it 3 times.`); the reference solution states all four. The policy sees only the goal
-(`rewards.rubric.policy_prompt`).
+(`rl.rubric.policy_prompt`).
 
 The SFT warm-up teaches the one model both roles that rubric self-grading needs:
 - as the policy, `<solution>` plans that take each step with probability `p_step`, and name the wrong
@@ -25,8 +25,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from rewards.rubric import grader_prompt, policy_prompt, rule_verdicts
 from rl.registry import register
+from rl.rubric import grader_prompt, policy_prompt, rule_verdicts
 
 FACTORS = ("heat", "light", "salt", "noise", "water", "dust", "wind", "sugar")
 OUTCOMES = ("growth", "speed", "yield", "sleep", "rust", "color", "weight", "taste")

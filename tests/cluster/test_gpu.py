@@ -6,8 +6,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from rl.pipeline import run
-from rl.tracking import read_metrics
+from cluster.pipeline import run
+from cluster.tracking import read_metrics
 from tests.rl.test_pipeline import _cfg, _digit_reward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

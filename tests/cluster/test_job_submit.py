@@ -73,7 +73,7 @@ def test_looprl_submit_returns_the_failed_jobs_status_and_error(tmp_path):
     # looprl's own submit streams the job's log and returns its exit code: a recipe that fails on the cluster
     # (an unimportable reward plugin) fails the command, with the job's error in its output
     with _ray_head() as (_, env, address):
-        looprl = [sys.executable, "-m", "rl.cli", "submit", "recipes/quickstart.yaml", "--address", address]
+        looprl = [sys.executable, "-m", "cluster.cli", "submit", "recipes/quickstart.yaml", "--address", address]
         deadline = time.monotonic() + 300
         while True:
             bad = subprocess.run([*looprl, f"output_dir={tmp_path / 'bad'}", "trainer.steps=1", *TINY_RUN,

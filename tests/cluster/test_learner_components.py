@@ -7,9 +7,10 @@ import torch
 from cluster.learner import LearnerGroup
 from cluster.ray_utils import actor_env
 from models.tiny import save_tiny
+from models.tokenizer import load_tokenizer
 from rl.advantages import compute_grpo_advantages
 from rl.batch import make_sft_batch
-from rollout.base import SamplingParams, load_tokenizer
+from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 
 

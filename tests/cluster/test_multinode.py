@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     rollout_node = cluster.add_node(num_cpus=1, resources={"rollout_node": 1})
     cluster.wait_for_nodes()
     try:
-        proc = subprocess.run([sys.executable, "-m", "rl.cli", "run", "recipes/quickstart.yaml", *sys.argv[1:]],
+        proc = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", *sys.argv[1:]],
                               env={**os.environ, "RAY_ADDRESS": cluster.address}, capture_output=True, text=True)
         print("RESULT " + json.dumps({"learner": learner_node.node_id, "rollout": rollout_node.node_id,
                                       "rc": proc.returncode, "log": (proc.stdout + proc.stderr)[-3000:]}))

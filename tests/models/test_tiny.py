@@ -2,7 +2,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.tiny import build_tiny_tokenizer, save_tiny
-from rollout.base import load_tokenizer
+from models.tokenizer import load_tokenizer
 
 
 def test_tokenizer_is_character_level_and_roundtrips():
@@ -40,10 +40,10 @@ def test_added_tokens_are_whole_phrases_and_decode_back():
 def test_the_model_stage_adds_the_synthetic_tasks_phrases(tmp_path):
     from pathlib import Path
 
+    from cluster.pipeline import prepare_model
+    from models.tokenizer import load_tokenizer
     from rl import config
-    from rl.pipeline import prepare_model
     from rl.tasks.memo_games import harness_tokens
-    from rollout.base import load_tokenizer
     root = Path(__file__).resolve().parents[2]
     cfg = config.load(root / "recipes/memo_tiny.yaml", [f"output_dir={tmp_path}"])
     tok = load_tokenizer(prepare_model(cfg, tmp_path))

@@ -17,8 +17,9 @@ from rewards.factuality import (
     says_yes,
 )
 from rewards.judges import JudgeClient, JudgeWorker, state_dict_sha256
-from rewards.rubric import grader_prompt, rubric_self_grade
+from rewards.rubric import rubric_self_grade
 from rewards.service import RewardService, RewardSpec
+from rl.rubric import grader_prompt
 from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 
@@ -141,7 +142,7 @@ def test_a_vllm_judge_answers_as_the_hf_engine_in_the_chat_template(ray_cluster,
 def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path, engine):
     from transformers import AutoModelForCausalLM
 
-    from rl.pipeline import run
+    from cluster.pipeline import run
     from tests.rl.test_pipeline import _cfg, vllm_model
     extra = vllm_model(engine)
     plugin = tmp_path / "critic.py"
@@ -186,8 +187,8 @@ def test_factuality_with_judge_claims_and_relevance(judge, tmp_path):
 
 @pytest.mark.slow
 def test_the_tiny_research_plans_recipe_runs_end_to_end(ray_cluster, tmp_path):
+    from cluster.pipeline import run
     from rl import config
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT
     cfg = config.load(ROOT / "recipes/research_plans_tiny.yaml", [
         f"output_dir={tmp_path / 'plans'}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",

@@ -22,7 +22,7 @@ def digits(prompt, response, **kw):
 
 
 def _start(plugin, port):
-    proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "serve-reward", f"{plugin}:digits", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve-reward", f"{plugin}:digits", "--port", str(port),
                              "--workers", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -71,7 +71,7 @@ def test_remote_scores_errors_and_a_server_that_dies_and_comes_back(plugin):
 
 @pytest.mark.slow
 def test_a_run_scores_through_a_remote_reward(ray_cluster, plugin, tmp_path):
-    from rl.pipeline import run
+    from cluster.pipeline import run
     from tests.rl.test_pipeline import _cfg
     port = free_port()
     server = _start(plugin, port)
@@ -84,7 +84,7 @@ def test_a_run_scores_through_a_remote_reward(ray_cluster, plugin, tmp_path):
 
 def test_an_unreachable_server_stops_the_run_at_start(tmp_path):
     port = free_port()
-    proc = subprocess.run([sys.executable, "-m", "rl.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path}",
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path}",
                            f"reward.functions=[{{remote: 'http://127.0.0.1:{port}'}}]", "sft.enabled=false"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and f"reward server http://127.0.0.1:{port} is not reachable" in proc.stderr

@@ -47,7 +47,7 @@ def trained(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rm")
     for name, rows in (("train.jsonl", _pairs(2000, 0)), ("heldout.jsonl", _pairs(200, 1))):
         (tmp / name).write_text("\n".join(json.dumps(r) for r in rows))
-    from rl.pipeline import run
+    from cluster.pipeline import run
     stage = (f"{{name: reward_model, params: {{data: '{tmp / 'train.jsonl'}', eval_data: '{tmp / 'heldout.jsonl'}', "
              f"steps: 300, batch_pairs: 32, lr: 2.0e-3}}}}")
     cfg = config.load(ROOT / "recipes/quickstart.yaml", [f"output_dir={tmp / 'run'}", *TINY,
@@ -72,11 +72,11 @@ def test_the_reward_model_reward_serves_it_batched_with_the_models_own_scores(tr
 
     from cluster.ray_utils import actor_env
     from models.families import SequenceScoreFamily
+    from models.tokenizer import load_tokenizer
     from rewards.judges import start_judges
     from rewards.scoring import RewardSpec
     from rewards.service import RewardService
     from rl.batch import make_sft_batch
-    from rollout.base import load_tokenizer
     _, tmp = trained
     path = str(tmp / "run" / "reward_model")
     rows = _pairs(10, 2)
@@ -101,9 +101,9 @@ def test_the_reward_model_reward_serves_it_batched_with_the_models_own_scores(tr
 
 
 def test_step_spans_map_character_ends_to_tokens():
+    from cluster.trainer import step_spans
     from models.tiny import build_tiny_tokenizer
     from rl.batch import make_sft_batch
-    from rl.trainer import step_spans
     tok = build_tiny_tokenizer()  # one token per character, then EOS
     b = make_sft_batch(tok, ["q", "q"], ["ab\ncd", "xyz"])
     spans = step_spans(b, [[3, 5], []], tok)
@@ -116,12 +116,12 @@ def test_the_process_reward_model_scores_every_step_prefix_and_fills_the_step_fi
     import ray
 
     from cluster.ray_utils import actor_env
+    from cluster.trainer import attach_rewards
     from models.tiny import build_tiny_tokenizer
     from rewards.judges import start_judges
     from rewards.scoring import RewardSpec
     from rewards.service import RewardService
     from rl.batch import make_sft_batch
-    from rl.trainer import attach_rewards
     from rollout.classifier_engine import ClassifierEngine
     _, tmp = trained
     path = str(tmp / "run" / "reward_model")

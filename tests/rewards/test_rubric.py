@@ -2,15 +2,8 @@
 
 import pytest
 
-from rewards.rubric import (
-    DESIDERATA,
-    extract_plan,
-    grader_prompt,
-    parse_grades,
-    policy_prompt,
-    research_plan_rows,
-    rubric_score,
-)
+from rewards.rubric import extract_plan, parse_grades, research_plan_rows, rubric_score
+from rl.rubric import DESIDERATA, grader_prompt, policy_prompt
 
 
 def _xml(errors: dict[int, str], k: int = 10) -> str:

@@ -69,7 +69,7 @@ def test_cross_field_validation(tmp_path):
 
 def test_gpu_only_weight_sync_is_refused_before_any_actor_starts():
     from cluster.ray_utils import Placement
-    from rl.trainer import RLTrainer
+    from cluster.trainer import RLTrainer
     cfg = config.load(None, ["rollout.weight_sync=cuda_ipc"])
     with pytest.raises(ValueError, match="cuda_ipc needs GPUs"):
         RLTrainer(cfg, "unused", None, [], Placement(None, [0], [0], gpus_per_actor=0.0), None)
@@ -104,12 +104,12 @@ def test_every_recipe_validates(recipe):
         check_params("engine", judge.engine, config.as_container(judge.engine_params),
                      f"reward.judges.{name}.engine_params")
     # advantage, loss (against the model family), optimizer and schedulers, as `looprl run` checks them
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     check_components(cfg, None)
 
 
 def test_a_loss_that_needs_outputs_the_family_lacks_fails_at_start_up():
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     cfg = config.load(ROOT / "recipes/rltt_tiny.yaml", ["model.family=causal"])
     with pytest.raises(ValueError, match=r"loss 'rltt' needs \['loop_logp'\].*family 'causal'"):
         check_components(cfg, None)
@@ -121,7 +121,7 @@ def test_a_loss_that_needs_outputs_the_family_lacks_fails_at_start_up():
     (["rollout.top_p=0.9"], r"rollout.top_p / rollout.top_k: loss 'rltt' reads per-loop logprobs"),
 ])
 def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(overrides, match):
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     with pytest.raises(ValueError, match=match):
         check_components(config.load(ROOT / "recipes/rltt_tiny.yaml", overrides), None)
     check_components(config.load(ROOT / "recipes/quickstart.yaml", [*overrides, "learner.max_tokens_per_micro_batch=512"]),
@@ -135,7 +135,7 @@ def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(
     ("quickstart", ["model.gradient_checkpointing=true"], r"learner.share_prompts: model.gradient_checkpointing"),
 ])
 def test_shared_prompts_are_refused_where_no_prompt_cache_can_run(recipe, overrides, match):
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     with pytest.raises(ValueError, match=match):
         check_components(config.load(ROOT / f"recipes/{recipe}.yaml", ["learner.share_prompts=true", *overrides]), None)
     check_components(config.load(ROOT / "recipes/quickstart.yaml", ["learner.share_prompts=true"]), None)
@@ -145,7 +145,7 @@ def test_shared_prompts_are_refused_where_no_prompt_cache_can_run(recipe, overri
 
 
 def test_compiled_position_wise_modules_are_refused_under_zero3():
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     with pytest.raises(ConfigError, match="learner.compile_position_wise: ZeRO-3 gathers"):
         check_components(config.load(ROOT / "recipes/quickstart.yaml", [
             "learner.compile_position_wise=true", "learner.zero_stage=3"]), None)
@@ -160,7 +160,7 @@ def test_compiled_position_wise_modules_are_refused_under_zero3():
     ("learner.optimizer={name: mezo, params: {eps: 0.001}}", None),
 ])
 def test_optimizer_and_scheduler_components_are_checked(override, match):
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     overrides = [override, "learner.zero_stage=1"] if "mezo" in override else [override]
     cfg = config.load(ROOT / "recipes/quickstart.yaml", overrides)
     with pytest.raises(Exception, match=match or "forward-only.*zero_stage 0"):
@@ -170,7 +170,7 @@ def test_optimizer_and_scheduler_components_are_checked(override, match):
 def test_decoding_methods_need_the_hf_engine_and_known_params():
     with pytest.raises(ConfigError, match="rollout.decoding.*rollout.engine: hf"):
         config.load(ROOT / "recipes/quickstart.yaml", ["rollout.engine=vllm", "rollout.decoding=plain"])
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     cfg = config.load(ROOT / "recipes/quickstart.yaml", ["rollout.eval_decoding=plain",
                                                          "rollout.eval_decoding_params={window: 3}"])
     with pytest.raises(Exception, match="rollout.eval_decoding_params.window: decoding 'plain' has no parameter"):
@@ -190,11 +190,11 @@ def test_a_tensor_parallel_judge_needs_as_many_gpus(tmp_path):
 
 
 def test_cli_config_show_and_error_exit(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
                           "trainer.steps=7"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "steps: 7" in out.stdout and "zero_stage: 0" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "rl.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
                           "trainer.stepz=7"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2
     assert "trainer.stepz" in bad.stderr and "did you mean 'trainer.steps'" in bad.stderr

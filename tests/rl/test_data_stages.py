@@ -15,8 +15,8 @@ def test_select_then_order_then_sft(ray_cluster, tmp_path):
     """select_bliss: proxy and target warm-ups on the learner group, the target's log-probabilities from a frozen
     actor, two data-parallel bilevel ranks, per-round top shares of the scored pool; order_ep: the selection
     clustered by domain and chained; sft: the ordered selection drawn sequentially from the warmed-up target."""
+    from cluster.pipeline import run
     from rl import config
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     stages = ("stages=[{name: model}, {name: data}, {name: select_bliss, params: {ratio: 0.5, rounds: 2, "

@@ -131,8 +131,8 @@ def test_the_compressed_policy_is_served_by_vllm_and_trained_by_rl(ray_cluster, 
     biases), one GRPO step on the compressed model (learner and vLLM both load it), evaluation."""
     import json
 
+    from cluster.pipeline import run
     from rl import config
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT, TINY, vllm_model
     out = tmp_path / "run"
     stages = ("stages=[{name: model}, {name: data}, {name: sft}, {name: compress_lowrank, params: {ratio: 0.5, "

@@ -19,7 +19,7 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num
 
 @pytest.mark.slow
 def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_diffusion(ray_cluster, tmp_path):
-    from rl.pipeline import run
+    from cluster.pipeline import run
     out = tmp_path / "llada"
     quantize = ("{name: quantize_fair, params: {probes: 4, calib_sequences: 8, diag_sequences: 4, epochs: 2, "
                 "batch_size: 4, transform: kron}}")
@@ -49,7 +49,7 @@ def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_di
 
 
 def test_a_recipe_that_runs_rl_on_a_masked_diffusion_model_is_refused_at_start_up(tmp_path):
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     cfg = config.load(ROOT / "recipes/llada_sft_tiny.yaml", [
         f"output_dir={tmp_path}", "stages=[{name: model}, {name: data}, {name: sft}, {name: rl}]"])
     with pytest.raises(ConfigError, match="masked_diffusion.*'rl' stage"):

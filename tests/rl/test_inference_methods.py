@@ -8,8 +8,8 @@ import torch
 
 
 def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(ray_cluster, tmp_path):
+    from cluster.pipeline import run
     from rl import config
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     vectors = f"{out}/stages/steer_extract/steering_vectors.pt"
@@ -54,9 +54,9 @@ def test_a_steering_pair_file_with_a_bad_row_is_named(tmp_path):
 def test_cite_eval_scores_plain_post_hoc_and_guided_answers_through_the_recipe(ray_cluster, tmp_path):
     """recipes/guidance_tiny.yaml at test size (a barely trained model: the plumbing; tests/rollout/test_citation.py
     measures the insertions on a model that states facts)."""
+    from cluster.pipeline import run
     from rl import config
     from rl.guidance import post_hoc_cite, strip_citations
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/guidance_tiny.yaml", [
@@ -76,8 +76,8 @@ def test_autoformalize_formalizes_repairs_and_judges_through_the_recipe(ray_clus
     """DSR's stage on Ray with its four roles served by one barely taught model (the pipeline, not its quality):
     every statement's repair stays within the budget, SC is the checker's verdict on the final statement, and the
     reference comparison (kept, exact) is recorded for the broken inputs."""
+    from cluster.pipeline import run
     from rl import config, dsr
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/dsr_tiny.yaml", [

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.pipeline import run
-from rl.tracking import read_metrics
+from cluster.pipeline import run
+from cluster.tracking import read_metrics
 from tests.rl.test_pipeline import _cfg, _digit_reward
 
 LORA = "learner.adapter={name: lora, params: {r: 4, alpha: 8, target_modules: [q_proj, v_proj, down_proj]}}"
@@ -84,9 +84,9 @@ def test_vllm_serves_the_adapter_as_a_lora_adapter_that_matches_the_learner(ray_
 
 
 def test_a_lora_recipe_on_another_engine_or_family_is_refused_at_start_up():
+    from cluster.pipeline import check_components
     from rl import config
     from rl.config import ConfigError
-    from rl.pipeline import check_components
     from rl.registry import RegistryError
     from tests.rl.test_pipeline import ROOT
     for extra, error, message in (
@@ -155,9 +155,9 @@ def test_the_bias_corrected_ema_of_a_constant_gate_is_that_constant_from_the_fir
 
 
 def test_a_ulora_recipe_on_vllm_is_refused():
+    from cluster.pipeline import check_components
     from rl import config
     from rl.config import ConfigError
-    from rl.pipeline import check_components
     from tests.rl.test_pipeline import ROOT
     cfg = config.load(ROOT / "recipes/quickstart.yaml", ["learner.adapter={name: ulora, params: {r: 4}}",
                                                           "rollout.engine=vllm"])

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import ray
 
+from cluster.pipeline import run
 from rl import config
 from rl.memo import records
 from rl.memo_stage import MemoStage, ModelClient
-from rl.pipeline import run
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
@@ -104,8 +104,7 @@ def test_a_killed_rollout_worker_is_restarted_and_no_game_is_played_twice(ray_cl
 
 
 def test_an_rl_recipe_takes_memos_prompt_as_its_prompt_prefix(tmp_path):
-    from rl.pipeline import stage_cfg
-    from rl.stages import StageContext, StageError
+    from rl.stages import StageContext, StageError, stage_cfg
     found = tmp_path / "memo_prompt.txt"
     found.write_text("Take the center first, then the corners.\n\nInsights from past games:\n1. Block.\n")
     cfg = config.load(ROOT / "recipes/quickstart.yaml", ["data.prompt_prefix=artifact:memo_prompt"])

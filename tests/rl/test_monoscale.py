@@ -142,8 +142,8 @@ def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ra
     actor and grows the simulated pool under every mode, logging one memory decision per joining agent."""
     import json
 
+    from cluster.pipeline import run
     from rl import config
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT
     out = tmp_path / "ms"
     cfg = config.load(ROOT / "recipes/monoscale_tiny.yaml", [

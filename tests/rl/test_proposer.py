@@ -221,8 +221,8 @@ def test_the_task_writes_every_role_and_split(tmp_path):
 def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluster, tmp_path):
     """Through Ray: SFT, proposer episodes with the sandbox tools, the verifier ensemble (SymPy + a frozen judge)
     and the frozen prober, MGPO on the step data, the curriculum; the judges' weights never change."""
+    from cluster.pipeline import run
     from rl import config
-    from rl.pipeline import run
     from tests.rl.test_pipeline import ROOT
     out = tmp_path / "proposer"
     cfg = config.load(ROOT / "recipes/agentic_proposer_tiny.yaml", [

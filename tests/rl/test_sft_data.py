@@ -8,11 +8,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from cluster.pipeline import split_held_out
 from models.families import CausalFamily
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rl.batch import batch_of_examples, make_sft_batch
 from rl.config import ConfigError, DataConfig, SFTConfig
-from rl.pipeline import split_held_out
 from rl.sft_data import chat_example, load_sft_rows, prompt_response_example, sft_examples, tokenize_sft_rows
 
 TOK = build_tiny_tokenizer()
@@ -150,8 +150,8 @@ def test_chat_sft_stage_on_a_user_file_logs_held_out_loss_and_resumes_exactly(ra
     with `resume=auto` logs exactly the losses of the uninterrupted run."""
     import random
 
+    from cluster.pipeline import run
     from rl import config
-    from rl.pipeline import run
     from rl.tasks.arithmetic import chat_rows, make_problem
     from tests.rl.test_pipeline import ROOT, TINY
     rng = random.Random(0)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.pipeline import run
 from rl import config
-from rl.pipeline import run
 from rl.stages import StageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_a_user_stage_feeds_rl_is_reused_and_reruns_with_everything_after_it_whe
 
 
 def test_a_bad_stage_param_names_the_recipe_key_at_start_up(tmp_path):
-    from rl.pipeline import check_components
+    from cluster.pipeline import check_components
     cfg = config.load(ROOT / "recipes/quickstart.yaml", [
         "stages=[{name: model}, {name: data}, {name: sft}, {name: rl, params: {keep: 3}}]"])
     with pytest.raises(StageError, match=r"stages\[3\].params: stage 'rl' does not take \['keep'\]"):
@@ -122,7 +122,7 @@ class CountRuns:
 
 
 def test_a_stage_runs_again_when_a_file_it_reads_is_edited_in_place(tmp_path):
-    from rl.stages import run_stages
+    from cluster.stage_runner import run_stages
     plugin, source = tmp_path / "count_stage.py", tmp_path / "rows.jsonl"
     plugin.write_text(COUNTING_STAGE)
     source.write_text('{"prompt": "1+1=", "answer": "2"}\n')
@@ -139,7 +139,7 @@ def test_a_stage_runs_again_when_a_file_it_reads_is_edited_in_place(tmp_path):
 def test_checkpoint_selection_keeps_the_selected_one_from_pruning(tmp_path):
     import json
 
-    from rl.trainer import improves, prune_checkpoints, selected_checkpoint
+    from cluster.trainer import improves, prune_checkpoints, selected_checkpoint
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
         (root / f"step_{step}").mkdir(parents=True)

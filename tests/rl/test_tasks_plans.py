@@ -4,14 +4,8 @@ import json
 
 import pytest
 
-from rewards.rubric import (
-    COMPACT_GRADER_TEMPLATE,
-    grader_prompt,
-    parse_grades,
-    plan_rubric_check,
-    rubric_self_grade,
-    rule_verdicts,
-)
+from rewards.rubric import parse_grades, plan_rubric_check, rubric_self_grade
+from rl.rubric import COMPACT_GRADER_TEMPLATE, grader_prompt, rule_verdicts
 from rl.tasks.plans import grades_xml, plan_steps, write_plans_task
 
 RUBRIC = plan_steps("salt", "growth")

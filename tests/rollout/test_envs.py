@@ -5,9 +5,10 @@ import torch
 
 from models.families import response_logprobs
 from models.tiny import save_tiny
+from rl.env import Env, EnvStep
 from rl.losses import ppo_clip_loss
 from rollout.base import SamplingParams
-from rollout.envs import Calculator, Env, EnvStep
+from rollout.envs import Calculator
 from rollout.hf_engine import HFEngine
 from rollout.multiturn import Seats, run_episodes
 from rollout.tools import run_python

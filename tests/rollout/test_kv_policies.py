@@ -174,7 +174,7 @@ def test_beacons_are_rotated_at_the_current_position_with_the_models_rope(gqa_en
 def test_the_recall_task_asks_every_key_in_alphabetical_order_and_scores_by_hand():
     import random
 
-    from rl.kv_recall import recall_example, score_recall
+    from rollout.kv_recall import recall_example, score_recall
     prompt, answer, table = recall_example(random.Random(3), n_keys=5, filler=2)
     assert sorted(table) == list("abcde") and prompt.endswith(";") and len(prompt) == 11
     assert answer == "".join(f"{k}{table[k]}.." for k in "abcde")
@@ -187,8 +187,8 @@ def test_the_recall_task_asks_every_key_in_alphabetical_order_and_scores_by_hand
 def test_recall_evaluation_counts_the_full_cache_as_a_policy_that_never_evicts_would():
     import random
 
-    from rl.kv_recall import evaluate_recall, recall_example
     from rl.registry import get
+    from rollout.kv_recall import evaluate_recall, recall_example
     tok = build_tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,

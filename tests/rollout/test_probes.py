@@ -25,7 +25,7 @@ def test_the_driver_measures_a_nodes_ceilings_once_per_dtype_and_thread_count(ra
     threads or dtype is, and `again` asks anew and keeps the best."""
     import ray
 
-    import rl.trainer as trainer
+    import cluster.trainer as trainer
     monkeypatch.setattr(trainer, "_CEILINGS", {})
 
     @ray.remote(num_cpus=0)

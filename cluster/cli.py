@@ -20,7 +20,7 @@ def _quiet_env() -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from rl import config
     cfg = config.load(args.recipe, args.overrides)
-    from rl.pipeline import run
+    from cluster.pipeline import run
     summary = run(cfg, only_stage=args.stage)
     keys = ("accuracy_before_rl", "accuracy_after_rl", "reward/mean", "steps", "wall_s")
     print("looprl summary: " + ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else
@@ -67,7 +67,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from rl.plot import plot_run
+    from cluster.plot import plot_run
     path = plot_run(args.run_dir, args.out)
     print(f"wrote {path}")
     return 0
@@ -139,7 +139,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from rl.math_eval import main as eval_main
+    from cluster.math_eval import main as eval_main
     return eval_main(args.eval_args)
 
 

@@ -54,9 +54,7 @@ class RewardModelStage(Stage):
         return [self.data, self.eval_data, self.model_path]
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        from rewards.judges import JudgeWorker  # noqa: F401  (the serving side is what measures the model)
-        from rl.trainer import make_learner_group
-        from rollout.base import load_tokenizer
+        from models.tokenizer import load_tokenizer
         from rollout.classifier_engine import ClassifierEngine
         cfg, key = ctx.cfg, "stages.reward_model.params"
         rows = load_rows(self.data, list(self.columns), f"{key}.data")
@@ -74,10 +72,10 @@ class RewardModelStage(Stage):
         tokenizer = load_tokenizer(base)
         say(f"reward model: {len(rows)} training pairs, {len(held)} held out, {self.steps} steps of "
             f"{self.batch_pairs} pairs")
-        group = make_learner_group(cfg, base, ctx.runtime.placement, lr=self.lr, weight_decay=cfg.learner.weight_decay,
-                                   micro_batch_size=2 * self.batch_pairs // ws, grad_accum=1,
-                                   scheduler=cfg.learner.scheduler, warmup_steps=0, total_steps=self.steps,
-                                   family="sequence_score")
+        group = ctx.runtime.learner_group(cfg, base, lr=self.lr, weight_decay=cfg.learner.weight_decay,
+                                          micro_batch_size=2 * self.batch_pairs // ws, grad_accum=1,
+                                          scheduler=cfg.learner.scheduler, warmup_steps=0, total_steps=self.steps,
+                                          family="sequence_score")
         rng, order, history = random.Random(cfg.seed), [], []
         out_path = str(ctx.output_dir / "reward_model")
         try:

@@ -1,0 +1,8 @@
+"""The modules of `rewards` that register built-ins, by registry kind (read by `rl.registry` through the
+entry-point group `looprl.builtins`; importing this package imports none of them)."""
+
+BUILTINS = {
+    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
+               "rewards.reward_model", "rewards.proposer", "rewards.match"],
+    "stage": ["rewards.reward_model_stage"],
+}

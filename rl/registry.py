@@ -23,24 +23,23 @@ KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding", "f
 
 _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 
-# Modules that register the built-ins of a kind; imported lazily so that `rl` core stays light.
-_BUILTIN_MODULES = {
+# The modules of this library that register the built-ins of a kind; imported lazily so that the library stays
+# light. The packages above it (`rollout`, `rewards`, `cluster`) declare their own in a `BUILTINS` mapping
+# of the same shape, published through the entry-point group `looprl.builtins` (pyproject.toml), so that this
+# module names none of them.
+LIBRARY_BUILTINS = {
     "advantage": ["rl.advantages"],
     "loss": ["rl.losses", "rl.rltt"],
-    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
-               "rewards.reward_model", "rewards.proposer", "rewards.match"],
-    "env": ["rl.env", "rollout.envs", "rl.games", "rollout.proposer_env", "rollout.router_env"],
-    "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
+    "env": ["rl.env", "rl.games"],
     "optimizer": ["rl.optim", "rl.zo_finetuner"],
-    "stage": ["cluster.pipeline", "rewards.reward_model_stage", "rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage",
-              "rl.ep_order_stage", "rl.bliss_stage", "rl.decomper_stage", "rl.fair_calib_stage", "rl.densesteer_stage",
-              "rl.guidance_stage", "rl.dsr_stage"],
-    "decoding": ["rollout.decoding", "rollout.steering", "rollout.kv_policies", "rollout.citation"],
-    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer", "rl.tasks.monoscale",
-             "rl.tasks.domains", "rl.tasks.styles", "rl.tasks.citations", "rl.tasks.dsr"],
+    "stage": ["rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage", "rl.ep_order_stage", "rl.bliss_stage",
+              "rl.decomper_stage", "rl.fair_calib_stage", "rl.densesteer_stage", "rl.guidance_stage", "rl.dsr_stage"],
+    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer",
+             "rl.tasks.monoscale", "rl.tasks.domains", "rl.tasks.styles", "rl.tasks.citations", "rl.tasks.dsr"],
     "scheduler": ["rl.optim"],
     "sampler": ["rl.data", "rl.proposer"],
 }
+BUILTINS_GROUP = "looprl.builtins"
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only
 # torch and transformers); resolved on first use.
 _BUILTIN_ATTRS = {
@@ -79,8 +78,22 @@ def register(kind: str, name: str) -> Callable[[Any], Any]:
     return deco
 
 
+def builtin_modules(kind: str) -> list[str]:
+    """The modules that register the built-ins of `kind`: the library's and those every installed package
+    declares in the entry-point group `looprl.builtins` (a `BUILTINS` mapping of kind to module names)."""
+    modules = list(LIBRARY_BUILTINS.get(kind, []))
+    for ep in sorted(entry_points(group=BUILTINS_GROUP), key=lambda e: e.name):
+        try:
+            declared = ep.load()
+        except Exception as exc:
+            raise RegistryError(f"entry point {ep.name!r} of {BUILTINS_GROUP} ({ep.value}) failed to load: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        modules += declared.get(kind, [])
+    return modules
+
+
 def _load_builtins(kind: str) -> None:
-    for mod in _BUILTIN_MODULES.get(kind, []):
+    for mod in builtin_modules(kind):
         importlib.import_module(mod)
     for name, target in _BUILTIN_ATTRS.get(kind, {}).items():
         if name not in _REGISTRY[kind]:

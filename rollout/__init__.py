@@ -1,0 +1,8 @@
+"""The modules of `rollout` that register built-ins, by registry kind (read by `rl.registry` through the
+entry-point group `looprl.builtins`; importing this package imports none of them)."""
+
+BUILTINS = {
+    "env": ["rollout.envs", "rollout.proposer_env", "rollout.router_env"],
+    "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
+    "decoding": ["rollout.decoding", "rollout.steering", "rollout.kv_policies", "rollout.citation"],
+}

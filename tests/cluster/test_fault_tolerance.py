@@ -10,7 +10,7 @@ import pytest
 from cluster.learner import LearnerDied, LearnerStuck
 from cluster.pipeline import run
 from cluster.tracking import read_metrics
-from tests.rl.test_pipeline import COMPARE, ROOT, TINY, _cfg, _digit_reward
+from tests.cluster.test_pipeline import COMPARE, ROOT, TINY, _cfg, _digit_reward
 
 DYING_ENGINE = '''
 import os, signal

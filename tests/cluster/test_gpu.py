@@ -8,7 +8,7 @@ import torch
 
 from cluster.pipeline import run
 from cluster.tracking import read_metrics
-from tests.rl.test_pipeline import _cfg, _digit_reward
+from tests.cluster.test_pipeline import _cfg, _digit_reward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

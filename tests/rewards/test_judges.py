@@ -143,7 +143,7 @@ def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path, eng
     from transformers import AutoModelForCausalLM
 
     from cluster.pipeline import run
-    from tests.rl.test_pipeline import _cfg, vllm_model
+    from tests.cluster.test_pipeline import _cfg, vllm_model
     extra = vllm_model(engine)
     plugin = tmp_path / "critic.py"
     plugin.write_text("from rewards.base import uses_judges\n"
@@ -189,7 +189,7 @@ def test_factuality_with_judge_claims_and_relevance(judge, tmp_path):
 def test_the_tiny_research_plans_recipe_runs_end_to_end(ray_cluster, tmp_path):
     from cluster.pipeline import run
     from rl import config
-    from tests.rl.test_pipeline import ROOT
+    from tests.cluster.test_pipeline import ROOT
     cfg = config.load(ROOT / "recipes/research_plans_tiny.yaml", [
         f"output_dir={tmp_path / 'plans'}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
         "model.tiny.num_heads=2", "model.tiny.intermediate_size=64", "data.synthetic.num_train=200",

@@ -72,7 +72,7 @@ def test_remote_scores_errors_and_a_server_that_dies_and_comes_back(plugin):
 @pytest.mark.slow
 def test_a_run_scores_through_a_remote_reward(ray_cluster, plugin, tmp_path):
     from cluster.pipeline import run
-    from tests.rl.test_pipeline import _cfg
+    from tests.cluster.test_pipeline import _cfg
     port = free_port()
     server = _start(plugin, port)
     try:

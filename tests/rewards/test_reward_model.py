@@ -9,7 +9,7 @@ import torch
 
 from rl import config
 from rl.losses import bradley_terry_loss
-from tests.rl.test_pipeline import ROOT, TINY
+from tests.cluster.test_pipeline import ROOT, TINY
 
 
 def test_bradley_terry_loss_by_hand():

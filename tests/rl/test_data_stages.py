@@ -17,7 +17,7 @@ def test_select_then_order_then_sft(ray_cluster, tmp_path):
     clustered by domain and chained; sft: the ordered selection drawn sequentially from the warmed-up target."""
     from cluster.pipeline import run
     from rl import config
-    from tests.rl.test_pipeline import ROOT, TINY
+    from tests.cluster.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     stages = ("stages=[{name: model}, {name: data}, {name: select_bliss, params: {ratio: 0.5, rounds: 2, "
               "outer_steps: 3, batch_size: 8, val_batch_size: 2, inner_steps: 2, z_loops: 2, lr: 1e-3, "

@@ -133,7 +133,7 @@ def test_the_compressed_policy_is_served_by_vllm_and_trained_by_rl(ray_cluster, 
 
     from cluster.pipeline import run
     from rl import config
-    from tests.rl.test_pipeline import ROOT, TINY, vllm_model
+    from tests.cluster.test_pipeline import ROOT, TINY, vllm_model
     out = tmp_path / "run"
     stages = ("stages=[{name: model}, {name: data}, {name: sft}, {name: compress_lowrank, params: {ratio: 0.5, "
               "calib_sequences: 8, heldout_sequences: 8, calib_length: 32, epochs: 1}}, {name: rl}, {name: evaluate}]")

@@ -8,7 +8,7 @@ import pytest
 
 from rl import config
 from rl.config import ConfigError
-from tests.rl.test_pipeline import ROOT
+from tests.cluster.test_pipeline import ROOT
 
 SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
          "model.tiny.intermediate_size=64", "data.synthetic.num_train=600", "data.synthetic.num_eval=16",

@@ -10,7 +10,7 @@ import torch
 def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(ray_cluster, tmp_path):
     from cluster.pipeline import run
     from rl import config
-    from tests.rl.test_pipeline import ROOT, TINY
+    from tests.cluster.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     vectors = f"{out}/stages/steer_extract/steering_vectors.pt"
     summary = run(config.load(ROOT / "recipes/densesteer_tiny.yaml", [
@@ -57,7 +57,7 @@ def test_cite_eval_scores_plain_post_hoc_and_guided_answers_through_the_recipe(r
     from cluster.pipeline import run
     from rl import config
     from rl.guidance import post_hoc_cite, strip_citations
-    from tests.rl.test_pipeline import ROOT, TINY
+    from tests.cluster.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/guidance_tiny.yaml", [
         f"output_dir={out}", *TINY, "sft.steps=3", "sft.batch_size=8", "trainer.eval_max_prompts=4",
@@ -78,7 +78,7 @@ def test_autoformalize_formalizes_repairs_and_judges_through_the_recipe(ray_clus
     reference comparison (kept, exact) is recorded for the broken inputs."""
     from cluster.pipeline import run
     from rl import config, dsr
-    from tests.rl.test_pipeline import ROOT
+    from tests.cluster.test_pipeline import ROOT
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/dsr_tiny.yaml", [
         f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",

@@ -10,7 +10,7 @@ import torch
 
 from cluster.pipeline import run
 from cluster.tracking import read_metrics
-from tests.rl.test_pipeline import _cfg, _digit_reward
+from tests.cluster.test_pipeline import _cfg, _digit_reward
 
 LORA = "learner.adapter={name: lora, params: {r: 4, alpha: 8, target_modules: [q_proj, v_proj, down_proj]}}"
 
@@ -88,7 +88,7 @@ def test_a_lora_recipe_on_another_engine_or_family_is_refused_at_start_up():
     from rl import config
     from rl.config import ConfigError
     from rl.registry import RegistryError
-    from tests.rl.test_pipeline import ROOT
+    from tests.cluster.test_pipeline import ROOT
     for extra, error, message in (
             (["rollout.engine=hf_classifier"], ConfigError,
              "learner.adapter: rollout.engine 'hf_classifier' cannot take the adapter's tensors"),
@@ -158,7 +158,7 @@ def test_a_ulora_recipe_on_vllm_is_refused():
     from cluster.pipeline import check_components
     from rl import config
     from rl.config import ConfigError
-    from tests.rl.test_pipeline import ROOT
+    from tests.cluster.test_pipeline import ROOT
     cfg = config.load(ROOT / "recipes/quickstart.yaml", ["learner.adapter={name: ulora, params: {r: 4}}",
                                                           "rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="ulora gates its directions per token"):

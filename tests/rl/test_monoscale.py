@@ -144,7 +144,7 @@ def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ra
 
     from cluster.pipeline import run
     from rl import config
-    from tests.rl.test_pipeline import ROOT
+    from tests.cluster.test_pipeline import ROOT
     out = tmp_path / "ms"
     cfg = config.load(ROOT / "recipes/monoscale_tiny.yaml", [
         f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",

@@ -223,7 +223,7 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
     and the frozen prober, MGPO on the step data, the curriculum; the judges' weights never change."""
     from cluster.pipeline import run
     from rl import config
-    from tests.rl.test_pipeline import ROOT
+    from tests.cluster.test_pipeline import ROOT
     out = tmp_path / "proposer"
     cfg = config.load(ROOT / "recipes/agentic_proposer_tiny.yaml", [
         f"output_dir={out}", "model.tiny.hidden_size=48", "model.tiny.num_layers=2", "model.tiny.num_heads=2",

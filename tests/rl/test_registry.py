@@ -66,3 +66,18 @@ def test_register_conflict_and_bad_kind():
     with pytest.raises(RegistryError, match="unknown registry kind"):
         register("nope", "x")
     registry._REGISTRY["advantage"].pop("test_unique_estimator")
+
+
+def test_the_packages_above_the_library_declare_their_builtins_through_entry_points():
+    import ast
+    from pathlib import Path
+
+    from rl import registry
+    # the registry's own text names no module of a package above it ...
+    source = Path(registry.__file__).read_text()
+    strings = [n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    assert [s for s in strings if s.split(".")[0] in ("rollout", "rewards", "cluster") and " " not in s] == []
+    # ... and their built-ins arrive through the installed `looprl.builtins` entry points
+    assert "cluster.pipeline" in registry.builtin_modules("stage")
+    assert "rollout.hf_engine" in registry.builtin_modules("engine")
+    assert {"rl", "grpo"} <= set(registry.known("stage")) | set(registry.known("advantage"))

@@ -153,7 +153,7 @@ def test_chat_sft_stage_on_a_user_file_logs_held_out_loss_and_resumes_exactly(ra
     from cluster.pipeline import run
     from rl import config
     from rl.tasks.arithmetic import chat_rows, make_problem
-    from tests.rl.test_pipeline import ROOT, TINY
+    from tests.cluster.test_pipeline import ROOT, TINY
     rng = random.Random(0)
     rows = chat_rows([make_problem(rng) for _ in range(40)], rng, wrong_order_fraction=0.0)
     rows.insert(3, {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": ""}]})

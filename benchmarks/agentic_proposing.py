@@ -3,12 +3,12 @@ solvable-but-hard, do its problems train a better solver, and do step rewards he
 
     python benchmarks/agentic_proposing.py [--seeds 0 1 2] [--out benchmarks/results/agentic_proposing.json] [key=value ...]
 
-A labelled synthetic harness (`rl/tasks/proposer.py`): `recipes/agentic_proposer_tiny.yaml` teaches one tiny model
+A labelled synthetic harness (`rl/methods/agentic_proposing/task.py`): `recipes/agentic_proposer_tiny.yaml` teaches one tiny model
 made in code to propose arithmetic compositions of skills with tools, to solve them and to verify them. The SFT
 runs once (seed 0); every seed then runs, from that model, with the same RL budget:
   * `mgpo`: MGPO (lambda_step 0.5), trajectory and step rewards;
   * `grpo`: lambda_step 0, the trajectory reward alone (the same estimator, so the same validity gate);
-and the untrained proposer (the SFT model). Each proposer then feeds the `proposer_solver_sft` stage:
+and the untrained proposer (the SFT model). Each proposer then feeds the `agentic_proposing` stage:
 `--proposals` episodes, the valid problems solved by rejection sampling, the first `--solver-rows` of them
 fine-tune the same base solver (the SFT model), evaluated on the task's held-out solver set.
 Recorded per seed and arm: per RL step the share of valid problems (`verified`), the share of valid problems in
@@ -33,7 +33,7 @@ KEYS = {"verified": "reward/agentic_proposer/verified", "in_band": "reward/agent
 
 
 def _solver_stage(args, seed: int) -> str:
-    return ("{name: proposer_solver_sft, params: {"
+    return ("{name: agentic_proposing, params: {"
             f"proposals: {args.proposals}, k: 8, max_rows: {args.solver_rows}, steps: {args.solver_steps}, "
             f"batch_size: 16, lr: 5.0e-4, seed: {seed}}}}}")
 
@@ -57,7 +57,7 @@ def main() -> None:
         untrained = run_recipe(RECIPE, [*common, f"seed={seed}", *args.overrides,
                                         f"stages=[{{name: model}}, {{name: data}}, {_solver_stage(args, seed)}]"],
                                runs / f"seed{seed}" / "untrained", f"untrained proposer, seed {seed}")
-        row["untrained"] = untrained["proposer_solver_sft"]
+        row["untrained"] = untrained["agentic_proposing"]
         for arm, lam in ARMS.items():
             res = run_recipe(RECIPE, [*common, f"seed={seed}", f"algorithm.advantage_params.lambda_step={lam}",
                                       *args.overrides,
@@ -68,7 +68,7 @@ def main() -> None:
             row["arms"][arm] = {"curves": {k: [r.get(key) for r in m] for k, key in KEYS.items()},
                                 "first": {k: window_mean(m, key, True, args.window) for k, key in KEYS.items()},
                                 "last": {k: window_mean(m, key, False, args.window) for k, key in KEYS.items()},
-                                "solver": res["proposer_solver_sft"], "wall_s": res["wall_s"]}
+                                "solver": res["agentic_proposing"], "wall_s": res["wall_s"]}
         report["per_seed"].append(row)
         print(json.dumps({"seed": seed, "untrained_solver": row["untrained"]["solver_accuracy_after"],
                           **{a: {"first": v["first"], "last": v["last"],

@@ -18,7 +18,7 @@ boundaries (mean loss of the first `--window` steps of a segment minus the last 
 the held-out loss after the epoch on the domains of the first two clusters (forgetting), and the final held-out
 loss. These are hypotheses of the reconstruction, not claims of a paper.
 
-The chain (`recipes/data_chain_tiny.yaml`): select_bliss → order_ep → SFT → GRPO → evaluate in one recipe, against
+The chain (`recipes/data_chain_tiny.yaml`): bliss → ep_order → SFT → GRPO → evaluate in one recipe, against
 the same recipe with the selection replaced by a random 20% of the same pool (same warmed-up target, same
 ordering stage, SFT and RL budgets). Recorded: greedy held-out exact-match accuracy after SFT (before RL) and
 after RL, and the clean share of each selection.
@@ -63,7 +63,7 @@ def _row_losses(model_path: str, rows: list[dict]) -> list[float]:
 
     from models.tokenizer import load_tokenizer
     from rl.batch import batch_of_examples
-    from rl.bliss import sequence_stats
+    from rl.methods.bliss.core import sequence_stats
     from rl.sft_data import prompt_response_example
     tok = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -86,7 +86,7 @@ def bliss_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
     base = runs / f"seed{seed}" / "bliss"
     data_seed = f"data.synthetic.seed={1234 + seed}"
     run_recipe(BLISS, [f"seed={seed}", data_seed, *overrides], base / "bliss", f"BLISS seed {seed}")
-    stage = base / "bliss" / "stages" / "select_bliss"
+    stage = base / "bliss" / "stages" / "bliss"
     pool = _jsonl(base / "bliss" / "data" / "sft.jsonl")
     scores = pd.read_parquet(stage / "bliss_scores.parquet").sort_values("row")["score"].tolist()
     clean = [bool(r["clean"]) for r in pool]
@@ -128,7 +128,7 @@ def ep_seed(seed: int, runs: Path, window: int, overrides: list[str]) -> dict:
     held_path = base / "ep_order" / "data" / "eval.jsonl"  # written by the first run's data stage
     common.append(f"sft.eval_path={held_path}")
     ep = run_recipe(EP, [*common, *overrides], base / "ep_order", f"EP-Order seed {seed}")
-    report = json.loads((base / "ep_order" / "stages" / "order_ep" / "ep_order.json").read_text())
+    report = json.loads((base / "ep_order" / "stages" / "ep_order" / "ep_order.json").read_text())
     data = base / "ep_order" / "data"
     rows, held = _jsonl(data / "sft.jsonl"), _jsonl(data / "eval.jsonl")
     labels = report["labels"]  # per source row (no row is dropped here)
@@ -178,14 +178,14 @@ def chain_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
     common = [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *overrides]
     bliss = run_recipe(CHAIN, common, base / "bliss", f"chain with BLISS seed {seed}")
     pool = _jsonl(base / "bliss" / "data" / "sft.jsonl")
-    stage = base / "bliss" / "stages" / "select_bliss"
+    stage = base / "bliss" / "stages" / "bliss"
     chosen = {"bliss": sorted(sum(json.loads((stage / "bliss_selection.json").read_text())["selected_per_round"], [])),
               "random": sorted(random.Random(seed).sample(range(len(pool)), len(pool) // 5))}
     subset = _write_rows(base / "random.jsonl", [{"prompt": pool[i]["prompt"], "target": pool[i]["target"]}
                                                  for i in chosen["random"]])
     # the recipe's own stages without the selection: ordering, SFT, RL and evaluation as in the BLISS arm
     recipe_stages = yaml.safe_load((Path(__file__).resolve().parents[1] / CHAIN).read_text())["stages"]
-    stages = [st for st in recipe_stages if st["name"] != "select_bliss"]
+    stages = [st for st in recipe_stages if st["name"] != "bliss"]
     rand = run_recipe(CHAIN, [*common, f"model.path={stage / 'target'}", f"data.sft_path={subset}",
                               f"stages={json.dumps(stages)}"], base / "random", f"chain with random 20% seed {seed}")
     return {arm: {"accuracy_after_sft": r["accuracy_before_rl"], "accuracy_after_rl": r["accuracy_after_rl"],

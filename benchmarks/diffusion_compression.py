@@ -7,14 +7,14 @@ A labelled synthetic harness, per seed:
 
 Decomper (causal): a 4-block tiny Llama fitted in-process to arithmetic text (`a+b*c=` worked solutions), every
 projection compressed at ratio ρ ∈ {0.2, 0.4, 0.6} with plain and whitened SVD, each with no, closed-form and
-learned compensation (`rl.decomper`, 32 calibration sequences); held-out perplexity and token KL to the original.
+learned compensation (`rl.methods.decomper.core`, 32 calibration sequences); held-out perplexity and token KL to the original.
 The paper's claim in direction: compensation cuts the perplexity gap sharply (> 70% at ρ = 0.4 on 8B models).
 
 The masked-diffusion model: `recipes/llada_sft_tiny.yaml` (the LLaDA layout, SFT with the MDLM loss on the addition
 task: a+b= with two-digit a and b and a three-digit sum), then on its 200 held-out problems, greedy, one block of G
 tokens (the sum's digits and EOS; G = 4) decoded in G steps:
 
-FAIR-Calib: W4A4 fake quantization calibrated block by block (`rl.fair_calib`, 64 teacher probes, 64 calibration
+FAIR-Calib: W4A4 fake quantization calibrated block by block (`rl.methods.fair_calib.core`, 64 teacher probes, 64 calibration
 sequences, 15 epochs) with the uniform block MSE, each single term of the prior, and both, learning the clipping
 ratios; the uniform MSE and both terms again with FlatQuant's learned flattening (`+kron`, the paper's base
 quantizer); round-to-nearest (RTN) as the floor. Exact-match accuracy, trajectory KL to full precision on the
@@ -44,7 +44,13 @@ FAIR_ARMS = (*WEIGHTINGS, "uniform+kron", "fair+kron")
 
 
 def decomper_seed(seed: int) -> dict:
-    from rl.decomper import compress, input_stats, learn_biases, tiny_arithmetic_lm, token_kl_and_nll
+    from rl.methods.decomper.core import (
+        compress,
+        input_stats,
+        learn_biases,
+        tiny_arithmetic_lm,
+        token_kl_and_nll,
+    )
     model, batch = tiny_arithmetic_lm(seed, steps=400)
     calib, held = [batch(16) for _ in range(2)], [batch(16) for _ in range(4)]
     stats = input_stats(model, calib)
@@ -85,15 +91,15 @@ def _accuracy(tok, tokens, answers: list[str]) -> list[float]:
 
 
 def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
-    """Each weighting through the stage's own task (`rl.fair_calib_stage.quantize_model`), the quantized folder
+    """Each weighting through the stage's own task (`rl.methods.fair_calib.stage.quantize_model`), the quantized folder
     read back as the engine reads it; RTN is the quantizer before calibration."""
     import torch
     from transformers import AutoModel
 
     from models.quant import load_fake_quant, quantize_blocks
     from models.tokenizer import load_tokenizer
-    from rl.fair_calib import lag_summary, stability_lags
-    from rl.fair_calib_stage import quantize_model
+    from rl.methods.fair_calib.core import lag_summary, stability_lags
+    from rl.methods.fair_calib.stage import quantize_model
     torch.manual_seed(seed)
     tok = load_tokenizer(str(model_dir))
     fp = AutoModel.from_pretrained(model_dir).eval()

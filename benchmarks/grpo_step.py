@@ -9,7 +9,7 @@ sides on the same 2 cores, each in its best configuration (TRL: fp32 and bf16, 2
 settings in RACE_LOOPRL), with looprl's phase breakdown and its perf/* utilisation metrics (MFU of the
 learner, decode MFU and bandwidth utilisation, the step's floor). Results: benchmarks/results/grpo_race.json.
 
-Workload (matches ../shared/peers/trl_grpo_baseline.py): 2 prompts x 4 samples per step, 32 new
+Workload (matches benchmarks/trl_grpo_baseline.py, the TRL side): 2 prompts x 4 samples per step, 32 new
 tokens, no reference model (beta 0), lr 1e-4; 1 and 2 torch threads per process; fp32, and bf16
 (looprl: `model.dtype=bfloat16`, i.e. bf16 rollout weights and DeepSpeed bf16 training with fp32
 master weights; TRL: its `bf16=True` mixed precision, which is TRL's default). Models: the peer's
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER = ROOT.parent / "shared" / "peers" / "trl_grpo_baseline.py"
+PEER = ROOT / "benchmarks" / "trl_grpo_baseline.py"
 # The peer's shapes: intermediate = 2 * hidden, heads = hidden / 64 (its Qwen2 vs our Llama: same blocks
 # apart from Qwen2's qkv biases; its vocab is a 1024-token BPE, ours 101 characters).
 MODELS = {

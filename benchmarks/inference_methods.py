@@ -6,23 +6,23 @@
 Each section writes its part of the JSON (a section run alone keeps the others' last results).
 
 ## DenseSteer
-A labelled synthetic harness (shared/specs/stages.md §10, the minimal faithful implementation): per seed,
+A labelled synthetic harness (rl/methods/densesteer/README.md, the minimal faithful implementation): per seed,
 `recipes/densesteer_tiny.yaml` through Ray (a 4-block tiny Llama SFT'ed on sums solved half in a sparse style, one
-addition per blank-line step, and half in a dense style, the additions merged into one step; the `steer_extract`
+addition per blank-line step, and half in a dense style, the additions merged into one step; the `densesteer`
 stage's vectors from 50 (dense, sparse) pairs). Then, in process, greedy decoding of the 200 held-out problems
 with the `steer` method at block 2 (middle) and block 0 (first) over a strength sweep. Measured per arm: ρ = tokens
-/ steps of the solutions (`rl.densesteer.density`, characters are tokens here), steps, the share of dense-style
+/ steps of the solutions (`rl.methods.densesteer.core.density`, characters are tokens here), steps, the share of dense-style
 solutions (one step before the boxed answer), exact-match accuracy of the boxed sum, and the unsteered model's
 mean per-token NLL of the steered solutions (self-NLL). The paper's claims, in direction: ρ rises monotonically
 with λ ≥ 0 at a middle block, steps fall, accuracy does not drop, self-NLL does not rise; the first block has
 less effect than a middle one.
 
 ## BeaconKV
-The spec's synthetic attention harness (§11, `rl.kv_compress.harness_stream`, a labelled synthetic harness): per
+The spec's synthetic attention harness (rl/methods/beaconkv/README.md, `rl.methods.beaconkv.core.harness_stream`, a labelled synthetic harness): per
 seed, 4,000 decoding steps of random unit keys (d = 128); 12 plan keys planted at steps 16-27 near three cluster
 centres; 5% of the queries are revisit queries aimed at a centre, the others local (a random mix of the last 8
 keys plus a shared direction no key carries, standing in for the positional part RoPE gives real local queries).
-Each policy (`rl.kv_compress.simulate_policy`: BeaconKV with 16 recent queries and 16 beacons from a 256 → 64
+Each policy (`rl.methods.beaconkv.core.simulate_policy`: BeaconKV with 16 recent queries and 16 beacons from a 256 → 64
 buffer, SnapKV and R-KV with a 32-query window, H2O, Initial + Recent) keeps budget B + 4 sink + 16 recent keys,
 evicting every step once full, at B ∈ {64, 128, 256, 512}. Measured after the cache first fills: the share of each
 query's full-cache attention mass on the retained keys (recall) and the relative error of its attention output,
@@ -42,10 +42,10 @@ evicting every 4 tokens: mean share of values right, share of tables right in fu
 against the full cache.
 
 ## Guidance
-A labelled synthetic harness (§8's minimal implementation): per seed, `recipes/guidance_tiny.yaml` through Ray (a
+A labelled synthetic harness (Guidance's minimal setting, rl/methods/guidance/README.md): per seed, `recipes/guidance_tiny.yaml` through Ray (a
 3-block tiny Llama SFT'ed 500 steps to answer "Tell me about Kov." in LongBench-Cite's statement format from a
 stale memory: half of its numbers differ from the documents, half of its sentence tails are reworded; each prompt's
-context holds 6 chunk-marked sentences, the person's 5 facts and a distractor), whose `cite_eval` stage scores the
+context holds 6 chunk-marked sentences, the person's 5 facts and a distractor), whose `guidance` stage scores the
 100 held-out answers for citation recall, precision and F1 (the deterministic containment judge) and number
 accuracy (`fact_numbers`) for plain decoding (the model's own citations), post-hoc citation and Guidance
 (lookahead 40 characters ≈ 8 words). In process on the first 50 prompts: Guidance's boundaries, lookahead forward
@@ -78,16 +78,16 @@ def _boxed(text: str) -> str | None:
 def densesteer_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
     import torch
 
-    from rl.densesteer import density
+    from rl.methods.densesteer.core import density
+    from rl.methods.densesteer.decoding import SteerDecoding
     from rollout.decoding import decode
     from rollout.hf_engine import HFEngine
-    from rollout.steering import SteerDecoding
     run_dir = runs / f"seed{seed}" / "densesteer"
     summary = run_recipe(DENSESTEER, [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *overrides], run_dir,
                          f"DenseSteer recipe seed {seed}")
     model_dir = summary["stages"]["sft"]["artifacts"]["policy"]
-    vectors = summary["stages"]["steer_extract"]["artifacts"]["steering_vectors"]
-    report = json.loads(Path(summary["stages"]["steer_extract"]["artifacts"]["steering_report"]).read_text())
+    vectors = summary["stages"]["densesteer"]["artifacts"]["steering_vectors"]
+    report = json.loads(Path(summary["stages"]["densesteer"]["artifacts"]["steering_report"]).read_text())
     rows = [json.loads(x) for x in (run_dir / "data" / "eval.jsonl").read_text().splitlines()]
     prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
     torch.manual_seed(seed)
@@ -113,8 +113,8 @@ def densesteer_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
         for lam in STRENGTHS:
             method = SteerDecoding(vectors, layer=layer, strength=lam)
             out["arms"][f"L{layer}/{lam:g}"] = measure(method)
-    # the recipe's own choice on held-out training problems (steer_extract's select), on the evaluation split
-    report_path = summary["stages"]["steer_extract"]["artifacts"]["steering_report"]
+    # the recipe's own choice on held-out training problems (densesteer's select), on the evaluation split
+    report_path = summary["stages"]["densesteer"]["artifacts"]["steering_report"]
     out["selection"] = json.loads(Path(report_path).read_text())["selection"]
     out["arms"]["selected"] = measure(SteerDecoding(vectors, selection=report_path))
     return out
@@ -155,7 +155,7 @@ def summarize_densesteer(rows: list[dict]) -> dict:
 
 
 def beaconkv_seed(seed: int) -> dict:
-    from rl.kv_compress import HarnessConfig, harness_stream, simulate_policy
+    from rl.methods.beaconkv.core import HarnessConfig, harness_stream, simulate_policy
     stream = harness_stream(HarnessConfig(), seed)
     return {f"{policy}/{budget}": simulate_policy(stream, policy, budget) for budget in KV_BUDGETS
             for policy in KV_POLICIES}
@@ -166,21 +166,21 @@ GUIDANCE_ARMS = ("plain", "post_hoc", "guidance")
 
 
 def guidance_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
-    from rl.tasks.citations import number_accuracy
+    from rl.methods.guidance.task import number_accuracy
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     run_dir = runs / f"seed{seed}" / "guidance"
     summary = run_recipe(GUIDANCE, [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *overrides], run_dir,
                          f"Guidance recipe seed {seed}")
-    out: dict = {"arms": summary["cite_eval"]}
+    out: dict = {"arms": summary["guidance"]}
     engine = HFEngine(summary["stages"]["sft"]["artifacts"]["policy"], attn_implementation="eager")
     rows = [json.loads(x) for x in (run_dir / "data" / "eval.jsonl").read_text().splitlines()][:50]
     world = json.loads((run_dir / "data" / "citation_world.json").read_text())["true"]
     world = {p: {int(a): v for a, v in d.items()} for p, d in world.items()}
     params = {"lookahead": 40}
     batch = engine.generate([r["prompt"] for r in rows], SamplingParams(
-        n=1, temperature=0.0, max_new_tokens=500, seed=0, decoding="citation_guidance", decoding_params=params))
-    stats = engine.decoding_method("citation_guidance", params).stats["rows"]
+        n=1, temperature=0.0, max_new_tokens=500, seed=0, decoding="guidance", decoding_params=params))
+    stats = engine.decoding_method("guidance", params).stats["rows"]
     inserted = [e for s, r in zip(stats, rows) for e in s["log"]]
     right = sum(number_accuracy(e["fact"], r["person"], world)["accuracy"] == 1.0
                 for s, r in zip(stats, rows) for e in s["log"])
@@ -209,7 +209,7 @@ def dsr_seed(seed: int, runs: Path, overrides: list[str]) -> dict:
     run_dir = runs / f"seed{seed}" / "dsr"
     summary = run_recipe(DSR, [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *overrides], run_dir,
                          f"DSR recipe seed {seed}")
-    return {"inputs": summary["autoformalize"]}
+    return {"inputs": summary["dsr"]}
 
 
 def summarize_dsr(rows: list[dict]) -> dict:
@@ -242,7 +242,7 @@ def kv_memory() -> dict:
     arms = {"plain": ("plain", {})}
     arms.update({f"kv_{p}": (f"kv_{p}", {"budget": 64, "sink": 4, "recent": 16})
                  for p in ("beacon", "snapkv", "h2o", "rkv", "streaming")})
-    arms["kv_beacon_every_32"] = ("kv_beacon", {"budget": 64, "sink": 4, "recent": 16, "interval": 32})
+    arms["kv_beacon_every_32"] = ("beaconkv", {"budget": 64, "sink": 4, "recent": 16, "interval": 32})
     for name, (method_name, params) in arms.items():
         method = get("decoding", method_name)(**params)
         t0 = time.perf_counter()

@@ -3,7 +3,7 @@ lower with the memory (and prefix replay) than without?
 
     python benchmarks/memo.py [--seeds 0 1 2] [--out benchmarks/results/memo.json] [key=value ...]
 
-A labelled synthetic harness (`rl/tasks/memo_games.py`): `recipes/memo_tiny.yaml` teaches a tiny model made
+A labelled synthetic harness (`rl/methods/memo/task.py`): `recipes/memo_tiny.yaml` teaches a tiny model made
 in code to play TicTacToe and Kuhn poker by the strategy hint in its context and to act as the analyzer. The
 SFT runs once (seed 0); every seed then runs the recipe's `memo` stages on that model with its own stage
 seed: per game, MEMO (memory and replay, as released) and the ablation without either. Recorded per game,
@@ -40,7 +40,7 @@ def _stages(recipe: dict, seed: int) -> list[dict]:
 
 def _calibration_stages(recipe: dict) -> list[dict]:
     """Per game: the six hints as generation 0 against the baseline, one generation, no memory or replay."""
-    from rl.tasks.memo_games import GAMES
+    from rl.methods.memo.task import GAMES
     out = []
     for s in recipe["stages"]:
         if s.get("name") == "memo" and not s["params"].get("memory", True):
@@ -56,7 +56,7 @@ def sft_fidelity(model: Path, num: int = 300, seed: int = 777) -> dict[str, dict
     taught answer the prompt fixes, exact-match rate per kind (player moves; analyzer copies)."""
     import tempfile
 
-    from rl.tasks.memo_games import write_memo_task
+    from rl.methods.memo.task import write_memo_task
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +73,7 @@ def sft_fidelity(model: Path, num: int = 300, seed: int = 777) -> dict[str, dict
 
 
 def _generations(run_dir: Path, arm: str, game: str) -> list[dict]:
-    from rl.tasks.memo_games import first_hint
+    from rl.methods.memo.task import first_hint
     rows = [json.loads(x) for x in (run_dir / "stages" / arm / "metrics.jsonl").read_text().splitlines()]
     return [{"generation": r["generation"], "best_eval_win_rate": r["eval"]["baseline"]["win_rate"],
              "best_eval_loss_rate": r["eval"]["baseline"]["loss_rate"], "best_fitness": r["best"]["fitness"],

@@ -4,10 +4,10 @@ trust-region memory updates, naive growth and the fixed pool, with a router mode
     python benchmarks/monoscale.py [--seeds 0 1 2] [--out benchmarks/results/monoscale.json] [key=value ...]
 
 A labelled synthetic harness: `recipes/monoscale_tiny.yaml` teaches a tiny model to route a task by reading the
-agent cards and the router memory (`rl/tasks/monoscale.py`; its fidelity, greedy agreement with the rule it
-was taught on fresh contexts, is recorded). The pool is `rl.monoscale.make_growing_pool`: three generalists,
+agent cards and the router memory (`rl/methods/monoscale/task.py`; its fidelity, greedy agreement with the rule it
+was taught on fresh contexts, is recorded). The pool is `rl.methods.monoscale.core.make_growing_pool`: three generalists,
 then seven specialists that each claim one or two of six task types, about a third of them unreliable (the
-claim does not hold). Per seed the same pool grows under the three modes (`rl.monoscale.grow_pool`), the router
+claim does not hold). Per seed the same pool grows under the three modes (`rl.methods.monoscale.core.grow_pool`), the router
 model routing every task; J is the judged success rate on 300 held-out tasks after each round. The same runs
 with the rule itself as the router are recorded beside them. The paper's claims, in direction: naive growth
 can lower J; MonoScale's J does not fall and ends above both.
@@ -26,8 +26,8 @@ MODES = ("monoscale", "naive", "fixed")
 
 
 def main() -> None:
-    from rl.monoscale import LMRouter, grow_pool, make_growing_pool
-    from rl.tasks.monoscale import router_rows, teacher_route
+    from rl.methods.monoscale.core import LMRouter, grow_pool, make_growing_pool
+    from rl.methods.monoscale.task import router_rows, teacher_route
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     p = seed_sweep_parser("monoscale", [0, 1, 2], "recipe overrides")

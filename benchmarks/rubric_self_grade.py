@@ -8,7 +8,7 @@ Per seed, `recipes/research_plans_tiny.yaml` runs the SFT warm-up (plans and gra
 taught (`plan_rubric_check` at weight 1; the self-grade is logged at weight 0): what plain optimisation of
 the true score reaches, so that the self-grader's exploitation is told apart from over-optimisation.
 Recorded per run:
-- the grader's item-level agreement with the rule it was taught (`rl.rubric.rule_verdicts`), on
+- the grader's item-level agreement with the rule it was taught (`rl.methods.rubric_self_grade.prompts.rule_verdicts`), on
   200 fresh grader prompts (new goals and plans, greedy);
 - the self-grade and the rule's score of the training samples, averaged over the first and the last
   `--window` RL steps; the held-out self-grade and rule score (greedy) before and after RL, and every
@@ -34,8 +34,8 @@ def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str
     """Item-level agreement of the greedy grader with the rule, on grader prompts it never saw."""
     import tempfile
 
-    from rewards.rubric import parse_grades
-    from rl.tasks.plans import write_plans_task
+    from rl.methods.rubric_self_grade.reward import parse_grades
+    from rl.methods.rubric_self_grade.task import write_plans_task
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,7 +58,7 @@ def grader_agreement(model: Path, num: int = 200, seed: int = 98765) -> dict[str
 
 def heldout_rule_score(model: Path, eval_path: Path) -> float:
     """Greedy plans for the held-out goals, scored by the rule (what the self-grade stands for)."""
-    from rewards.rubric import plan_rubric_check
+    from rl.methods.rubric_self_grade.reward import plan_rubric_check
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     rows = [json.loads(x) for x in open(eval_path)]
@@ -70,8 +70,8 @@ def heldout_rule_score(model: Path, eval_path: Path) -> float:
 def item_pass_rates(grader_model: Path, policy_model: Path, eval_path: Path) -> dict[str, list[float]]:
     """Per rubric item, on the policy's greedy held-out plans: the share that state the step as written (the
     rule) and the share the frozen grader passes."""
-    from rewards.rubric import extract_plan, parse_grades
-    from rl.rubric import grader_prompt, rule_verdicts
+    from rl.methods.rubric_self_grade.prompts import grader_prompt, rule_verdicts
+    from rl.methods.rubric_self_grade.reward import extract_plan, parse_grades
     from rollout.base import SamplingParams
     from rollout.hf_engine import HFEngine
     rows = [json.loads(x) for x in open(eval_path)]

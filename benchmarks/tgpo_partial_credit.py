@@ -1,4 +1,4 @@
-"""TGPO against GSPO and GRPO where rewards give partial credit (the setting of spec §2.4), several seeds.
+"""TGPO against GSPO and GRPO where rewards give partial credit (the setting of rl/methods/tgpo/README.md), several seeds.
 
     python benchmarks/tgpo_partial_credit.py [--seeds 0 1 2] [--out benchmarks/results/tgpo_partial_credit.json]
 
@@ -11,7 +11,7 @@ and trains on `digit_credit` (the share of the answer's digits right in place, 1
   * `grpo`: recipes/algos/grpo.yaml.
 Measured on the held-out problems (greedy): exact accuracy and mean digit credit per problem, compared pairwise
 over (seed, problem) pairs (paired t-test, 95% interval of the mean difference). TGPO is a reconstruction
-(spec §2.1: no primary source could be read), so the direction it should show is the spec's design intent:
+(rl/methods/tgpo/README.md: no primary source could be read), so the direction it should show is the spec's design intent:
 keeping imperfect trajectories, down-weighted, should not do worse than GSPO/GRPO on partial-credit rewards.
 """
 

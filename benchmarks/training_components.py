@@ -9,7 +9,7 @@ Each section writes its part of the JSON (a section run alone keeps the other's 
 
 ## SimpleGPT
 
-A labelled synthetic harness (shared/specs/stages.md §6, the minimal tiny implementation): a tiny Llama (d = 128,
+A labelled synthetic harness (rl/methods/simplegpt/README.md, the minimal tiny implementation): a tiny Llama (d = 128,
 4 layers, 4 heads) in two variants, pre-norm (`model.tiny.norm_placement: prenorm`) and SimpleGPT (`simplenorm`),
 trained from scratch as character-level LMs on the same text (the facts task's answers, written in code), with the
 same optimizer (AdamW, weight decay 0.1, gradient clip 1.0, 20 warm-up steps then linear decay, batch 16 of 128
@@ -21,7 +21,7 @@ The paper's claims, in direction: the largest stable learning rate is at least 3
 high learning rate SimpleGPT's final loss is lower; its top Hessian eigenvalue is lower.
 
 ## ZO Fine-tuner
-A labelled synthetic harness (§7's minimal implementation): an MLP classifier of about 51k parameters (64 → 192 →
+A labelled synthetic harness (the ZO Fine-tuner's minimal setting, rl/methods/zo_finetuner/README.md): an MLP classifier of about 51k parameters (64 → 192 →
 192 → 10, tanh); task A and task B label Gaussian inputs by two different random teacher networks. Per seed: the
 learning-to-learn job trains a `PertBundle` on task A for 300 steps (the model on a first-order trajectory, SGD
 with momentum 0.8, lr 0.05, restarted every 100 steps; meta step size lr_update = the ZO learning rate, a
@@ -32,7 +32,7 @@ same seed stream, so every arm makes the same number of forward passes. The pape
 a lower loss than MeZO (23 of 28 settings; +2.5 points of accuracy on average).
 
 ## U-LoRA
-A labelled synthetic harness (§5's shared-subspace task): a frozen random 2-layer MLP applied to each of 8 tokens of
+A labelled synthetic harness (U-LoRA's shared-subspace task, rl/methods/ulora/README.md): a frozen random 2-layer MLP applied to each of 8 tokens of
 a sequence; the target adds to its first layer ΔW_k = B⋆ diag(s_k) A⋆ (shared rank-4 A⋆, B⋆) for the sequence's type
 k, which its first token reveals. The spec's s_k ∈ {±1, ±2}⁴ cannot be produced by a positive, sum-to-r gate, so
 here s_k = 2.5 on direction k and 0.5 on the others (4 types, each row summing to r). Adapters on the first layer,
@@ -67,7 +67,7 @@ ARCHS = ("prenorm", "simplenorm")
 
 def corpus() -> str:
     """Character-level training text written in code: the facts task's SFT answers (made-up people and facts)."""
-    from rl.tasks.facts import write_facts_task
+    from rl.methods.factuality.task import write_facts_task
     with tempfile.TemporaryDirectory() as d:
         paths = write_facts_task(d, num_sft=3000, num_train=0, num_eval=0, seed=1234)
         rows = [json.loads(x) for x in Path(paths["sft"]).read_text().splitlines()]
@@ -155,8 +155,8 @@ def zo_seed(seed: int, steps: int = 2000, l2l_steps: int = 300, lr: float = 1e-3
     import torch
     from torch import nn
 
+    from rl.methods.zo_finetuner.optimizer import PertBundle, ZOFinetuner, learn_to_learn
     from rl.optim import MeZO
-    from rl.zo_finetuner import PertBundle, ZOFinetuner, learn_to_learn
 
     def teacher(task: int):
         g = torch.Generator().manual_seed(task)

@@ -23,6 +23,7 @@ import torch
 from models.adapters import reference_forward
 from models.common import kv_bytes_per_token
 from rl.batch import Batch
+from rl.validation import check_compile_position_wise, check_forward_only, check_learner
 from rollout.probes import ActorProbes
 
 
@@ -81,17 +82,11 @@ class LearnerWorker(ActorProbes):
         from rl.registry import get
         self.lr = lr
         family_cls = get("family", family)
-        if share_prompts and not getattr(family_cls, "supports_shared_prompts", False):
-            raise ValueError(f"learner.share_prompts: model family {family!r} cannot share a prompt's forward "
-                             f"(the causal family can)")
+        check_learner(family, family_cls, share_prompts=share_prompts, pack_sequences=pack_sequences,
+                      gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation)
+        check_compile_position_wise(compile_position_wise, zero_stage)
         self.family = family_cls(chunk_tokens=logprob_chunk_tokens, **({"share_prompts": True} if share_prompts
                                                                        else {}))
-        if share_prompts and gradient_checkpointing and not pack_sequences:
-            raise ValueError("learner.share_prompts runs each prompt into a KV cache, which "
-                             "model.gradient_checkpointing turns off in training (learner.pack_sequences shares "
-                             "prompts without one)")
-        if pack_sequences and not self.family.supports_packing:
-            raise ValueError(f"learner.pack_sequences: model family {family!r} cannot run packed sequences")
         self.pack = pack_sequences
         self.loss_parameters: dict[str, torch.nn.Parameter] | None = None  # declared by the loss (rl.losses)
         self.loss_parameter_opt: torch.optim.Optimizer | None = None
@@ -145,9 +140,6 @@ class LearnerWorker(ActorProbes):
             model = make_adapter(model, adapter, get("adapter", adapter["name"]))
         self.with_ref = with_ref
         if compile_position_wise:
-            if zero_stage == 3:  # its hooks gather each module's partitioned weights around the call
-                raise ValueError("learner.compile_position_wise needs learner.zero_stage 0-2 (ZeRO-3 gathers "
-                                 "partitioned weights in module hooks that a compiled module would trace)")
             from models.blocks import compile_position_wise as compile_modules
             compile_modules(model)
         if gradient_checkpointing:
@@ -174,10 +166,8 @@ class LearnerWorker(ActorProbes):
         sched = get("scheduler", sched_spec["name"])(optim, warmup_steps=warmup_steps, total_steps=total_steps,
                                                      **sched_spec["params"])
         self.forward_only = is_forward_only(optim)
+        check_forward_only(opt_spec["name"], self.forward_only, zero_stage)
         if self.forward_only:
-            if zero_stage != 0:
-                raise ValueError(f"learner.optimizer {opt_spec['name']!r} is forward-only: it perturbs the full "
-                                 f"weights on every rank and needs learner.zero_stage 0, got {zero_stage}")
             # DeepSpeed only runs the forward (and places/casts the model); the optimizer steps itself
             self.engine, _, _, _ = deepspeed.initialize(model=model, config=self.ds_config)
             self.optimizer, self.scheduler = optim, sched

@@ -32,9 +32,6 @@ from cluster.trainer import (
     latest_checkpoint,
     make_learner_group,
     model_family,
-    model_type_of,
-    needs_critic,
-    policy_loss_params,
     prune_checkpoints,
     selected_checkpoint,
 )
@@ -42,9 +39,10 @@ from models.tokenizer import load_tokenizer
 from rewards.service import RewardService, RewardSpec
 from rl.config import ConfigError, as_container, to_yaml
 from rl.data import load_rows, prompt_row_columns
-from rl.registry import check_params, get, register
+from rl.registry import get, register
 from rl.sft_data import load_sft_rows, sft_examples
 from rl.stages import Stage, StageContext, StageError, say, stage_cfg
+from rl.validation import check_components
 from rollout.weight_sync import pack_state
 
 
@@ -83,107 +81,6 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
             paths["sft"] = synth["sft"]
         paths.update({k: v for k, v in synth.items() if k not in ("train", "eval", "sft")})  # e.g. solver_eval
     return paths
-
-
-def check_components(cfg: DictConfig, model_path: str) -> None:
-    """Resolve every named component of the recipe and check its parameters before any actor starts:
-    advantage, loss (its inputs against the model family's outputs), optimizer, decoding methods, environment,
-    schedulers, stages."""
-    from rl.batch import NAMED_FIELDS
-    from rl.losses import LOSS_INPUTS
-    from rl.registry import get, required_parameters
-    a, lc = cfg.algorithm, cfg.learner
-    check_params("advantage", a.advantage, as_container(a.advantage_params), "algorithm.advantage_params",
-                 supplied=("rewards", "group_id", "response_mask", *NAMED_FIELDS))
-    family_name = model_family(cfg, model_path)
-    family = get("family", family_name)
-    check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
-                 supplied=(*LOSS_INPUTS, *family.outputs))
-    missing = [n for n in required_parameters(get("loss", a.loss))[4:]
-               if n not in (*LOSS_INPUTS, *family.outputs, *NAMED_FIELDS, *a.loss_params)]
-    if missing:
-        raise ConfigError(f"algorithm.loss: loss {a.loss!r} needs {missing}, which model family {family_name!r} "
-                         f"(model.family: {cfg.model.family}) does not provide; it provides {list(family.outputs)}")
-    if needs_critic(cfg) and cfg.critic.model_path is None and family_name != "causal":
-        raise ConfigError(f"critic: algorithm.advantage {a.advantage!r} trains a value model on the policy's "
-                          f"architecture, which model family {family_name!r} has no value head for; set "
-                          f"critic.model_path to a causal LM folder")
-    if family_name == "masked_diffusion" and any(st.name == "rl" for st in cfg.stages):
-        raise ConfigError("stages: model family 'masked_diffusion' trains by SFT (the MDLM loss) and samples by "
-                          "diffusion decoding; its per-token terms are not sampling log-probabilities, so the 'rl' "
-                          "stage cannot train it (use stages model, data, sft, evaluate)")
-    if family_name == "masked_diffusion" and cfg.rollout.engine != "hf":
-        raise ConfigError(f"rollout.engine: {cfg.rollout.engine!r} cannot sample a masked-diffusion model; the hf "
-                          f"engine runs its block sampler (rollout.eval_decoding: diffusion)")
-    if lc.adapter:
-        get("adapter", lc.adapter.name)  # an unknown adapter name fails here
-        check_params("adapter", lc.adapter.name, as_container(lc.adapter.params), "learner.adapter.params",
-                     supplied=("model",))
-        if family_name != "causal":
-            raise ConfigError(f"learner.adapter: adapters apply to the causal family's models, not {family_name!r}")
-        if cfg.rollout.engine not in ("hf", "vllm"):
-            raise ConfigError(f"learner.adapter: rollout.engine {cfg.rollout.engine!r} cannot take the adapter's "
-                              f"tensors; the hf engine serves the adapter unmerged, vllm as a LoRA adapter")
-        if cfg.rollout.weight_sync == "cuda_ipc":
-            raise ConfigError("learner.adapter: rollout.weight_sync cuda_ipc shares full weights; use object_store or "
-                              "collective, which send the adapter's tensors alone")
-        if lc.adapter.name == "ulora" and cfg.rollout.engine == "vllm":
-            raise ConfigError("learner.adapter: ulora gates its directions per token, which vLLM's LoRA kernels do "
-                              "not; the hf engine serves it unmerged (rollout.engine: hf)")
-
-    simplegpt = (cfg.model.tiny.norm_placement == "simplenorm" if cfg.model.path is None
-                 else model_type_of(model_path or cfg.model.path) == "simplegpt")
-    if simplegpt and cfg.rollout.engine == "vllm":
-        raise ConfigError("rollout.engine: vllm has no SimpleGPT architecture (model_type simplegpt, "
-                          "model.tiny.norm_placement: simplenorm); the hf engine serves it")
-    shares = getattr(family, "supports_shared_prompts", False)
-    packed_flash = lc.pack_sequences and str(lc.attn_implementation or "").startswith("flash")
-    if lc.share_prompts and (not shares or packed_flash
-                             or (cfg.model.gradient_checkpointing and not lc.pack_sequences)):
-        why = (f"model family {family_name!r} runs its own forward (the causal family can share prompts)"
-               if not shares else
-               f"a packed row shares its prompts through looprl's variable-length attention, not "
-               f"learner.attn_implementation {lc.attn_implementation!r} (set it to eager or sdpa)" if packed_flash
-               else "model.gradient_checkpointing turns the KV cache off in training (learner.pack_sequences "
-                    "shares prompts without one)")
-        raise ConfigError(f"learner.share_prompts: {why}; set learner.share_prompts false")
-    if lc.pack_sequences and not getattr(family, "supports_packing", False):
-        raise ConfigError(f"learner.pack_sequences: model family {family_name!r} cannot run packed sequences "
-                          f"(its attention builds its own masks); set learner.pack_sequences false")
-    policy_loss_params(cfg, get("loss", a.loss))  # the KL and entropy terms have a loss that takes them
-    if cfg.sft.enabled and cfg.sft.loop_readouts == "all" and "loop_logp" not in family.outputs:
-        raise ConfigError(f"sft.loop_readouts: all trains every loop's readout, which model family {family_name!r} "
-                          f"does not have (a looped model such as Ouro does); use final")
-    import inspect
-    loop_inputs = {"loop_logp", "exit_pdf"} & set(inspect.signature(get("loss", a.loss)).parameters)
-    if loop_inputs and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
-        raise ConfigError(f"rollout.top_p / rollout.top_k: loss {a.loss!r} reads per-loop logprobs "
-                          f"({sorted(loop_inputs)}) of each loop's full distribution, which a truncated rollout "
-                          f"does not sample from; use top_p 1.0 and top_k 0 with it")
-    check_params("optimizer", lc.optimizer.name, as_container(lc.optimizer.params), "learner.optimizer.params",
-                 supplied=("params", "lr", "weight_decay"))
-    if lc.compile_position_wise and lc.zero_stage == 3:
-        raise ConfigError("learner.compile_position_wise: ZeRO-3 gathers partitioned weights in module hooks that "
-                          "a compiled module would trace; use learner.zero_stage 0-2 or set it false")
-    if getattr(get("optimizer", lc.optimizer.name), "forward_only", False) and lc.zero_stage != 0:
-        raise ConfigError(f"learner.optimizer {lc.optimizer.name!r} is forward-only (it perturbs the full weights on "
-                         f"every rank): it needs learner.zero_stage 0, got {lc.zero_stage}")
-    for key, name, params in (("rollout.decoding", cfg.rollout.decoding, cfg.rollout.decoding_params),
-                              ("rollout.eval_decoding", cfg.rollout.eval_decoding, cfg.rollout.eval_decoding_params)):
-        if name is not None:
-            check_params("decoding", name, as_container(params), f"{key}_params")
-    synth = cfg.data.synthetic
-    check_params("task", synth.task, as_container(synth.params), "data.synthetic.params",
-                 supplied=tuple(k for k in as_container(synth) if k != "params"))
-    check_params("sampler", cfg.trainer.prompt_sampler.name, as_container(cfg.trainer.prompt_sampler.params),
-                 "trainer.prompt_sampler.params", supplied=("rows", "seed"))
-    if cfg.rollout.env is not None:
-        check_params("env", cfg.rollout.env, as_container(cfg.rollout.env_params), "rollout.env_params")
-    for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
-        check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
-                     supplied=("optimizer", "warmup_steps", "total_steps"))
-    for i, entry in enumerate(cfg.stages):  # a bad stage or stage param fails now, not after training
-        make_stage(entry.name, as_container(entry.params), f"stages[{i}]")
 
 
 def seed_everything(seed: int) -> None:
@@ -484,6 +381,14 @@ class EvaluateStage(Stage):
         return out
 
 
+def check_recipe(cfg: DictConfig, model_path: str | None) -> None:
+    """Everything about the recipe that can fail before Ray starts: its components and their parameters
+    (`rl.validation.check_components`) and every stage built with its parameters."""
+    check_components(cfg, model_path)
+    for i, entry in enumerate(cfg.stages):  # a bad stage or stage param fails now, not after training
+        make_stage(entry.name, as_container(entry.params), f"stages[{i}]")
+
+
 def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
     """Run the recipe's stages (or only `only_stage`) and return the summary (also written to summary.json)."""
     t_run = time.perf_counter()
@@ -491,12 +396,7 @@ def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     seed_everything(cfg.seed)
-    check_components(cfg, cfg.model.path)
-    check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
-                 supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
-    for name, judge in cfg.reward.judges.items():
-        check_params("engine", judge.engine, as_container(judge.engine_params), f"reward.judges.{name}.engine_params",
-                     supplied=("model_path", "dtype", "device"))
+    check_recipe(cfg, cfg.model.path)
     specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params), f.label, f.eval_only)
              for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early

@@ -26,9 +26,10 @@ from cluster.learner import LearnerGroup
 from cluster.ray_utils import Placement, actor_env, unfinished
 from rl.advantages import gae_advantages_and_returns, outcome_token_rewards
 from rl.batch import Batch
-from rl.config import ConfigError, as_container
+from rl.config import as_container
 from rl.data import format_prompt
 from rl.losses import kl_in_reward, kl_penalty, soft_overlong_penalty
+from rl.recipe import model_family, needs_critic, policy_loss_params
 from rl.registry import get
 from rollout.probes import best_rates
 from rollout.worker import RolloutWorker, RolloutWorkerRestarted, RolloutWorkerStuck
@@ -572,11 +573,6 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         compile_position_wise=lc.compile_position_wise and family is None, wait=wait)
 
 
-def needs_critic(cfg: DictConfig) -> bool:
-    """Whether the recipe's advantage estimator reads a value model's `values` (PPO's `gae`)."""
-    return "values" in inspect.signature(get("advantage", cfg.algorithm.advantage)).parameters
-
-
 def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int,
                       wait: bool = True) -> LearnerGroup:
     """The value model's DeepSpeed group, on the learner bundles beside the policy's ranks (they take turns)."""
@@ -591,23 +587,6 @@ def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, gr
         threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
         deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
         attn_implementation=lc.attn_implementation, wait=wait)
-
-
-def model_family(cfg: DictConfig, model_path: str | None) -> str:
-    """`model.family`, with `auto` resolved from the model folder's `model_type` (the tiny model's `arch`
-    when the recipe builds one; causal when the folder is not there to read)."""
-    if cfg.model.family != "auto":
-        return cfg.model.family
-    from models.families import family_for_model_type
-    if cfg.model.path is None:
-        return family_for_model_type(cfg.model.tiny.arch)
-    return family_for_model_type(model_type_of(model_path or cfg.model.path))
-
-
-def model_type_of(model_path: str) -> str:
-    """The `model_type` of a model folder's config ('' when the folder is not there to read)."""
-    config = Path(model_path) / "config.json"
-    return json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
 
 
 def adapter_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -881,27 +860,6 @@ def step_verified_fraction(step_rewards: list[list[float]]) -> torch.Tensor:
     """`[N]`: the share of each sample's steps with a positive step reward (a tool call that ran and was used, a
     verified reflection); 0 for a sample without steps (nothing verified). TGPO's `trust: step_frac`."""
     return torch.tensor([sum(r > 0 for r in rows) / len(rows) if rows else 0.0 for rows in step_rewards])
-
-
-def policy_loss_params(cfg: DictConfig, loss_fn: Any) -> dict[str, Any]:
-    """The keywords every policy loss is called with: the recipe's `algorithm.loss_params` plus what the
-    algorithm section decides. `algorithm.kl_coef` / `kl_in_reward` are the single source of truth for the KL
-    term: a loss that takes `kl_coef` always receives it (0 when no reference is loaded or the KL is in the
-    reward), so no loss's own default can add a KL term the recipe did not ask for."""
-    a = cfg.algorithm
-    params = {**as_container(a.loss_params), "agg": a.loss_agg, "norm_len": float(cfg.rollout.max_new_tokens)}
-    accepted = inspect.signature(loss_fn).parameters
-    kl_in_loss = a.kl_coef if (a.kl_coef > 0 and not a.kl_in_reward) else 0.0
-    if "kl_coef" in accepted:
-        params.update(kl_coef=kl_in_loss, kl_estimator=a.kl_estimator)
-    elif kl_in_loss:
-        raise ConfigError(f"algorithm.kl_coef: loss {a.loss!r} takes no kl_coef; put the KL in the reward "
-                          f"(algorithm.kl_in_reward: true) or set algorithm.kl_coef 0")
-    if "entropy_coef" in accepted:
-        params["entropy_coef"] = a.entropy_coef
-    elif a.entropy_coef:
-        raise ConfigError(f"algorithm.entropy_coef: loss {a.loss!r} takes no entropy_coef; set it to 0")
-    return params
 
 
 def _group_frac(batch: Batch, pred) -> float:

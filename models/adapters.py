@@ -228,7 +228,7 @@ def _ulora_linear_class():
 def ulora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
           target_modules: list[str] | str | None = None, beta: float = 0.99, lam: float = 0.3, context: bool = True,
           task_type: str | None = "CAUSAL_LM") -> nn.Module:
-    """U-LoRA ([RECONSTRUCTION], shared/specs/stages.md §5): peft's LoRA with token-level utilization gates over
+    """U-LoRA ([RECONSTRUCTION], rl/methods/ulora/README.md): peft's LoRA with token-level utilization gates over
     the r directions, a sequence-context term (`context`; off: token-only gates, an ablation) and a bias-corrected
     EMA prior (`beta`, weight `lam`). 2r² + 2r parameters per module beyond LoRA's. Not mergeable: the hf engine
     serves it unmerged, vllm refuses it. `task_type` None wraps any module (not only a causal LM)."""

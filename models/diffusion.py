@@ -275,7 +275,7 @@ class DiffusionOutput:
 
 @dataclass
 class Remasking:
-    """Revision of committed tokens during sampling (CORE and its controls, shared/specs/stages.md §9).
+    """Revision of committed tokens during sampling (CORE and its controls, rl/methods/core/README.md).
 
     `policy`: none | core | random | low_margin. At `probes` steps spread evenly over the run (step ⌊(i + 1)·T /
     (probes + 1)⌋ − 1, after its commits), the candidates are the committed tokens of the current and the previous

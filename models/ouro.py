@@ -6,7 +6,7 @@ loop's readout (`lm_head`) and the next loop's input. A shared `early_exit_gate`
 gives per-token exit probabilities by stick-breaking over loops (`exit_pdf`). Layers use sandwich RMSNorm:
 `h += norm2(attn(norm1(h)))`, `h += norm4(mlp(norm3(h)))`. Parameter names, config fields and the
 saved format follow the public Ouro-1.4B / 2.6B checkpoints, so `from_pretrained` loads them with no
-missing or unexpected keys (spec: shared/specs/rl-methods.md, §1.2 and Appendix A).
+missing or unexpected keys (rl/methods/rltt/README.md and Appendix A).
 
 Forward modes:
 - `forward(...)`: logits of one loop for sampling, with a KV cache holding one slot per (loop, layer),

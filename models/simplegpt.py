@@ -1,6 +1,6 @@
 """SimpleGPT: the Llama architecture with SimpleNorm, a normalization immediately after every linear map inside the
 blocks and no pre-norms (arXiv 2602.01212; placement and initialisation as in the released `Ocram7/SimpleGPT` code,
-shared/specs/stages.md §6).
+rl/methods/simplegpt/README.md).
 
     attention:  q = N(W_q x), k = N(W_k x), v = N(W_v x)  (each over the full projected width), RoPE on q and k,
                 causal attention, out = N(W_o · attn)

@@ -2,7 +2,6 @@
 entry-point group `looprl.builtins`; importing this package imports none of them)."""
 
 BUILTINS = {
-    "reward": ["rewards.math", "rewards.factuality", "rewards.rubric", "rewards.episode", "rewards.remote",
-               "rewards.reward_model", "rewards.proposer", "rewards.match"],
+    "reward": ["rewards.math", "rewards.episode", "rewards.remote", "rewards.reward_model", "rewards.match"],
     "stage": ["rewards.reward_model_stage"],
 }

@@ -5,7 +5,7 @@ engine `hf` or `vllm`, number of workers, sampling). Each worker is a Ray actor 
 engine; nothing ever sends it weights (the learner's weight sync only reaches the rollout workers),
 so a judge stays exactly the model it was loaded as, which `weights_sha256` lets a run prove.
 
-Reward functions that need judges are batched and decorated with `rewards.base.uses_judges`; the
+Reward functions that need judges are batched and decorated with `rl.reward.uses_judges`; the
 reward service calls them in its own process with `judges={name: JudgeClient}`.
 """
 

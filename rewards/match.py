@@ -27,7 +27,7 @@ def fact_numbers_reward(prompt: str, response: str, *, ground_truth: Any = None,
     words before that number ("Kov owns" of "Kov owns 42 goats."); a response sentence (statement and citation
     markup removed) that starts with a fact's key states it, right when its first number is the fact's. The share
     of stated facts stated right; None when the response states none (or there is no ground truth)."""
-    from rl.guidance import normalize_words, split_sentences, strip_citations
+    from rl.methods.guidance.core import normalize_words, split_sentences, strip_citations
     if ground_truth is None:
         return None
     facts = {}

@@ -66,7 +66,7 @@ def math_reward(prompt: str, response: str, *, ground_truth: Any = None, metadat
 def digit_credit_reward(prompt: str, response: str, *, ground_truth: Any = None, **_: Any) -> float | None:
     """Partial credit for an integer answer: the share of the answer's digits the last `\\boxed{}` gets right in
     place, aligned from the units digit (a wrong length loses the unmatched places). 1.0 only when exact, 0.0
-    without a boxed integer. The partial-credit setting of TGPO (spec §2.4), where an imperfect trajectory
+    without a boxed integer. The partial-credit setting of TGPO (rl/methods/tgpo/README.md), where an imperfect trajectory
     still carries signal; None without a ground truth."""
     if ground_truth is None or str(ground_truth).strip() == "":
         return None

@@ -21,8 +21,8 @@ import json
 import time
 from typing import Any
 
-from rewards.base import RewardFailure, batched
 from rl.registry import register_resolver
+from rl.reward import RewardFailure, batched
 
 SCORE_PATH, HEALTH_PATH = "/score", "/health"
 

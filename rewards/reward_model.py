@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rewards.base import uses_judges
 from rl.registry import register
+from rl.reward import uses_judges
 
 
 @register("reward", "reward_model")

@@ -16,9 +16,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rl.batch import make_sft_batch
 from rl.data import format_prompt, load_rows
 from rl.registry import register
+from rl.sft_data import make_sft_batch
 from rl.stages import Stage, StageContext, say
 
 

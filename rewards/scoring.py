@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from rewards.base import is_batched
+from rl.reward import is_batched
 
 
 @dataclass

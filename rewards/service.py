@@ -17,8 +17,8 @@ import time
 import traceback
 from typing import Any
 
-from rewards.base import RewardResult, needs_judges, normalize_result
 from rewards.scoring import RewardSpec, load_rewards, score_chunk
+from rl.reward import RewardResult, needs_judges, normalize_result
 from rollout.probes import ActorProbes
 
 

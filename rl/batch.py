@@ -330,13 +330,6 @@ def micro_batches_of(batch: Batch, plan: list[list[list[int]]]) -> list[list[Bat
     return out
 
 
-def make_sft_batch(tokenizer: Any, prompts: list[str], targets: list[str]) -> Batch:
-    """Prompt (left-padded) + target + EOS (right-padded); the loss covers target and EOS."""
-    from rl.sft_data import prompt_response_example
-    return batch_of_examples([prompt_response_example(tokenizer, p, t) for p, t in zip(prompts, targets)],
-                             tokenizer.pad_token_id)
-
-
 def batch_of_examples(examples: list[Any], pad_id: int) -> Batch:
     """`rl.sft_data.SFTExample`s as one batch: prompts left-padded, responses right-padded; `response_mask` is
     each example's loss mask, `response_attn` covers all its response tokens (later user turns are read, not

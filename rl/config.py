@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A recipe cannot be loaded: names the file and the key."""
+from rl.recipe import ConfigError, as_container
+from rl.validation import check_values
 
 
 @dataclass
@@ -34,7 +33,7 @@ class TinyModelConfig:
     loops: int = 4  # ouro: passes over the shared layer stack (total_ut_steps)
     norm_placement: str = "prenorm"  # arch llama: prenorm (Llama's pre-norms) | simplenorm (SimpleGPT: an RMSNorm right after every linear inside the blocks, no pre-norms; models/simplegpt.py)
     added_tokens: list[str] = field(default_factory=list)  # whole strings with a token id each in the character tokenizer (fixed phrases of a task read as one token)
-    task_tokens: bool = False  # also add the synthetic task's phrases (its `added_tokens`, e.g. the memo_games task's hints and templates)
+    task_tokens: bool = False  # also add the synthetic task's phrases (its `added_tokens`, e.g. the memo task's hints and templates)
 
 
 @dataclass
@@ -55,7 +54,7 @@ class ModelConfig:
 
 @dataclass
 class SyntheticTaskConfig:
-    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/tasks/facts.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/tasks/plans.py) | addition (a+b= with a fixed-width sum, for masked-diffusion models) | styles (sums solved in a sparse or a dense style, DenseSteer's task, rl/tasks/styles.py)
+    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/methods/factuality/task.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/methods/rubric_self_grade/task.py) | addition (a+b= with a fixed-width sum, for masked-diffusion models) | styles (sums solved in a sparse or a dense style, DenseSteer's task, rl/methods/densesteer/task.py)
     num_train: int = 4000  # generated training problems (SFT warm-up and RL prompts draw from disjoint parts)
     num_eval: int = 200  # held-out problems, never trained on
     sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest
@@ -99,7 +98,7 @@ class SFTConfig:
     eval_every: int = 0  # steps between held-out loss evaluations (0: only after the last step)
     save_every: int = 0  # steps between SFT checkpoints in output_dir/sft_checkpoints (resume: auto continues from the newest)
     keep_checkpoints: int = 1  # SFT checkpoints kept on disk
-    sampler: str = "auto"  # order of the SFT rows: shuffle (seeded, every epoch) | sequential (the file's order) | auto (sequential when an ordering stage such as order_ep wrote the SFT data, else shuffle)
+    sampler: str = "auto"  # order of the SFT rows: shuffle (seeded, every epoch) | sequential (the file's order) | auto (sequential when an ordering stage such as ep_order wrote the SFT data, else shuffle)
 
 @dataclass
 class RolloutConfig:
@@ -455,91 +454,8 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         given_whole = {i.split("=", 1)[0].strip() for i in overrides if i.split("=", 1)[1].lstrip().startswith("{")}
         cfg = _merge(cfg, data, "command-line override",
                      replace=[k for k in _replaced_mappings(data, Config) if k in given_whole])
-    validate(cfg)
+    check_values(cfg)
     return cfg
-
-
-def validate(cfg: DictConfig) -> None:
-    """Cross-field checks that types alone cannot express."""
-    def need(cond: bool, key: str, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"invalid value for {key!r}: {msg}")
-
-    need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
-    need(cfg.learner.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3")
-    need(cfg.learner.world_size >= 1, "learner.world_size", "must be >= 1")
-    need(cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
-    need(cfg.algorithm.kl_estimator in ("k1", "k2", "k3"), "algorithm.kl_estimator", "must be k1, k2 or k3")
-    need(cfg.reward.failed_samples in ("exclude", "train"), "reward.failed_samples", "must be exclude or train")
-    need(cfg.trainer.select_mode in ("max", "min"), "trainer.select_mode", "must be max or min")
-    need(cfg.sft.loop_readouts in ("final", "all"), "sft.loop_readouts", "must be final or all")
-    need(cfg.sft.format in ("auto", "prompt_response", "messages"), "sft.format",
-         f"must be auto, prompt_response or messages, got {cfg.sft.format!r}")
-    need(cfg.sft.sampler in ("auto", "shuffle", "sequential"), "sft.sampler",
-         f"must be auto, shuffle or sequential, got {cfg.sft.sampler!r}")
-    need(cfg.sft.bad_rows in ("error", "drop"), "sft.bad_rows", f"must be error or drop, got {cfg.sft.bad_rows!r}")
-    need(0.0 <= cfg.sft.eval_fraction < 1.0, "sft.eval_fraction", f"must be in [0, 1), got {cfg.sft.eval_fraction}")
-    need(cfg.trainer.select_by is None or cfg.trainer.select_by.startswith("eval/"), "trainer.select_by",
-         "must name a held-out metric (eval/accuracy or eval/reward/<label>), not a training one")
-    need(cfg.rollout.eval_runs >= 1, "rollout.eval_runs", "must be >= 1")
-    need(cfg.rollout.eval_runs == 1 or cfg.rollout.eval_temperature > 0, "rollout.eval_runs",
-         "independent runs need sampling: set rollout.eval_temperature > 0 (greedy runs are all the same)")
-    need(0 < cfg.rollout.eval_top_p <= 1, "rollout.eval_top_p", "must be in (0, 1]")
-    need(cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-         "algorithm.loss_agg", "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
-    need(cfg.cluster.placement in ("colocated", "split"), "cluster.placement", "must be colocated or split")
-    need(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16")
-    need(cfg.resume in ("no", "auto") or Path(cfg.resume).exists(), "resume",
-         f"must be no, auto or an existing checkpoint folder, got {cfg.resume!r}")
-    total = cfg.trainer.prompts_per_step * cfg.rollout.n
-    per_update = total // max(cfg.algorithm.mini_batches, 1)
-    need(total % cfg.algorithm.mini_batches == 0, "algorithm.mini_batches",
-         f"must divide prompts_per_step*n = {total}")
-    need(per_update % cfg.learner.world_size == 0, "learner.world_size",
-         f"must divide the samples per optimizer step ({per_update})")
-    need(cfg.trainer.max_staleness >= 0, "trainer.max_staleness", "must be >= 0")
-    need(cfg.rollout.weight_sync in ("object_store", "collective", "cuda_ipc"), "rollout.weight_sync",
-         "must be object_store, collective or cuda_ipc")
-    need(cfg.rollout.weight_sync != "cuda_ipc" or (cfg.cluster.placement == "colocated"
-                                                   and cfg.rollout.num_workers <= cfg.learner.world_size),
-         "rollout.weight_sync", "cuda_ipc needs cluster.placement: colocated and rollout.num_workers <= "
-         "learner.world_size (each rollout worker shares a GPU with a learner rank)")
-    # a broadcast waits for every receiver, i.e. for the rollout in flight: it would serialise the pipeline
-    need(cfg.rollout.weight_sync != "collective" or cfg.trainer.max_staleness == 0, "rollout.weight_sync",
-         "collective needs trainer.max_staleness: 0 (use object_store or cuda_ipc with asynchronous rollout)")
-    need(cfg.algorithm.is_correction in ("none", "token", "sequence"), "algorithm.is_correction",
-         "must be none, token or sequence")
-    need(cfg.algorithm.is_mode in ("truncate", "mask"), "algorithm.is_mode", "must be truncate or mask")
-    need(cfg.algorithm.is_cap > 0, "algorithm.is_cap", "must be > 0")
-    need(cfg.algorithm.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", "must be >= 1")
-    need(0 <= cfg.algorithm.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
-         "must be between 0 and rollout.max_new_tokens")
-    need(len(cfg.reward.functions) >= 1, "reward.functions", "at least one reward function is needed")
-    for key in ("decoding", "eval_decoding"):
-        method = cfg.rollout[key]
-        need(method is None or cfg.rollout.engine != "vllm", f"rollout.{key}",
-             f"the vllm engine cannot serve decoding method {method!r} (its hooks run in the hf engine's decode "
-             f"loop): set rollout.engine: hf")
-    need(cfg.rollout.max_turns >= 1, "rollout.max_turns", "must be >= 1")
-    need(cfg.rollout.max_episode_tokens >= 1, "rollout.max_episode_tokens", "must be >= 1")
-    labels = [s.label or s.name for s in cfg.stages]
-    need(len(set(labels)) == len(labels), "stages",
-         f"{sorted({x for x in labels if labels.count(x) > 1})} appear more than once: give each a distinct label")
-    need(any(not f.eval_only for f in cfg.reward.functions), "reward.functions",
-         "at least one function must not be eval_only (the training reward)")
-    keys = [f.label or f.remote or f.name for f in cfg.reward.functions]
-    need(len(set(keys)) == len(keys), "reward.functions",
-         f"{sorted({k for k in keys if keys.count(k) > 1})} appear more than once: give each a distinct label")
-    for key, on in (("rollout.sleep_between_phases", cfg.rollout.sleep_between_phases),
-                    ("learner.offload_between_phases", cfg.learner.offload_between_phases)):
-        need(not on or (cfg.cluster.placement == "colocated" and cfg.trainer.max_staleness == 0), key,
-             "needs cluster.placement: colocated and trainer.max_staleness: 0 (the roles take turns on one device)")
-    need(not cfg.learner.offload_between_phases or cfg.learner.zero_stage >= 1, "learner.offload_between_phases",
-         "needs learner.zero_stage 1-3 (DeepSpeed offloads the states of its ZeRO optimizers)")
-    for name, judge in cfg.reward.judges.items():
-        tp = int(judge.engine_params.get("tensor_parallel_size", 1))
-        need(tp <= max(judge.num_gpus, 1) or judge.num_gpus == 0, f"reward.judges.{name}.num_gpus",
-             f"must be >= engine_params.tensor_parallel_size ({tp}): one GPU per tensor-parallel rank")
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -562,12 +478,6 @@ def field_docs(schema: type = Config, prefix: str = "") -> dict[str, str]:
         if sub is not None:
             docs.update(field_docs(sub, prefix + f.name + (".<name>." if sub is _mapping_value_dataclass(tp) else ".")))
     return docs
-
-
-def as_container(node: Any) -> Any:
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
 
 
 def engine_actor_config(cfg: DictConfig, **overrides: Any) -> dict[str, Any]:

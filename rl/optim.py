@@ -36,7 +36,7 @@ class MeZO(torch.optim.Optimizer):
     L+ = L(θ + εu) and L− = L(θ − εu) on the same batch, restores θ, and updates
     θ ← θ − lr · (g·u + weight_decay·θ) with the projected gradient g = (L+ − L−) / (2ε).
     The seed of step k is `seed * 1_000_003 + k`, the same on every data-parallel rank, so ranks that see
-    the same global loss take the same step. Spec: shared/specs/stages.md §7 (the MeZO baseline).
+    the same global loss take the same step. Spec: rl/methods/zo_finetuner/README.md (the MeZO baseline).
     """
 
     forward_only = True

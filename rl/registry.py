@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pkgutil
 import sys
+import warnings
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -24,20 +26,17 @@ KINDS = ("advantage", "loss", "reward", "engine", "env", "stage", "decoding", "f
 _REGISTRY: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
 
 # The modules of this library that register the built-ins of a kind; imported lazily so that the library stays
-# light. The packages above it (`rollout`, `rewards`, `cluster`) declare their own in a `BUILTINS` mapping
+# light. Each method folder (`rl/methods/NAME/`) declares its own in a `BUILTINS` mapping in its `__init__.py`. The packages above it (`rollout`, `rewards`, `cluster`) declare their own in a `BUILTINS` mapping
 # of the same shape, published through the entry-point group `looprl.builtins` (pyproject.toml), so that this
 # module names none of them.
 LIBRARY_BUILTINS = {
     "advantage": ["rl.advantages"],
-    "loss": ["rl.losses", "rl.rltt"],
-    "env": ["rl.env", "rl.games"],
-    "optimizer": ["rl.optim", "rl.zo_finetuner"],
-    "stage": ["rl.memo_stage", "rl.proposer_stage", "rl.monoscale_stage", "rl.ep_order_stage", "rl.bliss_stage",
-              "rl.decomper_stage", "rl.fair_calib_stage", "rl.densesteer_stage", "rl.guidance_stage", "rl.dsr_stage"],
-    "task": ["rl.tasks.arithmetic", "rl.tasks.facts", "rl.tasks.plans", "rl.tasks.memo_games", "rl.tasks.proposer",
-             "rl.tasks.monoscale", "rl.tasks.domains", "rl.tasks.styles", "rl.tasks.citations", "rl.tasks.dsr"],
+    "loss": ["rl.losses"],
+    "env": ["rl.env"],
+    "optimizer": ["rl.optim"],
+    "task": ["rl.tasks.arithmetic", "rl.tasks.domains"],
     "scheduler": ["rl.optim"],
-    "sampler": ["rl.data", "rl.proposer"],
+    "sampler": ["rl.data"],
 }
 BUILTINS_GROUP = "looprl.builtins"
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only
@@ -60,6 +59,15 @@ def register_resolver(kind: str, matches: Callable[[str], bool], make: Callable[
     _RESOLVERS[kind].append((matches, make))
 
 
+# Former names kept working: kind -> {old name: new name}; `get` warns once per name and returns the new entry.
+_ALIASES: dict[str, dict[str, str]] = {k: {} for k in KINDS}
+
+
+def register_alias(kind: str, old: str, new: str) -> None:
+    """Keep the former name `old` of `kind`'s `new` working, with a deprecation warning naming the new one."""
+    _ALIASES[kind][old] = new
+
+
 class RegistryError(LookupError):
     """A spec could not be resolved to a registered or importable object."""
 
@@ -79,9 +87,13 @@ def register(kind: str, name: str) -> Callable[[Any], Any]:
 
 
 def builtin_modules(kind: str) -> list[str]:
-    """The modules that register the built-ins of `kind`: the library's and those every installed package
-    declares in the entry-point group `looprl.builtins` (a `BUILTINS` mapping of kind to module names)."""
+    """The modules that register the built-ins of `kind`: the library's, each method folder's and those every
+    installed package declares in the entry-point group `looprl.builtins` (a `BUILTINS` mapping of kind to module names)."""
     modules = list(LIBRARY_BUILTINS.get(kind, []))
+    import rl.methods
+    for info in sorted(pkgutil.iter_modules(rl.methods.__path__), key=lambda m: m.name):
+        if info.ispkg:
+            modules += getattr(importlib.import_module(f"rl.methods.{info.name}"), "BUILTINS", {}).get(kind, [])
     for ep in sorted(entry_points(group=BUILTINS_GROUP), key=lambda e: e.name):
         try:
             declared = ep.load()
@@ -136,6 +148,11 @@ def get(kind: str, spec: str) -> Any:
     _load_builtins(kind)
     if spec in _REGISTRY[kind]:
         return _REGISTRY[kind][spec]
+    if spec in _ALIASES[kind]:
+        new = _ALIASES[kind][spec]
+        warnings.warn(f"{kind} {spec!r} is now called {new!r}; the old name will be removed, rename it in your recipe",
+                      FutureWarning, stacklevel=2)
+        return get(kind, new)
     for matches, make in _RESOLVERS[kind]:
         if matches(spec):
             _REGISTRY[kind][spec] = make(spec)

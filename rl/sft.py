@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rl.batch import Batch, batch_of_examples, make_sft_batch  # noqa: F401  (the SFT batch layout; re-exported)
+from rl.batch import batch_of_examples
 from rl.data import PromptSampler
 from rl.sft_data import SFTExample
 

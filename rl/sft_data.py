@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from rl.batch import Batch, batch_of_examples
 from rl.config import ConfigError
 from rl.data import format_prompt, load_rows, open_dataset
 
@@ -168,3 +169,9 @@ def sft_examples(tokenizer: Any, path: str, key: str, sft: Any, data: Any) -> tu
     """`sft_rows_and_examples` without the rows."""
     _, examples, dropped = sft_rows_and_examples(tokenizer, path, key, sft, data)
     return examples, dropped
+
+
+def make_sft_batch(tokenizer: Any, prompts: list[str], targets: list[str]) -> Batch:
+    """Prompt (left-padded) + target + EOS (right-padded); the loss covers target and EOS."""
+    return batch_of_examples([prompt_response_example(tokenizer, p, t) for p, t in zip(prompts, targets)],
+                             tokenizer.pad_token_id)

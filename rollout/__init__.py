@@ -2,7 +2,7 @@
 entry-point group `looprl.builtins`; importing this package imports none of them)."""
 
 BUILTINS = {
-    "env": ["rollout.envs", "rollout.proposer_env", "rollout.router_env"],
+    "env": ["rollout.envs"],
     "engine": ["rollout.hf_engine", "rollout.vllm_engine", "rollout.classifier_engine"],
-    "decoding": ["rollout.decoding", "rollout.steering", "rollout.kv_policies", "rollout.citation"],
+    "decoding": ["rollout.decoding"],
 }

@@ -1,7 +1,7 @@
 """`hf_classifier` engine: a frozen reward model (a transformers sequence-classification model with one
 output) that scores (prompt, response) pairs in batches. Judges (`reward.judges`) serve it to the reward
 service; the `reward_model` reward calls it. A response is scored as it was trained on: the prompt's
-tokens, the response's tokens and EOS (`rl.batch.make_sft_batch`), read at the EOS.
+tokens, the response's tokens and EOS (`rl.sft_data.make_sft_batch`), read at the EOS.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class ClassifierEngine:
     @torch.no_grad()
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         """One scalar per (prompt, response), in order."""
-        from rl.batch import make_sft_batch
+        from rl.sft_data import make_sft_batch
         out: list[float] = []
         for start in range(0, len(prompts), self.batch_size):
             batch = make_sft_batch(self.tokenizer, prompts[start:start + self.batch_size],

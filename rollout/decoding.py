@@ -515,7 +515,7 @@ class DiffusionDecoding:
 
 @register("decoding", "remask_core")
 class CoreRemaskDecoding(DiffusionDecoding):
-    """CORE (context-robust remasking, shared/specs/stages.md §9) on the diffusion sampler: at `probes` steps one
+    """CORE (context-robust remasking, rl/methods/core/README.md) on the diffusion sampler: at `probes` steps one
     extra forward with the committed candidates jointly masked, and the `m` tokens whose support drops most go back
     to the mask. The same as `diffusion` with `revise: core`; forward passes = steps + probes."""
 

@@ -1,5 +1,5 @@
 """The built-in environments (registry kind `env`; the contract, `Env` and `EnvStep`, is `rl.env`): a calculator
-and a Python tool, run sandboxed (`rollout.tools`)."""
+and a Python tool, run sandboxed (`rl.tools`)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from typing import Any
 
 from rl.env import Env, EnvStep
 from rl.registry import register
-from rollout.tools import run_python
+from rl.tools import run_python
 
 
 @register("env", "calculator")
 class Calculator(Env):
     """Arithmetic with a calculator tool. Each turn the policy either asks the calculator, writing an
     expression (digits, + - * / and parentheses), answered with `=result` by sandboxed Python
-    (`rollout.tools.run_python`), or answers with `\\boxed{n}`, which ends the episode with reward 1 when n
+    (`rl.tools.run_python`), or answers with `\\boxed{n}`, which ends the episode with reward 1 when n
     is the row's answer (0 otherwise). Anything else is answered with `?`."""
 
     EXPRESSION = re.compile(r"^[0-9+\-*/() ]{1,40}$")

@@ -49,7 +49,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs).to(self.device).eval()
         from models.quant import load_fake_quant
-        self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (quantize_fair) serves as such
+        self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (fair_calib) serves as such
         from models.adapters import load_unmerged, make_adapter
         if adapter:
             from rl.registry import get

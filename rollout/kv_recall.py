@@ -1,5 +1,5 @@
 """A long-range recall task for KV-cache policies on a taught model (a labelled synthetic harness, the measurement
-behind BeaconKV's accuracy claim at CPU scale; shared/specs/stages.md §11).
+behind BeaconKV's accuracy claim at CPU scale; rl/methods/beaconkv/README.md).
 
 The prompt is a lookup table of `n_keys` distinct single-letter keys in random order, each with a random digit
 value (`g4c7…a2;`). The answer walks the keys in alphabetical order and writes each one's value, with a fixed

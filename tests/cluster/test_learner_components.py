@@ -9,7 +9,7 @@ from cluster.ray_utils import actor_env
 from models.tiny import save_tiny
 from models.tokenizer import load_tokenizer
 from rl.advantages import compute_grpo_advantages
-from rl.batch import make_sft_batch
+from rl.sft_data import make_sft_batch
 from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 

@@ -112,13 +112,13 @@ def test_it_saves_loads_and_generates_like_any_hf_causal_lm(tmp_path):
 def test_vllm_is_refused_for_simplegpt_at_start_up():
     from pathlib import Path
 
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     from rl import config
     from rl.config import ConfigError
     root = Path(__file__).resolve().parents[2]
     cfg = config.load(root / "recipes/quickstart.yaml", ["model.tiny.norm_placement=simplenorm", "rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="rollout.engine: vllm has no SimpleGPT"):
-        check_components(cfg, None)
+        check_recipe(cfg, None)
 
 
 def test_top_hessian_eigenvalue_of_a_quadratic():

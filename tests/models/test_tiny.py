@@ -43,7 +43,7 @@ def test_the_model_stage_adds_the_synthetic_tasks_phrases(tmp_path):
     from cluster.pipeline import prepare_model
     from models.tokenizer import load_tokenizer
     from rl import config
-    from rl.tasks.memo_games import harness_tokens
+    from rl.methods.memo.task import harness_tokens
     root = Path(__file__).resolve().parents[2]
     cfg = config.load(root / "recipes/memo_tiny.yaml", [f"output_dir={tmp_path}"])
     tok = load_tokenizer(prepare_model(cfg, tmp_path))

@@ -1,11 +1,12 @@
-"""Factuality reward (spec §4.5): the arithmetic, the hacking probes, the verdict cache, the service path."""
+"""Factuality reward (rl/methods/factuality/README.md): the arithmetic, the hacking probes, the verdict cache, the service path."""
 
 import math
 
 import pytest
 
-from rewards import factuality
-from rewards.factuality import (
+from rewards.service import RewardService, RewardSpec
+from rl.methods.factuality import reward as factuality
+from rl.methods.factuality.reward import (
     answer_part,
     factuality_reward,
     factuality_score,
@@ -14,7 +15,6 @@ from rewards.factuality import (
     sentence_claims,
     verify_claims,
 )
-from rewards.service import RewardService, RewardSpec
 
 FACTS = [f"The river {name} flows through the valley of {place} in spring." for name, place in
          [("Alder", "Brenn"), ("Birch", "Corva"), ("Cedar", "Dalm"), ("Elm", "Fenn"), ("Fir", "Gorse"),

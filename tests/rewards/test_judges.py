@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from models.tiny import save_tiny
-from rewards.factuality import (
+from rewards.judges import JudgeClient, JudgeWorker, state_dict_sha256
+from rewards.service import RewardService, RewardSpec
+from rl.methods.factuality.reward import (
     CLAIMS_PROMPT,
     RELEVANCE_PROMPT,
     VERIFY_PROMPT,
@@ -16,10 +18,8 @@ from rewards.factuality import (
     load_corpus,
     says_yes,
 )
-from rewards.judges import JudgeClient, JudgeWorker, state_dict_sha256
-from rewards.rubric import rubric_self_grade
-from rewards.service import RewardService, RewardSpec
-from rl.rubric import grader_prompt
+from rl.methods.rubric_self_grade.prompts import grader_prompt
+from rl.methods.rubric_self_grade.reward import rubric_self_grade
 from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 
@@ -48,7 +48,7 @@ def test_generation_is_split_across_workers_in_order(judge, judge_path):
 
 def test_a_judge_calling_plugin_runs_in_the_service(judge, tmp_path):
     plugin = tmp_path / "judged.py"
-    plugin.write_text("from rewards.base import uses_judges\n"
+    plugin.write_text("from rl.reward import uses_judges\n"
                       "@uses_judges\n"
                       "def judged(prompts, responses, *, judges, **kw):\n"
                       "    return [float(len(o)) for o in judges['j'].generate(responses)]\n")
@@ -146,7 +146,7 @@ def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path, eng
     from tests.cluster.test_pipeline import _cfg, vllm_model
     extra = vllm_model(engine)
     plugin = tmp_path / "critic.py"
-    plugin.write_text("from rewards.base import uses_judges\n"
+    plugin.write_text("from rl.reward import uses_judges\n"
                       "@uses_judges\n"
                       "def critic(prompts, responses, *, judges, **kw):\n"
                       "    said = judges['critic'].generate(responses)\n"

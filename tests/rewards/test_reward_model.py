@@ -76,7 +76,7 @@ def test_the_reward_model_reward_serves_it_batched_with_the_models_own_scores(tr
     from rewards.judges import start_judges
     from rewards.scoring import RewardSpec
     from rewards.service import RewardService
-    from rl.batch import make_sft_batch
+    from rl.sft_data import make_sft_batch
     _, tmp = trained
     path = str(tmp / "run" / "reward_model")
     rows = _pairs(10, 2)
@@ -103,7 +103,7 @@ def test_the_reward_model_reward_serves_it_batched_with_the_models_own_scores(tr
 def test_step_spans_map_character_ends_to_tokens():
     from cluster.trainer import step_spans
     from models.tiny import build_tiny_tokenizer
-    from rl.batch import make_sft_batch
+    from rl.sft_data import make_sft_batch
     tok = build_tiny_tokenizer()  # one token per character, then EOS
     b = make_sft_batch(tok, ["q", "q"], ["ab\ncd", "xyz"])
     spans = step_spans(b, [[3, 5], []], tok)
@@ -121,7 +121,7 @@ def test_the_process_reward_model_scores_every_step_prefix_and_fills_the_step_fi
     from rewards.judges import start_judges
     from rewards.scoring import RewardSpec
     from rewards.service import RewardService
-    from rl.batch import make_sft_batch
+    from rl.sft_data import make_sft_batch
     from rollout.classifier_engine import ClassifierEngine
     _, tmp = trained
     path = str(tmp / "run" / "reward_model")

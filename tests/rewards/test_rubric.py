@@ -1,9 +1,9 @@
-"""Rubric self-grading protocol (spec §5.6): the parser, robustness, the information gap, the word budget."""
+"""Rubric self-grading protocol (rl/methods/rubric_self_grade/README.md): the parser, robustness, the information gap, the word budget."""
 
 import pytest
 
-from rewards.rubric import extract_plan, parse_grades, research_plan_rows, rubric_score
-from rl.rubric import DESIDERATA, grader_prompt, policy_prompt
+from rl.methods.rubric_self_grade.prompts import DESIDERATA, grader_prompt, policy_prompt
+from rl.methods.rubric_self_grade.reward import extract_plan, parse_grades, research_plan_rows, rubric_score
 
 
 def _xml(errors: dict[int, str], k: int = 10) -> str:
@@ -70,8 +70,8 @@ def test_plan_extraction_and_word_budget():
 def test_research_plan_split_converts_to_looprl_rows(tmp_path):
     import json
 
-    from rewards.rubric import write_research_plan_jsonl
     from rl.data import load_rows
+    from rl.methods.rubric_self_grade.reward import write_research_plan_jsonl
     src = tmp_path / "ml_train.jsonl"
     src.write_text(json.dumps({"Goal": "Find G.", "Rubric": ["r1", "r2"], "Reference solution": "Ref.",
                                "article_id": "a1"}) + "\n")

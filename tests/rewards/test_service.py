@@ -9,7 +9,7 @@ from rl.registry import RegistryError
 
 PLUGINS = textwrap.dedent('''
     import asyncio, math, time
-    from rewards.base import batched
+    from rl.reward import batched
 
     def raises(prompt, response, **kw):
         raise RuntimeError("boom")
@@ -136,7 +136,7 @@ def test_a_validity_verdict_reaches_the_batch(plugin_file):
     verdict is a recorded failure naming the plugin."""
     from cluster.trainer import attach_rewards
     from models.tiny import build_tiny_tokenizer
-    from rl.batch import make_sft_batch
+    from rl.sft_data import make_sft_batch
     s = _service(plugin_file, "validity", "with_components")
     bad = _service(plugin_file, "bad_validity")
     try:

@@ -6,7 +6,7 @@ from rl.registry import get
 
 
 def test_grpo_hand_values_unbiased_std():
-    # spec §1.7: rewards [1,0,0,1] -> unbiased std 0.57735, advantages ±0.86602
+    # rl/methods/rltt/README.md: rewards [1,0,0,1] -> unbiased std 0.57735, advantages ±0.86602
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     mask = torch.ones(4, 3)
     adv = compute_grpo_advantages(r, torch.zeros(4, dtype=torch.long), mask)
@@ -119,9 +119,9 @@ def test_every_estimator_masks_tokens_and_handles_all_equal(name):
         assert torch.allclose(adv, torch.zeros(4, 3))
 
 
-# ---------------------------------------------------------------------- MGPO (spec §3.5, a reconstruction)
+# ---------------------------------------------------------------------- MGPO (rl/methods/agentic_proposing/README.md, a reconstruction)
 def test_mgpo_trajectory_reward_gate_and_difficulty():
-    from rl.advantages import mgpo_trajectory_reward
+    from rl.methods.agentic_proposing.mgpo import mgpo_trajectory_reward
     assert mgpo_trajectory_reward(False, True, 0.25) == 0.0  # invalid: zero total reward
     assert mgpo_trajectory_reward(True, True, 0.25) == pytest.approx(0.1 + 1.0 + 0.75)  # D = 1 - 0.25
     assert mgpo_trajectory_reward(True, True, 0.0) == pytest.approx(1.1)  # unsolvable: no bonus
@@ -139,7 +139,7 @@ def _mgpo_case():
 
 
 def test_mgpo_advantage_combination_hand_value():
-    from rl.advantages import compute_mgpo_advantages
+    from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
     rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
     adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
                                   step_types=types, valid=torch.ones(2, dtype=torch.bool), lambda_step=0.5)
@@ -151,7 +151,7 @@ def test_mgpo_advantage_combination_hand_value():
 
 
 def test_mgpo_steps_normalised_by_type():
-    from rl.advantages import compute_mgpo_advantages
+    from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
     rewards, gid, mask, token_step, step_rewards, _ = _mgpo_case()
     types = [["tool", "think"], ["tool", "think"]]  # pools: tool [1,1] (all equal), think [0,1]
     adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
@@ -161,7 +161,7 @@ def test_mgpo_steps_normalised_by_type():
 
 
 def test_mgpo_validity_gate_masking_and_reduction():
-    from rl.advantages import compute_mgpo_advantages
+    from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
     rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
     obs = torch.zeros(2, 6)
     obs[0, 2] = 1  # a tool-output token
@@ -180,8 +180,8 @@ def test_mgpo_validity_gate_masking_and_reduction():
 
 
 def test_mgpo_invalid_trajectory_has_its_step_rewards_zeroed():
-    """Spec §3.5 item 1 with lambda_step != 0: the invalid trajectory's successful steps ([1, 0]) count as 0."""
-    from rl.advantages import compute_mgpo_advantages
+    """rl/methods/agentic_proposing/README.md, check 1 with lambda_step != 0: the invalid trajectory's successful steps ([1, 0]) count as 0."""
+    from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
     rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
     adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
                                   step_types=types, valid=torch.tensor([False, True]), lambda_step=0.5)
@@ -193,9 +193,9 @@ def test_mgpo_invalid_trajectory_has_its_step_rewards_zeroed():
 
 
 def test_mgpo_observation_tokens_get_no_gradient():
-    """Spec §3.5 item 4 through the loss: tool-output tokens contribute zero gradient even when a step's
+    """rl/methods/agentic_proposing/README.md, check 4 through the loss: tool-output tokens contribute zero gradient even when a step's
     advantage covers them, and the policy tokens beside them do get one."""
-    from rl.advantages import compute_mgpo_advantages
+    from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
     rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
     obs = torch.zeros(2, 6)
     obs[0, 2] = obs[1, 1] = 1  # tool outputs inside step 1 of each trajectory
@@ -209,7 +209,7 @@ def test_mgpo_observation_tokens_get_no_gradient():
 
 
 def test_mgpo_refuses_a_batch_without_step_data():
-    from rl.advantages import compute_mgpo_advantages
+    from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
     rewards, gid, mask, token_step, step_rewards, types = _mgpo_case()
     with pytest.raises(ValueError, match=r"\['token_step', 'step_rewards', 'valid'\].*allow_trajectory_only"):
         compute_mgpo_advantages(rewards, gid, mask)
@@ -266,7 +266,7 @@ def test_a_failed_sample_takes_no_part_in_its_groups_statistics(estimator):
     one had never been drawn; `train`: its failure_reward counts like a score."""
     from cluster.trainer import estimate_advantages
     from models.tiny import build_tiny_tokenizer
-    from rl.batch import make_sft_batch
+    from rl.sft_data import make_sft_batch
     fn = get("advantage", estimator)
     tok = build_tiny_tokenizer()
     batch = make_sft_batch(tok, ["q"] * 4, ["ab", "cd", "ef", "gh"])

@@ -1,6 +1,6 @@
-"""BLISS (shared/specs/stages.md §3): the implicit hypergradient against finite differences on a quadratic lower
+"""BLISS (rl/methods/bliss/README.md): the implicit hypergradient against finite differences on a quadratic lower
 level, the softmax Jacobian against autograd, and one outer step split over two ranks equal to one rank (the
-`select_bliss` stage runs end to end in tests/rl/test_data_stages.py)."""
+`bliss` stage runs end to end in tests/rl/test_data_stages.py)."""
 
 import copy
 import os
@@ -11,7 +11,14 @@ import torch.multiprocessing as mp
 
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rl.batch import batch_of_examples
-from rl.bliss import BilevelSelector, Collective, ScoreModel, global_softmax, softmax_coefficients, solve_z
+from rl.methods.bliss.core import (
+    BilevelSelector,
+    Collective,
+    ScoreModel,
+    global_softmax,
+    softmax_coefficients,
+    solve_z,
+)
 from rl.sft_data import prompt_response_example
 
 

@@ -95,25 +95,20 @@ def test_every_recipe_is_an_executable_looprl_run(recipe):
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_validates(recipe):
-    from rl.registry import check_params
     cfg = config.load(recipe)
     assert cfg.output_dir
-    # engine options are checked against the engine's signature (as `looprl run` does before any actor starts)
-    check_params("engine", cfg.rollout.engine, config.as_container(cfg.rollout.engine_params), "rollout.engine_params")
-    for name, judge in cfg.reward.judges.items():
-        check_params("engine", judge.engine, config.as_container(judge.engine_params),
-                     f"reward.judges.{name}.engine_params")
-    # advantage, loss (against the model family), optimizer and schedulers, as `looprl run` checks them
-    from cluster.pipeline import check_components
-    check_components(cfg, None)
+    # every component and its parameters (engines included, less what looprl sets itself) and every stage, as
+    # `looprl run` checks them before any actor starts
+    from cluster.pipeline import check_recipe
+    check_recipe(cfg, None)
 
 
 def test_a_loss_that_needs_outputs_the_family_lacks_fails_at_start_up():
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     cfg = config.load(ROOT / "recipes/rltt_tiny.yaml", ["model.family=causal"])
     with pytest.raises(ValueError, match=r"loss 'rltt' needs \['loop_logp'\].*family 'causal'"):
-        check_components(cfg, None)
-    check_components(config.load(ROOT / "recipes/rltt_tiny.yaml"), None)  # auto: the tiny ouro arch is looped
+        check_recipe(cfg, None)
+    check_recipe(config.load(ROOT / "recipes/rltt_tiny.yaml"), None)  # auto: the tiny ouro arch is looped
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -121,10 +116,10 @@ def test_a_loss_that_needs_outputs_the_family_lacks_fails_at_start_up():
     (["rollout.top_p=0.9"], r"rollout.top_p / rollout.top_k: loss 'rltt' reads per-loop logprobs"),
 ])
 def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(overrides, match):
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     with pytest.raises(ValueError, match=match):
-        check_components(config.load(ROOT / "recipes/rltt_tiny.yaml", overrides), None)
-    check_components(config.load(ROOT / "recipes/quickstart.yaml", [*overrides, "learner.max_tokens_per_micro_batch=512"]),
+        check_recipe(config.load(ROOT / "recipes/rltt_tiny.yaml", overrides), None)
+    check_recipe(config.load(ROOT / "recipes/quickstart.yaml", [*overrides, "learner.max_tokens_per_micro_batch=512"]),
                      None)  # the causal family packs, and the ppo loss works on the truncated distribution
 
 
@@ -135,21 +130,21 @@ def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(
     ("quickstart", ["model.gradient_checkpointing=true"], r"learner.share_prompts: model.gradient_checkpointing"),
 ])
 def test_shared_prompts_are_refused_where_no_prompt_cache_can_run(recipe, overrides, match):
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     with pytest.raises(ValueError, match=match):
-        check_components(config.load(ROOT / f"recipes/{recipe}.yaml", ["learner.share_prompts=true", *overrides]), None)
-    check_components(config.load(ROOT / "recipes/quickstart.yaml", ["learner.share_prompts=true"]), None)
+        check_recipe(config.load(ROOT / f"recipes/{recipe}.yaml", ["learner.share_prompts=true", *overrides]), None)
+    check_recipe(config.load(ROOT / "recipes/quickstart.yaml", ["learner.share_prompts=true"]), None)
     # a packed row shares prompts without a KV cache, so with gradient checkpointing too
-    check_components(config.load(ROOT / "recipes/quickstart.yaml", [
+    check_recipe(config.load(ROOT / "recipes/quickstart.yaml", [
         "learner.share_prompts=true", "learner.pack_sequences=true", "model.gradient_checkpointing=true"]), None)
 
 
 def test_compiled_position_wise_modules_are_refused_under_zero3():
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     with pytest.raises(ConfigError, match="learner.compile_position_wise: ZeRO-3 gathers"):
-        check_components(config.load(ROOT / "recipes/quickstart.yaml", [
+        check_recipe(config.load(ROOT / "recipes/quickstart.yaml", [
             "learner.compile_position_wise=true", "learner.zero_stage=3"]), None)
-    check_components(config.load(ROOT / "recipes/quickstart.yaml", [
+    check_recipe(config.load(ROOT / "recipes/quickstart.yaml", [
         "learner.compile_position_wise=true", "learner.zero_stage=2"]), None)
 
 
@@ -160,21 +155,21 @@ def test_compiled_position_wise_modules_are_refused_under_zero3():
     ("learner.optimizer={name: mezo, params: {eps: 0.001}}", None),
 ])
 def test_optimizer_and_scheduler_components_are_checked(override, match):
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     overrides = [override, "learner.zero_stage=1"] if "mezo" in override else [override]
     cfg = config.load(ROOT / "recipes/quickstart.yaml", overrides)
     with pytest.raises(Exception, match=match or "forward-only.*zero_stage 0"):
-        check_components(cfg, None)
+        check_recipe(cfg, None)
 
 
 def test_decoding_methods_need_the_hf_engine_and_known_params():
     with pytest.raises(ConfigError, match="rollout.decoding.*rollout.engine: hf"):
         config.load(ROOT / "recipes/quickstart.yaml", ["rollout.engine=vllm", "rollout.decoding=plain"])
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     cfg = config.load(ROOT / "recipes/quickstart.yaml", ["rollout.eval_decoding=plain",
                                                          "rollout.eval_decoding_params={window: 3}"])
     with pytest.raises(Exception, match="rollout.eval_decoding_params.window: decoding 'plain' has no parameter"):
-        check_components(cfg, None)
+        check_recipe(cfg, None)
 
 
 def test_a_moved_key_names_its_new_place(tmp_path):

@@ -63,8 +63,8 @@ def test_format_prompt_chat_template():
 
 
 def test_synthetic_facts_task(tmp_path):
-    from rewards.factuality import factuality_reward
-    from rl.tasks.facts import ATTRIBUTES, write_facts_task
+    from rl.methods.factuality.reward import factuality_reward
+    from rl.methods.factuality.task import ATTRIBUTES, write_facts_task
     paths = write_facts_task(tmp_path, num_people=5, num_sft=200, num_train=20, num_eval=5, seed=3)
     corpus = (tmp_path / "corpus.txt").read_text().splitlines()
     assert len(corpus) == 5 * len(ATTRIBUTES)

@@ -1,5 +1,5 @@
-"""Decomper (rl/decomper.py): the factorizations, the closed-form and learned drift compensation, on a tiny Llama
-trained in code (spec: shared/specs/stages.md §1)."""
+"""Decomper (rl/methods/decomper/core.py): the factorizations, the closed-form and learned drift compensation, on a tiny Llama
+trained in code (rl/methods/decomper/README.md)."""
 
 import copy
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from rl.decomper import (
+from rl.methods.decomper.core import (
     block_drift,
     closed_form_bias,
     compress,
@@ -127,7 +127,7 @@ def test_the_learned_bias_brings_held_out_outputs_closer_than_no_or_closed_form_
 
 @pytest.mark.slow
 def test_the_compressed_policy_is_served_by_vllm_and_trained_by_rl(ray_cluster, tmp_path):
-    """recipes/decomper_tiny.yaml at test size, with the vllm engine: SFT, compress_lowrank (whitened SVD, learned
+    """recipes/decomper_tiny.yaml at test size, with the vllm engine: SFT, decomper (whitened SVD, learned
     biases), one GRPO step on the compressed model (learner and vLLM both load it), evaluation."""
     import json
 
@@ -135,18 +135,18 @@ def test_the_compressed_policy_is_served_by_vllm_and_trained_by_rl(ray_cluster, 
     from rl import config
     from tests.cluster.test_pipeline import ROOT, TINY, vllm_model
     out = tmp_path / "run"
-    stages = ("stages=[{name: model}, {name: data}, {name: sft}, {name: compress_lowrank, params: {ratio: 0.5, "
+    stages = ("stages=[{name: model}, {name: data}, {name: sft}, {name: decomper, params: {ratio: 0.5, "
               "calib_sequences: 8, heldout_sequences: 8, calib_length: 32, epochs: 1}}, {name: rl}, {name: evaluate}]")
     summary = run(config.load(ROOT / "recipes/decomper_tiny.yaml", [
         f"output_dir={out}", *TINY, *vllm_model("vllm"), "rollout.engine=vllm", "rollout.engine_params={}",
         "sft.steps=10", "sft.batch_size=16", "trainer.steps=1", "data.synthetic.num_train=200", stages]))
     assert summary["steps"] == 1 and "accuracy_after_rl" in summary
-    report = json.loads((out / "stages" / "compress_lowrank" / "compression_report.json").read_text())
+    report = json.loads((out / "stages" / "decomper" / "compression_report.json").read_text())
     assert report["factor_params"] < 0.51 * report["dense_params"]
     assert len(report["learned"]) == 1 and len(report["drift"]) == 1  # one block
     assert report["learned"][0]["mse_after"] <= report["learned"][0]["mse_before"]  # on the calibration sequences
-    assert set(summary["compress_lowrank"]["heldout_token_kl"]) == {"uncompensated", "compensated"}
-    policy = summary["stages"]["compress_lowrank"]["artifacts"]["policy"]
+    assert set(summary["decomper"]["heldout_token_kl"]) == {"uncompensated", "compensated"}
+    policy = summary["stages"]["decomper"]["artifacts"]["policy"]
     assert json.loads((Path(policy) / "config.json").read_text())["mlp_bias"] is True
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["actor/mismatch_abs_diff"] < 1e-3  # vLLM samples from the compressed weights the learner holds

@@ -21,19 +21,19 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num
 def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_diffusion(ray_cluster, tmp_path):
     from cluster.pipeline import run
     out = tmp_path / "llada"
-    quantize = ("{name: quantize_fair, params: {probes: 4, calib_sequences: 8, diag_sequences: 4, epochs: 2, "
+    quantize = ("{name: fair_calib, params: {probes: 4, calib_sequences: 8, diag_sequences: 4, epochs: 2, "
                 "batch_size: 4, transform: kron}}")
     summary = run(config.load(ROOT / "recipes/llada_sft_tiny.yaml", [
         f"output_dir={out}", *SMALL, f"stages=[{{name: model}}, {{name: data}}, {{name: sft}}, {quantize}, "
         "{name: evaluate}]"]))
-    assert list(summary["stages"]) == ["model", "data", "sft", "quantize_fair", "evaluate"]
-    report = json.loads((out / "stages" / "quantize_fair" / "quantization_report.json").read_text())
+    assert list(summary["stages"]) == ["model", "data", "sft", "fair_calib", "evaluate"]
+    report = json.loads((out / "stages" / "fair_calib" / "quantization_report.json").read_text())
     assert len(report["prior"]) == 4 and sum(report["prior"]) == pytest.approx(1.0)
     assert all(b["loss_after"] <= b["loss_before"] for b in report["blocks"]) and len(report["blocks"]) == 2
     assert set(report["rtn"]) == set(report["calibrated"]) == {
         "frontier_flip_rate", "trajectory_kl", "post_commit_mismatch", "stability_lag_mean", "stability_lag_censored",
         "stability_lag_ccdf"}
-    saved = json.loads((out / "stages" / "quantize_fair" / "model" / "fake_quant.json").read_text())
+    saved = json.loads((out / "stages" / "fair_calib" / "model" / "fake_quant.json").read_text())
     assert saved["transform"] == "kron" and report["transform"] == "kron"  # evaluated quantized, flattened
     assert json.loads((out / "base_model" / "config.json").read_text())["model_type"] == "llada"
     hist = [json.loads(x) for x in (out / "sft_metrics.jsonl").read_text().splitlines()]
@@ -49,11 +49,11 @@ def test_a_tiny_llada_trains_with_the_mdlm_loss_is_quantized_and_evaluates_by_di
 
 
 def test_a_recipe_that_runs_rl_on_a_masked_diffusion_model_is_refused_at_start_up(tmp_path):
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     cfg = config.load(ROOT / "recipes/llada_sft_tiny.yaml", [
         f"output_dir={tmp_path}", "stages=[{name: model}, {name: data}, {name: sft}, {name: rl}]"])
     with pytest.raises(ConfigError, match="masked_diffusion.*'rl' stage"):
-        check_components(cfg, None)
+        check_recipe(cfg, None)
 
 
 def test_the_addition_task_has_fixed_width_sums_disjoint_splits_and_refuses_more_problems_than_exist(tmp_path):

@@ -1,10 +1,10 @@
-"""DSR's model-free parts (shared/specs/stages.md §13): the LeanLite checker (looprl's small typed expression
+"""DSR's model-free parts (rl/methods/dsr/README.md): the LeanLite checker (looprl's small typed expression
 language standing in for Lean 4 where no toolchain is installed), operator-tree assembly, spans, the smallest
 containing node, the repair ladder, splicing with hypothesis renaming, and LeanScorer's Sugeno aggregation."""
 
 import pytest
 
-from rl.dsr import (
+from rl.methods.dsr.core import (
     TreeError,
     assemble,
     check,
@@ -124,7 +124,7 @@ class Recorder:
 
 
 def test_failed_repairs_climb_node_parent_grandparent_component_statement_within_4_calls():
-    from rl.dsr import tree_guided_repair
+    from rl.methods.dsr.core import tree_guided_repair
     rec = Recorder()
     trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=4)
     # y is at (0, 1, 0, 0): its parent abs(y), then (wrapper skipped) the sum, then the reserved global call
@@ -141,7 +141,7 @@ def test_failed_repairs_climb_node_parent_grandparent_component_statement_within
 
 
 def test_a_local_fix_is_kept_and_followed_by_the_mandatory_global_check():
-    from rl.dsr import tree_guided_repair
+    from rl.methods.dsr.core import tree_guided_repair
     rec = Recorder(lambda r: "abs(x)" if r.code == "abs(y)" else r.code)
     trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=4)
     assert [r.kind for r in rec.requests] == ["subtree", "statement"]
@@ -150,7 +150,7 @@ def test_a_local_fix_is_kept_and_followed_by_the_mandatory_global_check():
 
 
 def test_global_repair_keeps_a_rewrite_only_when_it_has_fewer_errors():
-    from rl.dsr import global_repair
+    from rl.methods.dsr.core import global_repair
     broken = splice(CONDITIONS, LINEAR)
     worse = "theorem test (x : Real) : y + z > w := by sorry"  # three errors instead of one: never kept
     rec = Recorder(lambda r: worse)
@@ -164,7 +164,7 @@ def test_global_repair_keeps_a_rewrite_only_when_it_has_fewer_errors():
 def test_generated_statements_compile_their_trees_spell_them_and_injected_errors_land_in_one_component():
     import random
 
-    from rl.dsr import inject_local_error, random_statement
+    from rl.methods.dsr.core import inject_local_error, random_statement
     rng = random.Random(0)
     for _ in range(200):
         item = random_statement(rng)
@@ -185,7 +185,7 @@ def test_generated_statements_compile_their_trees_spell_them_and_injected_errors
 def test_repair_examples_teach_the_fix_at_each_level():
     import random
 
-    from rl.dsr import inject_local_error, random_statement, repair_examples
+    from rl.methods.dsr.core import inject_local_error, random_statement, repair_examples
     rng = random.Random(1)
     for _ in range(50):
         item = random_statement(rng)
@@ -211,7 +211,7 @@ def test_repair_examples_teach_the_fix_at_each_level():
 
 # -- the role models' formats, the task and the batched driver ---------------------------------------------------------
 def test_the_braced_tree_spells_the_code_and_round_trips():
-    from rl.dsr import opt_from_text, opt_to_text
+    from rl.methods.dsr.core import opt_from_text, opt_to_text
     text = opt_to_text(TREE)
     assert text == "{{{{x} ^ {2}} + {({abs({y})})}} > {0}}"
     assert text.replace("{", "").replace("}", "") == assemble(TREE) and opt_from_text(text) == TREE
@@ -221,7 +221,7 @@ def test_the_braced_tree_spells_the_code_and_round_trips():
 
 
 def test_formalizer_answers_are_assembled_structure_first_with_the_linear_fallback():
-    from rl.dsr import formalize_target, parse_formalization
+    from rl.methods.dsr.core import formalize_target, parse_formalization
     code, tree = parse_formalization(formalize_target(assemble(TREE), TREE))
     assert code == assemble(TREE) and tree == TREE
     # the tree wins over a linear code that disagrees with it (DSR assembles from the tree)
@@ -235,7 +235,7 @@ def test_formalizer_answers_are_assembled_structure_first_with_the_linear_fallba
 
 
 def test_decompositions_and_statements_read_back():
-    from rl.dsr import decompose_target, parse_decomposition, statement_components
+    from rl.methods.dsr.core import decompose_target, parse_decomposition, statement_components
     assert parse_decomposition(decompose_target(["x is a real number", "x is at least 2"], "x squared is at least 4")) \
         == (["x is a real number", "x is at least 2"], "x squared is at least 4")
     with pytest.raises(ValueError):
@@ -255,7 +255,7 @@ def _lookup_repairer(rows):
     table = {r["prompt"]: r["target"].strip() for r in rows}
 
     def repair(request):
-        from rl.dsr import format_request
+        from rl.methods.dsr.core import format_request
         return table.get(format_request(request), request.code)
     return repair
 
@@ -263,7 +263,7 @@ def _lookup_repairer(rows):
 def test_repairs_run_in_lockstep_batches_give_the_traces_of_one_at_a_time():
     import random
 
-    from rl.dsr import (
+    from rl.methods.dsr.core import (
         drive_batched,
         global_repair_steps,
         inject_local_error,
@@ -302,7 +302,7 @@ def test_the_dsr_task_teaches_every_role_on_distinct_statements(tmp_path):
     import random
 
     from models.tiny import build_tiny_tokenizer
-    from rl.tasks.dsr import dsr_task, perturb
+    from rl.methods.dsr.task import dsr_task, perturb
     paths = dsr_task(tmp_path, num_train=40, num_eval=10, sft_fraction=0.5, seed=0, n_hyps=1)
     sft, train, evals = ([json.loads(x) for x in open(paths[s])] for s in ("sft", "train", "eval"))
     roles = collections.Counter(r["role"] for r in sft)

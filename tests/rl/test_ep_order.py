@@ -1,11 +1,11 @@
-"""EP-Order ([RECONSTRUCTION], shared/specs/stages.md §4): clustering, the centroid chain, mixed regions, the
-sequential sampler (the `order_ep` stage runs end to end in tests/rl/test_data_stages.py)."""
+"""EP-Order ([RECONSTRUCTION], rl/methods/ep_order/README.md): clustering, the centroid chain, mixed regions, the
+sequential sampler (the `ep_order` stage runs end to end in tests/rl/test_data_stages.py)."""
 
 import random
 
 import numpy as np
 
-from rl.ep_order import (
+from rl.methods.ep_order.core import (
     choose_k,
     cosine_distances,
     default_k,

@@ -1,6 +1,6 @@
-"""FAIR-Calib (rl/fair_calib.py) and the fake quantizer (models/quant.py): the prior's accumulation by hand, its
+"""FAIR-Calib (rl/methods/fair_calib/core.py) and the fake quantizer (models/quant.py): the prior's accumulation by hand, its
 window and floor, the quantizer against compressed-tensors, block calibration, the save format (spec:
-shared/specs/stages.md §2)."""
+rl/methods/fair_calib/README.md)."""
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from models.quant import (
     save_fake_quant,
 )
 from models.tiny import build_tiny_tokenizer
-from rl.fair_calib import (
+from rl.methods.fair_calib.core import (
     accumulate_prior,
     calibrate_blocks,
     early_boost,

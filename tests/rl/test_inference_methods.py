@@ -1,4 +1,4 @@
-"""Inference-time methods through a recipe on Ray: DenseSteer's vectors extracted by the `steer_extract` stage and
+"""Inference-time methods through a recipe on Ray: DenseSteer's vectors extracted by the `densesteer` stage and
 used to steer RL rollouts (the gap to the learner's unsteered logprobs is logged), and BeaconKV compressing the KV
 cache of the held-out evaluation."""
 
@@ -16,17 +16,17 @@ def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(r
     summary = run(config.load(ROOT / "recipes/densesteer_tiny.yaml", [
         f"output_dir={out}", *TINY, "model.tiny.num_layers=2", "sft.steps=5", "sft.batch_size=16",
         "data.synthetic.params.num_pairs=12", "trainer.steps=1",
-        "rollout.decoding=steer", f"rollout.decoding_params={{vectors: {vectors}, layer: 1, strength: 200.0}}",
-        "rollout.eval_decoding=kv_beacon",
+        "rollout.decoding=densesteer", f"rollout.decoding_params={{vectors: {vectors}, layer: 1, strength: 200.0}}",
+        "rollout.eval_decoding=beaconkv",
         "rollout.eval_decoding_params={budget: 4, sink: 1, recent: 2, n_recent_queries: 2, n_beacon: 2}",
-        "stages=[{name: model}, {name: data}, {name: sft}, {name: steer_extract, params: {select: {layers: [1], "
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: densesteer, params: {select: {layers: [1], "
         "strengths: [200.0], num_problems: 4}}}, {name: rl}, {name: evaluate}]"]))
     saved = torch.load(vectors, weights_only=True)
     assert sorted(saved) == [0, 1] and saved[1].shape == (32,)
-    report = json.loads((out / "stages" / "steer_extract" / "steering_report.json").read_text())
+    report = json.loads((out / "stages" / "densesteer" / "steering_report.json").read_text())
     assert report["pairs"] == 12 and report["pair_file"].endswith("steer_pairs.jsonl")
     # the held-out choice: the unsteered arm and the candidate, scored on 4 training prompts; the pick follows the rule
-    from rl.densesteer import select_steering
+    from rl.methods.densesteer.core import select_steering
     cands = report["selection"]["candidates"]
     assert [(c["layer"], c["strength"]) for c in cands] == [(1, 0.0), (1, 200.0)] and report["selection"]["problems"] == 4
     assert report["selected"] == {k: select_steering(cands)[k] for k in ("layer", "strength")}
@@ -41,7 +41,7 @@ def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(r
 def test_a_steering_pair_file_with_a_bad_row_is_named(tmp_path):
     import pytest
 
-    from rl.densesteer_stage import read_pairs
+    from rl.methods.densesteer.stage import read_pairs
     from rl.stages import StageError
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "dense": "a", "sparse": "b"}) + "\n"
@@ -56,20 +56,20 @@ def test_cite_eval_scores_plain_post_hoc_and_guided_answers_through_the_recipe(r
     measures the insertions on a model that states facts)."""
     from cluster.pipeline import run
     from rl import config
-    from rl.guidance import post_hoc_cite, strip_citations
+    from rl.methods.guidance.core import post_hoc_cite, strip_citations
     from tests.cluster.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/guidance_tiny.yaml", [
         f"output_dir={out}", *TINY, "sft.steps=3", "sft.batch_size=8", "trainer.eval_max_prompts=4",
         "rollout.max_new_tokens=40"]))
-    report = json.loads((out / "stages" / "cite_eval" / "cite_eval.json").read_text())
+    report = json.loads((out / "stages" / "guidance" / "guidance.json").read_text())
     assert report["prompts"] == 4 and set(report["arms"]) == {"plain", "post_hoc", "guidance"}
     for arm in report["arms"].values():
         assert 0 <= arm["f1"] <= 1 and 0 <= arm["recall"] <= 1 and 0 <= arm["precision"] <= 1
     rows = [json.loads(x) for x in (out / "data" / "eval.jsonl").read_text().splitlines()]
     plain, post_hoc = report["arms"]["plain"]["examples"], report["arms"]["post_hoc"]["examples"]
     assert post_hoc == [post_hoc_cite(strip_citations(a), r["prompt"]) for a, r in zip(plain, rows)]
-    assert set(summary["cite_eval"]) == {"plain", "post_hoc", "guidance"}
+    assert set(summary["guidance"]) == {"plain", "post_hoc", "guidance"}
 
 
 def test_autoformalize_formalizes_repairs_and_judges_through_the_recipe(ray_cluster, tmp_path):
@@ -77,14 +77,15 @@ def test_autoformalize_formalizes_repairs_and_judges_through_the_recipe(ray_clus
     every statement's repair stays within the budget, SC is the checker's verdict on the final statement, and the
     reference comparison (kept, exact) is recorded for the broken inputs."""
     from cluster.pipeline import run
-    from rl import config, dsr
+    from rl import config
+    from rl.methods.dsr import core as dsr
     from tests.cluster.test_pipeline import ROOT
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/dsr_tiny.yaml", [
         f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=64", "sft.steps=3", "sft.batch_size=8", "data.synthetic.num_train=40",
         "data.synthetic.num_eval=4", "reward.judges.dsr.max_new_tokens=24", "learner.micro_batch_size=8"]))
-    report = json.loads((out / "stages" / "autoformalize" / "autoformalize.json").read_text())
+    report = json.loads((out / "stages" / "dsr" / "dsr.json").read_text())
     assert report["statements"] == 4 and report["compiler"] == "leanlite"
     assert set(report["inputs"]) == {"from_nl", "from_broken"}
     for arms in report["inputs"].values():
@@ -98,13 +99,13 @@ def test_autoformalize_formalizes_repairs_and_judges_through_the_recipe(ray_clus
     assert report["inputs"]["from_broken"]["global"]["items"][0]["calls"][0]["kind"] == "statement"
     tree = report["inputs"]["from_broken"]["tree"]
     assert tree["items"][0]["calls"][0]["kind"] in ("subtree", "component")
-    assert summary["autoformalize"]["from_broken"]["tree"]["calls"] == tree["calls"]
+    assert summary["dsr"]["from_broken"]["tree"]["calls"] == tree["calls"]
 
 
 def test_prime_files_load_and_bad_items_are_named(tmp_path):
     import pytest
 
-    from rl.dsr_stage import LeanCompiler, load_prime
+    from rl.methods.dsr.stage import LeanCompiler, load_prime
     from rl.stages import StageError
     items = [{"textbook": "Rudin", "domain": "Real Analysis", "theorem_index": "1.1",
               "informal_statement": "Prove that 1 + 1 = 2.", "formal_statement": "theorem test : 1 + 1 = 2 := by sorry",

@@ -84,7 +84,7 @@ def test_vllm_serves_the_adapter_as_a_lora_adapter_that_matches_the_learner(ray_
 
 
 def test_a_lora_recipe_on_another_engine_or_family_is_refused_at_start_up():
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     from rl import config
     from rl.config import ConfigError
     from rl.registry import RegistryError
@@ -97,7 +97,7 @@ def test_a_lora_recipe_on_another_engine_or_family_is_refused_at_start_up():
              "learner.adapter.params.rank: adapter 'lora' has no parameter 'rank'")):
         cfg = config.load(ROOT / "recipes/quickstart.yaml", [LORA, *extra])
         with pytest.raises(error, match=message):
-            check_components(cfg, None)
+            check_recipe(cfg, None)
 
 
 # ------------------------------------------------------------------------------------------------- U-LoRA
@@ -155,14 +155,14 @@ def test_the_bias_corrected_ema_of_a_constant_gate_is_that_constant_from_the_fir
 
 
 def test_a_ulora_recipe_on_vllm_is_refused():
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     from rl import config
     from rl.config import ConfigError
     from tests.cluster.test_pipeline import ROOT
     cfg = config.load(ROOT / "recipes/quickstart.yaml", ["learner.adapter={name: ulora, params: {r: 4}}",
                                                           "rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="ulora gates its directions per token"):
-        check_components(cfg, None)
+        check_recipe(cfg, None)
 
 
 def test_a_saved_ulora_model_is_the_base_plus_its_unmerged_adapter_in_the_hf_engine(tmp_path):

@@ -66,7 +66,7 @@ def test_kl_estimators_table():
     assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([-1.0, 14.0, 29.0]))
     assert torch.allclose(kl_penalty(logp, ref, "k2"), torch.tensor([0.5, 98.0, 420.5]))
     assert torch.allclose(kl_penalty(logp, ref, "k3"), torch.tensor([math.e - 2, 13.0, 28.0]), atol=1e-4)
-    # spec §1.7: ref -1.0, policy -1.2 -> k3 = e^0.2 - 0.2 - 1
+    # rl/methods/rltt/README.md: ref -1.0, policy -1.2 -> k3 = e^0.2 - 0.2 - 1
     assert kl_penalty(torch.tensor(-1.2), torch.tensor(-1.0), "k3").item() == pytest.approx(0.0214028, abs=1e-6)
     assert kl_penalty(torch.tensor(-1.0), torch.tensor(-1.0), "k3").item() == 0.0
     with pytest.raises(ValueError):
@@ -92,7 +92,7 @@ def test_entropy_bonus_is_subtracted():
 
 
 def _two_sequences():
-    # spec §1.7 aggregation case: A has 1 token (Â +1), B has 3 tokens (Â -1), all logp -1;
+    # rl/methods/rltt/README.md aggregation case: A has 1 token (Â +1), B has 3 tokens (Â -1), all logp -1;
     # per-token REINFORCE value -Â·logp
     values = torch.tensor([[1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]])
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
@@ -214,9 +214,9 @@ def test_every_loss_is_shard_invariant(name, mode, chunks):
     assert torch.allclose(shard_in.grad, full_in.grad, atol=1e-7)
 
 
-# ---------------------------------------------------------------------- TGPO (spec §2.5, a reconstruction)
+# ---------------------------------------------------------------------- TGPO (rl/methods/tgpo/README.md, a reconstruction)
 def test_tgpo_anchor_gate_and_trust_hand_values():
-    from rl.losses import tgpo_loss
+    from rl.methods.tgpo.loss import tgpo_loss
     old = torch.zeros(1, 3)
     logp = torch.tensor([[0.1, -0.1, 0.3]], requires_grad=True)  # log s = 0.1, delta = [0, -0.2, 0.2]
     loss, m = tgpo_loss(logp, old, -torch.ones(1, 3), torch.ones(1, 3), tau=0.1, w_min=0.1)
@@ -230,7 +230,7 @@ def test_tgpo_anchor_gate_and_trust_hand_values():
 
 
 def test_tgpo_band_gate_and_positive_trust():
-    from rl.losses import tgpo_gate, tgpo_loss
+    from rl.methods.tgpo.loss import tgpo_gate, tgpo_loss
     d = torch.tensor([0.0, 0.2, -0.5])
     # sigmoid((kappa - |delta|)/tau) over its value at delta = 0, sigmoid(2) = 0.880797
     assert torch.allclose(tgpo_gate(d, "band", 0.1, 0.2), torch.sigmoid(torch.tensor([2.0, 0.0, -3.0])) / 0.880797,
@@ -241,7 +241,8 @@ def test_tgpo_band_gate_and_positive_trust():
 
 
 def test_tgpo_reduces_to_gspo_token_when_gates_and_trust_are_one():
-    from rl.losses import gspo_token_loss, tgpo_loss
+    from rl.losses import gspo_token_loss
+    from rl.methods.tgpo.loss import tgpo_loss
     g = torch.Generator().manual_seed(3)
     old = torch.randn(4, 5, generator=g) * 0.1 - 1
     base = old + torch.randn(4, 5, generator=g) * 0.05
@@ -253,7 +254,7 @@ def test_tgpo_reduces_to_gspo_token_when_gates_and_trust_are_one():
 
 
 def test_tgpo_token_anchor_equals_ppo_clip():
-    from rl.losses import tgpo_loss
+    from rl.methods.tgpo.loss import tgpo_loss
     g = torch.Generator().manual_seed(4)
     old = torch.randn(3, 4, generator=g) * 0.1 - 1
     base = old + torch.randn(3, 4, generator=g) * 0.3
@@ -265,7 +266,8 @@ def test_tgpo_token_anchor_equals_ppo_clip():
 
 
 def test_tgpo_on_policy_first_step_equals_grpo_and_reinforce_gradient():
-    from rl.losses import gspo_loss, tgpo_loss
+    from rl.losses import gspo_loss
+    from rl.methods.tgpo.loss import tgpo_loss
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
     adv = torch.tensor([[0.8] * 3, [-0.8] * 3])
     mask = torch.ones(2, 3)
@@ -279,9 +281,9 @@ def test_tgpo_on_policy_first_step_equals_grpo_and_reinforce_gradient():
 @pytest.mark.parametrize("gate", ["gauss", "band"])
 @pytest.mark.parametrize("anchor", ["geo_mean", "token"])
 def test_tgpo_on_policy_equals_grpo_with_either_gate_and_anchor(gate, anchor):
-    """Spec §2.5 item 1 for every gate/anchor pair: on policy TGPO is the clipped surrogate without any gate
+    """rl/methods/tgpo/README.md, check 1 for every gate/anchor pair: on policy TGPO is the clipped surrogate without any gate
     (before: the band gate weighted every token by sigmoid(kappa/tau) = 0.88)."""
-    from rl.losses import tgpo_loss
+    from rl.methods.tgpo.loss import tgpo_loss
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
     adv = torch.tensor([[0.8] * 3, [-0.8] * 3])
     mask = torch.ones(2, 3)
@@ -292,7 +294,7 @@ def test_tgpo_on_policy_equals_grpo_with_either_gate_and_anchor(gate, anchor):
 
 
 def test_tgpo_retains_drifting_negative_trajectories_with_w_min():
-    from rl.losses import tgpo_loss
+    from rl.methods.tgpo.loss import tgpo_loss
     old = torch.zeros(1, 4)
     logp = torch.tensor([[0.0, 2.0, -2.0, 0.0]], requires_grad=True)  # large drift: two tokens gated out
     loss, m = tgpo_loss(logp, old, -torch.ones(1, 4), torch.ones(1, 4), w_min=0.1, tau=0.1)
@@ -316,7 +318,7 @@ def test_tgpo_retains_drifting_negative_trajectories_with_w_min():
 
 
 def test_tgpo_entropy_gate_and_errors():
-    from rl.losses import tgpo_loss
+    from rl.methods.tgpo.loss import tgpo_loss
     z = torch.zeros(1, 2)
     _, m = tgpo_loss(z, z, torch.ones(1, 2), torch.ones(1, 2), h_min=0.5, entropy=torch.tensor([[0.1, 0.9]]))
     assert m["gate_mean"] == 0.5
@@ -334,8 +336,8 @@ def test_tgpo_step_trust_comes_from_the_batch_step_rewards():
     from the step rewards an environment or a process reward recorded and hands to the loss by name."""
     from cluster.trainer import step_verified_fraction
     from models.tiny import build_tiny_tokenizer
-    from rl.batch import make_sft_batch
-    from rl.losses import tgpo_loss
+    from rl.methods.tgpo.loss import tgpo_loss
+    from rl.sft_data import make_sft_batch
     frac = step_verified_fraction([[1.0, 0.0, -1.0, 1.0], [], [0.5]])
     assert frac.tolist() == [0.5, 0.0, 1.0]
     batch = make_sft_batch(build_tiny_tokenizer(), ["q"] * 3, ["ab", "cd", "ef"])

@@ -1,4 +1,4 @@
-"""MEMO's algorithm core against the numbers of spec rl-methods.md §6.8 (budget, TrueSkill, replay priorities,
+"""MEMO's algorithm core against the numbers of rl/methods/memo/README.md (budget, TrueSkill, replay priorities,
 strategic states, CRUD, replay isolation)."""
 
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 import trueskill
 
-from rl.memo import (
+from rl.methods.memo.core import (
     CrudOps,
     PrefixReplayBuffer,
     ReplayEntry,

@@ -10,8 +10,8 @@ import ray
 
 from cluster.pipeline import run
 from rl import config
-from rl.memo import records
-from rl.memo_stage import MemoStage, ModelClient
+from rl.methods.memo.core import records
+from rl.methods.memo.stage import MemoStage, ModelClient
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",

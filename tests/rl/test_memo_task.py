@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rl.memo_stage import baseline_prompt
-from rl.tasks.memo_games import GAMES, first_hint, hint_move, write_memo_task
+from rl.methods.memo.stage import baseline_prompt
+from rl.methods.memo.task import GAMES, first_hint, hint_move, write_memo_task
 
 TTT, KUHN = "TicTacToe-v0", "KuhnPoker-v0-short"
 CENTER, EDGES = "Take the center first, then the corners.", "Play the edges first, then the rest."

@@ -1,4 +1,4 @@
-"""MonoScale's trust-region memory updates (spec stages §12, rules [RECONSTRUCTION]).
+"""MonoScale's trust-region memory updates (rl/methods/monoscale/README.md, rules [RECONSTRUCTION]).
 
 The router here is a test fixture that follows the memory the way the router model is taught to (a "use"
 entry for the task's type wins; an "avoid" entry excludes; otherwise the newest card that claims the type, the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.monoscale import (
+from rl.methods.monoscale.core import (
     NOT_PREFERRED,
     AgentCard,
     MemoryEntry,
@@ -23,7 +23,7 @@ from rl.monoscale import (
     routing_change_rate,
     trust_region_update,
 )
-from rl.tasks.monoscale import teacher_route
+from rl.methods.monoscale.task import teacher_route
 
 
 def follow_memory(tasks, memory, cards):
@@ -81,7 +81,7 @@ def test_distillation_orders_candidates_by_evidence():
 
 
 def test_monoscale_j_does_not_fall_while_naive_growth_often_does(tmp_path):
-    """100 seeds of a pool growing from 3 to 10 agents (spec §12's property test)."""
+    """100 seeds of a pool growing from 3 to 10 agents (rl/methods/monoscale/README.md's property test)."""
     naive_drops, mono_drops, worst, finals = 0, 0, 0.0, []
     eps = 0.05  # the held-out estimate's error at 300 test tasks (2 standard errors of a rate near 0.5 is 0.058)
     for seed in range(100):
@@ -105,7 +105,7 @@ def test_monoscale_j_does_not_fall_while_naive_growth_often_does(tmp_path):
 
 
 def test_the_lm_router_reads_the_first_agent_name_it_says():
-    from rl.monoscale import LMRouter, router_prompt
+    from rl.methods.monoscale.core import LMRouter, router_prompt
     cards = [AgentCard(f"agent{i}", "a generalist agent") for i in range(11)]
     said = iter([["agent10, then agent1", "I would pick agent3", "nobody"]])
     router = LMRouter(lambda prompts: next(said))
@@ -119,7 +119,7 @@ def test_the_lm_router_reads_the_first_agent_name_it_says():
 
 
 def test_the_router_task_teaches_reading_the_context():
-    from rl.tasks.monoscale import random_context, router_rows
+    from rl.methods.monoscale.task import random_context, router_rows
     rows = router_rows(300, 0)
     targets = {r["target"] for r in rows}
     assert len(targets) >= 8  # the answer depends on the context, not on a fixed favourite
@@ -181,7 +181,7 @@ def _pool(tmp_path):
 
 
 def test_the_router_env_runs_the_named_agent_and_judges_its_answer(tmp_path):
-    from rollout.router_env import AgentRouterEnv
+    from rl.methods.monoscale.env import AgentRouterEnv
     memory = tmp_path / "memory.json"
     memory.write_text(RouterMemory().extended([MemoryEntry("agent10", "sum")]).to_json())
     env = AgentRouterEnv(str(_pool(tmp_path)), str(memory))
@@ -207,7 +207,7 @@ def test_the_router_env_runs_the_named_agent_and_judges_its_answer(tmp_path):
 def test_a_bad_agent_pool_names_the_file_and_agent(tmp_path, agents, message):
     import json
 
-    from rollout.router_env import load_pool
+    from rl.methods.monoscale.env import load_pool
     path = tmp_path / "pool.json"
     path.write_text(json.dumps(agents))
     with pytest.raises(ValueError, match=message):
@@ -215,7 +215,7 @@ def test_a_bad_agent_pool_names_the_file_and_agent(tmp_path, agents, message):
 
 
 def test_memory_lines_round_trip_and_the_lm_distiller_reads_a_models_entries():
-    from rl.monoscale import LMDistiller, parse_memory_lines
+    from rl.methods.monoscale.core import LMDistiller, parse_memory_lines
     entries = [MemoryEntry("agent4", "type2", reliability=0.85),
                MemoryEntry("agent4", "type5", failure_modes="type5 tasks (10% success)", reliability=0.1, prefer=False),
                MemoryEntry("agent0", "type1", interface="JSON in")]
@@ -237,7 +237,7 @@ def test_memory_lines_round_trip_and_the_lm_distiller_reads_a_models_entries():
 def test_the_lm_familiarizer_reads_typed_task_lines():
     import random as _random
 
-    from rl.monoscale import LMFamiliarizer
+    from rl.methods.monoscale.core import LMFamiliarizer
     asked = []
 
     def canned_reply(prompts):  # a fixed model answer: this checks the prompt and the parsing

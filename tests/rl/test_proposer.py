@@ -1,5 +1,5 @@
 """Agentic Proposing: the skill library, the symbolic verifier, the proposer environment's step rewards, the
-trajectory reward and the curriculum sampler (spec rl-methods §3)."""
+trajectory reward and the curriculum sampler (rl/methods/agentic_proposing/README.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from rl.proposer import (
+from rl.methods.agentic_proposing.core import (
     CurriculumSampler,
     compose,
     evaluate,
@@ -20,7 +20,7 @@ from rl.proposer import (
     pass_rate,
     sympy_check,
 )
-from rl.tasks.proposer import SKILLS_PATH
+from rl.methods.agentic_proposing.task import SKILLS_PATH
 
 
 def test_the_skill_library_loads_and_composes_problems_with_their_worked_values():
@@ -90,7 +90,7 @@ def test_the_ensemble_is_a_strict_majority():
 
 
 def _episode(actions):
-    from rollout.proposer_env import AgenticProposerEnv
+    from rl.methods.agentic_proposing.env import AgenticProposerEnv
     env = AgenticProposerEnv(timeout_s=1.0)
     env.reset("Skills: add mul\n", {}, None)
     steps = [env.step(a) for a in actions]
@@ -124,7 +124,7 @@ def test_a_reflection_before_any_tool_output_is_not_coherent():
 
 
 def test_the_trajectory_reward_without_judges():
-    from rewards.proposer import agentic_proposer
+    from rl.methods.agentic_proposing.reward import agentic_proposer
     seed = {"skills": ["add", "mul"], "operators": ["+", "*"]}
     responses = ["<python>(3+4)*5</python><out>35</out>\n<final>Problem: (3+4)*5 Answer: 35</final>",
                  "<final>Problem: (3+4)*5 Answer: 36</final>",  # wrong answer: invalid
@@ -139,19 +139,19 @@ def test_the_trajectory_reward_without_judges():
 
 
 def test_the_difficulty_bonus_from_the_probers_answers():
-    from rl.advantages import mgpo_trajectory_reward
-    from rl.proposer import last_integer
+    from rl.methods.agentic_proposing.core import last_integer
+    from rl.methods.agentic_proposing.mgpo import mgpo_trajectory_reward
     answers = [last_integer(t) for t in ["7 35 \\boxed{35}", "7 30 \\boxed{30}", "35", "7 36 \\boxed{36}"] * 2]
     rho = pass_rate(answers, "35")
     assert rho == 0.5 and pass_rate(["35", None, "1", "2"], "35") == 0.25
-    assert mgpo_trajectory_reward(True, True, 0.25) == pytest.approx(0.1 + 1.0 + 0.75)  # spec §3.5 item 2
+    assert mgpo_trajectory_reward(True, True, 0.25) == pytest.approx(0.1 + 1.0 + 0.75)  # rl/methods/agentic_proposing/README.md item 2
     assert mgpo_trajectory_reward(True, True, 0.0) == pytest.approx(1.1)  # unsolvable: no bonus
 
 
 def test_an_invalid_proposal_with_two_working_tool_calls_gets_no_reward_at_all():
-    """Spec §3.5 item 1 through the environment, the reward and the estimator."""
-    from rewards.proposer import agentic_proposer
-    from rl.advantages import compute_mgpo_advantages
+    """The README's hand-computed case 1 through the environment, the reward and the estimator."""
+    from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
+    from rl.methods.agentic_proposing.reward import agentic_proposer
     _, steps, rewards = _episode(["<python>3*5</python>", "<check>(3+4)*5=35</check>", "<think>answer 15</think>",
                                   "<final>Problem: 3*5 Answer: 15</final>"])
     assert rewards[:2] == [1.0, 1.0]  # both tool calls ran and their outputs were used
@@ -190,7 +190,7 @@ def test_the_curriculum_draws_weak_categories_more_often():
 
 
 def test_the_curriculum_resumes_exactly():
-    from rl.proposer import curriculum_sampler
+    from rl.methods.agentic_proposing.core import curriculum_sampler
     rows = [{"category": c} for c in "aabbbc"]
     first = curriculum_sampler(rows, 3)
     first.update(["a", "b"], [True, False])
@@ -203,7 +203,7 @@ def test_the_curriculum_resumes_exactly():
 
 
 def test_the_task_writes_every_role_and_split(tmp_path):
-    from rl.tasks.proposer import write_proposer_task
+    from rl.methods.agentic_proposing.task import write_proposer_task
     paths = write_proposer_task(tmp_path, num_sft=300, num_train=20, num_eval=5, num_solver_eval=10, seed=0)
     sft = [json.loads(x) for x in open(paths["sft"])]
     assert {r["role"] for r in sft} == {"proposer", "solver", "verifier"}
@@ -231,9 +231,9 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
         "sft.steps=120", "sft.batch_size=32", "learner.micro_batch_size=16", "trainer.steps=2",
         "trainer.prompts_per_step=4", "trainer.eval_every=0", "rollout.n=4", "rollout.threads=1",
         "learner.threads=1", "reward.judges.verifier.threads=1", "reward.judges.prober.threads=1",
-        "reward.judges.verifier.num_cpus=0", "reward.judges.prober.num_cpus=0", "reward.functions=[{name: agentic_proposer, params: {verifiers: [sympy, verifier], prober: prober, k: 4, "
+        "reward.judges.verifier.num_cpus=0", "reward.judges.prober.num_cpus=0", "reward.functions=[{name: agentic_proposing, params: {verifiers: [sympy, verifier], prober: prober, k: 4, "
         "solver_template: 'Solve: {problem}\\n', verifier_template: 'Verify: {problem} = {answer}\\n'}}]",
-        "stages=[{name: model}, {name: data}, {name: sft}, {name: rl}, {name: export}, {name: proposer_solver_sft, "
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: rl}, {name: export}, {name: agentic_proposing, "
         "params: {proposals: 16, k: 4, steps: 4, batch_size: 8, eval_max: 8, max_new_tokens: 16}}]",
         "logging.progress_bar=false", "logging.tensorboard=false"])
     summary = run(cfg)
@@ -251,11 +251,11 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
         assert (m["actor/grad_norm"] > 0) == (m["reward/agentic_proposer/verified"] > 0), m
     # the solver stage: the trained proposer's episodes, scored; the valid ones with a verified solution train
     # the solver, which is evaluated before and after on the task's held-out solver set
-    report = summary["proposer_solver_sft"]
-    episodes = [json.loads(x) for x in (out / "stages" / "proposer_solver_sft" / "proposals.jsonl").read_text().splitlines()]
+    report = summary["agentic_proposing"]
+    episodes = [json.loads(x) for x in (out / "stages" / "agentic_proposing" / "proposals.jsonl").read_text().splitlines()]
     assert report["proposals"] == len(episodes) == 16
     assert report["valid_frac"] == sum(e["valid"] for e in episodes) / 16
-    sft_set = [json.loads(x) for x in (out / "stages" / "proposer_solver_sft" / "solver_sft_set.jsonl").read_text().splitlines()]
+    sft_set = [json.loads(x) for x in (out / "stages" / "agentic_proposing" / "solver_sft_set.jsonl").read_text().splitlines()]
     assert report["sft_rows"] == len(sft_set) and report["sft_rows"] + report["unsolved"] == report["distinct_valid"]
     for row in sft_set:  # a verified solution: the answer it ends with is the problem's value
         assert evaluate(row["prompt"].removeprefix("Solve: ").strip()) == int(row["answer"])
@@ -263,7 +263,7 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
 
 
 def test_verdicts_and_answer_forms_of_the_real_scale_verifiers():
-    from rewards.proposer import answer_parses, final_verdict
+    from rl.methods.agentic_proposing.reward import answer_parses, final_verdict
     assert final_verdict("4 35 yes") is True and final_verdict("The steps... **Verdict: No**") is False
     assert final_verdict("Yes, at first. Verdict: no") is False and final_verdict("I cannot tell") is None
     assert answer_parses("35") and answer_parses("\\frac{1}{2}") and answer_parses("\\sqrt{2}+1")
@@ -271,7 +271,7 @@ def test_verdicts_and_answer_forms_of_the_real_scale_verifiers():
 
 
 def test_the_sympy_check_tool_runs_in_the_sandbox():
-    from rollout.proposer_env import AgenticProposerEnv
+    from rl.methods.agentic_proposing.env import AgenticProposerEnv
     env = AgenticProposerEnv(timeout_s=20.0, check="sympy")
     env.reset("", {}, None)
     assert env.step("<check>binomial(5, 2) + 1 = 11</check>").observation == "<out>ok</out>\n"
@@ -281,14 +281,14 @@ def test_the_sympy_check_tool_runs_in_the_sandbox():
 
 
 def test_seeds_for_a_skill_library(tmp_path):
-    from rl.proposer import write_seeds
+    from rl.methods.agentic_proposing.core import write_seeds
     rows = [json.loads(x) for x in open(write_seeds(SKILLS_PATH, tmp_path / "seeds.jsonl", 20, seed=1))]
     assert len(rows) == 20 and all(2 <= len(r["answer"]["skills"]) <= 3 for r in rows)
     assert all(r["category"] in r["prompt"] and "<final>Problem: ... Answer: ...</final>" in r["prompt"] for r in rows)
 
 
 def test_rejection_sampling_keeps_the_first_solution_that_reaches_the_verified_answer():
-    from rl.proposer_stage import verified_solutions
+    from rl.methods.agentic_proposing.stage import verified_solutions
     problems = {"(3+4)*5": "35", "9%4": "1", "2*3": "6"}
     said = ["7 30 \\boxed{30}", "7 35 \\boxed{35}", "7 35 \\boxed{35} again",  # the second is kept
             "1", "3", "2",  # a bare integer counts: the first

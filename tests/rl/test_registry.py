@@ -81,3 +81,14 @@ def test_the_packages_above_the_library_declare_their_builtins_through_entry_poi
     assert "cluster.pipeline" in registry.builtin_modules("stage")
     assert "rollout.hf_engine" in registry.builtin_modules("engine")
     assert {"rl", "grpo"} <= set(registry.known("stage")) | set(registry.known("advantage"))
+
+
+def test_former_names_resolve_to_the_renamed_entries_with_a_deprecation_warning():
+    renamed = {("stage", "select_bliss"): "bliss", ("stage", "compress_lowrank"): "decomper",
+               ("decoding", "kv_beacon"): "beaconkv", ("decoding", "steer"): "densesteer",
+               ("task", "memo_games"): "memo", ("env", "agentic_proposer"): "agentic_proposing"}
+    for (kind, old), new in renamed.items():
+        with pytest.warns(FutureWarning, match=f"{kind} '{old}' is now called '{new}'"):
+            assert get(kind, old) is get(kind, new)
+    with pytest.raises(RegistryError, match="unknown stage"):
+        get("stage", "select_blis")

@@ -1,4 +1,4 @@
-"""RLTT (spec §1.7): exit pdf, loop weights, the loss table, KL, aggregation and structural checks."""
+"""RLTT (rl/methods/rltt/README.md): exit pdf, loop weights, the loss table, KL, aggregation and structural checks."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ import torch
 from models.ouro import exit_pdf
 from rl.advantages import compute_grpo_advantages
 from rl.losses import kl_penalty
+from rl.methods.rltt.loss import compute_loop_weights, rltt_loss
 from rl.registry import get
-from rl.rltt import compute_loop_weights, rltt_loss
 
 LOOP_LOGP = [[-2.0, -1.0, -0.5, -0.25], [-1.0, -1.0, -1.0, -1.0]]
 A = 0.866024

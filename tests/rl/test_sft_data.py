@@ -11,9 +11,16 @@ from omegaconf import OmegaConf
 from cluster.pipeline import split_held_out
 from models.families import CausalFamily
 from models.tiny import build_tiny_model, build_tiny_tokenizer
-from rl.batch import batch_of_examples, make_sft_batch
+from rl.batch import batch_of_examples
 from rl.config import ConfigError, DataConfig, SFTConfig
-from rl.sft_data import chat_example, load_sft_rows, prompt_response_example, sft_examples, tokenize_sft_rows
+from rl.sft_data import (
+    chat_example,
+    load_sft_rows,
+    make_sft_batch,
+    prompt_response_example,
+    sft_examples,
+    tokenize_sft_rows,
+)
 
 TOK = build_tiny_tokenizer()
 CHAT = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},

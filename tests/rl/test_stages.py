@@ -90,14 +90,14 @@ def test_a_user_stage_feeds_rl_is_reused_and_reruns_with_everything_after_it_whe
 
 
 def test_a_bad_stage_param_names_the_recipe_key_at_start_up(tmp_path):
-    from cluster.pipeline import check_components
+    from cluster.pipeline import check_recipe
     cfg = config.load(ROOT / "recipes/quickstart.yaml", [
         "stages=[{name: model}, {name: data}, {name: sft}, {name: rl, params: {keep: 3}}]"])
     with pytest.raises(StageError, match=r"stages\[3\].params: stage 'rl' does not take \['keep'\]"):
-        check_components(cfg, None)
+        check_recipe(cfg, None)
     bad = config.load(ROOT / "recipes/quickstart.yaml", ["stages=[{name: model}, {name: selectt}]"])
     with pytest.raises(Exception, match="unknown stage 'selectt'"):
-        check_components(bad, None)
+        check_recipe(bad, None)
 
 
 COUNTING_STAGE = '''

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from rewards.rubric import parse_grades, plan_rubric_check, rubric_self_grade
-from rl.rubric import COMPACT_GRADER_TEMPLATE, grader_prompt, rule_verdicts
-from rl.tasks.plans import grades_xml, plan_steps, write_plans_task
+from rl.methods.rubric_self_grade.prompts import COMPACT_GRADER_TEMPLATE, grader_prompt, rule_verdicts
+from rl.methods.rubric_self_grade.reward import parse_grades, plan_rubric_check, rubric_self_grade
+from rl.methods.rubric_self_grade.task import grades_xml, plan_steps, write_plans_task
 
 RUBRIC = plan_steps("salt", "growth")
 TASK = {"goal": "Find how salt changes growth.", "rubric": RUBRIC, "reference": " ".join(RUBRIC)}

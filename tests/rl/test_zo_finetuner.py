@@ -1,4 +1,4 @@
-"""ZO Fine-tuner (rl/zo_finetuner.py): the spec's tests (shared/specs/stages.md §7) on tiny models made in code."""
+"""ZO Fine-tuner (rl/methods/zo_finetuner/optimizer.py): the spec's tests (rl/methods/zo_finetuner/README.md) on tiny models made in code."""
 
 import copy
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from rl.optim import MeZO
-from rl.zo_finetuner import (
+from rl.methods.zo_finetuner.optimizer import (
     PertBundle,
     ZOFinetuner,
     effective_sizes,
@@ -15,6 +14,7 @@ from rl.zo_finetuner import (
     normalization,
     virtual_step_loss,
 )
+from rl.optim import MeZO
 
 
 def _task(seed: int = 0, n: int = 64):

@@ -1,5 +1,5 @@
-"""Guidance (shared/specs/stages.md §8): the fact trie, LongBench-Cite scoring with the deterministic judge, the
-decode loop's lookahead, and the `citation_guidance` method on a tiny model taught in code to state memorised facts
+"""Guidance (rl/methods/guidance/README.md): the fact trie, LongBench-Cite scoring with the deterministic judge, the
+decode loop's lookahead, and the `guidance` method on a tiny model taught in code to state memorised facts
 (half of them with stale numbers) in the citation format."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.tiny import build_tiny_model, build_tiny_tokenizer
-from rl.guidance import (
+from rl.methods.guidance.core import (
     ContainmentJudge,
     Fact,
     FactPool,
@@ -19,7 +19,7 @@ from rl.guidance import (
     post_hoc_cite,
     score_citations,
 )
-from rl.tasks.citations import number_accuracy, write_citations_task
+from rl.methods.guidance.task import number_accuracy, write_citations_task
 from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 
@@ -141,8 +141,8 @@ def test_guidance_inserts_the_verbatim_fact_with_its_chunk_once_and_fixes_the_nu
     prompts = [r["prompt"] for r in evals]
     params = {"lookahead": 40}
     plain = _gen(engine, prompts)
-    guided = _gen(engine, prompts, "citation_guidance", params)
-    method = engine.decoding_method("citation_guidance", params)
+    guided = _gen(engine, prompts, "guidance", params)
+    method = engine.decoding_method("guidance", params)
     judge = ContainmentJudge()
     plain_acc, guided_acc, plain_f1, guided_f1 = [], [], [], []
     for i, r in enumerate(evals):
@@ -183,6 +183,6 @@ def test_no_fact_of_the_person_in_the_context_means_no_insertion(cite_engine):
     kept = [x for x in context.split("<C")[1:] if person not in x]
     prompt = "".join(f"<C{j}>{x.split('>', 1)[1]}" for j, x in enumerate(kept)) + "\nQuestion" + question
     plain = _gen(engine, [prompt])
-    guided = _gen(engine, [prompt], "citation_guidance", {"lookahead": 40})
+    guided = _gen(engine, [prompt], "guidance", {"lookahead": 40})
     assert torch.equal(guided.response_ids, plain.response_ids)
-    assert engine.decoding_method("citation_guidance", {"lookahead": 40}).stats["rows"][0]["log"] == []
+    assert engine.decoding_method("guidance", {"lookahead": 40}).stats["rows"][0]["log"] == []

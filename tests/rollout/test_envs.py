@@ -7,11 +7,11 @@ from models.families import response_logprobs
 from models.tiny import save_tiny
 from rl.env import Env, EnvStep
 from rl.losses import ppo_clip_loss
+from rl.tools import run_python
 from rollout.base import SamplingParams
 from rollout.envs import Calculator
 from rollout.hf_engine import HFEngine
 from rollout.multiturn import Seats, run_episodes
-from rollout.tools import run_python
 
 PROMPTS = ["12+3*4=", "5+6*7="]
 ROWS = [{"answer": "24"}, {"answer": "47"}]
@@ -144,7 +144,7 @@ def test_another_seat_is_played_by_the_policy_and_not_trained_on(engine):
 def test_the_router_env_asks_a_model_agent_through_its_seat_and_runs_in_the_episode_loop(engine, tmp_path):
     import json
 
-    from rollout.router_env import AgentRouterEnv
+    from rl.methods.monoscale.env import AgentRouterEnv
     pool = tmp_path / "pool.json"
     pool.write_text(json.dumps([
         {"name": "agent0", "description": "a model", "kind": "model", "system_prompt": "Add:", "seat": "policy"},

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from models.tiny import save_tiny
-from rl.games import GAMES, INVALID, TextArenaEnv, TextArenaGame, parse_move
+from rl.methods.memo.textarena import GAMES, INVALID, TextArenaEnv, TextArenaGame, parse_move
 from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 from rollout.multiturn import Seats, run_episodes

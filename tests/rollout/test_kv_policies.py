@@ -1,4 +1,4 @@
-"""BeaconKV and its baselines (shared/specs/stages.md §11): the scoring pieces against hand computations, and the
+"""BeaconKV and its baselines (rl/methods/beaconkv/README.md): the scoring pieces against hand computations, and the
 cache policies on the hf engine's decode loop with a tiny GQA Llama."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.tiny import build_tiny_tokenizer
-from rl.kv_compress import (
+from rl.methods.beaconkv.core import (
     HarnessConfig,
     QueryBuffer,
     farthest_point_sampling,
@@ -22,7 +22,7 @@ from rl.kv_compress import (
 from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 
-POLICIES = ("kv_streaming", "kv_snapkv", "kv_h2o", "kv_rkv", "kv_beacon")
+POLICIES = ("kv_streaming", "kv_snapkv", "kv_h2o", "kv_rkv", "beaconkv")
 
 
 def _min_pairwise_cosine_distance(x):
@@ -155,14 +155,14 @@ def test_every_policy_keeps_the_cache_within_its_bound_on_the_engine(gqa_engine,
 
 def test_eviction_every_interval_tokens_stays_within_the_bound(gqa_engine):
     params = {"budget": 12, "sink": 2, "recent": 4, "interval": 5}
-    _gen(gqa_engine, "kv_beacon", params)
-    method = gqa_engine.decoding_method("kv_beacon", params)
+    _gen(gqa_engine, "beaconkv", params)
+    method = gqa_engine.decoding_method("beaconkv", params)
     assert method.stats["max_cache"] <= 18
     assert method.stats["evictions"] <= (len(PROMPTS[2]) + 40) // 5 + 1  # one eviction per 5 tokens at most
 
 
 def test_beacons_are_rotated_at_the_current_position_with_the_models_rope(gqa_engine):
-    from rollout.kv_policies import BeaconKV
+    from rl.methods.beaconkv.decoding import BeaconKV
     method = BeaconKV()
     model = gqa_engine.model
     method.head_dim, method.n_heads, method.rotary = 16, 4, model.model.rotary_emb

@@ -1,4 +1,4 @@
-"""DenseSteer's pieces (shared/specs/stages.md §10): the density metric, the mean-difference vectors, the `steer`
+"""DenseSteer's pieces (rl/methods/densesteer/README.md): the density metric, the mean-difference vectors, the `steer`
 decoding method on the hf engine's decode loop, and the two-style task."""
 
 import json
@@ -8,12 +8,12 @@ import torch
 
 from models.blocks import block_outputs
 from models.tiny import save_tiny
-from rl.densesteer import density, extract_vectors
-from rl.tasks.styles import dense_solution, sparse_solution, write_styles_task
+from rl.methods.densesteer.core import density, extract_vectors
+from rl.methods.densesteer.decoding import SteerDecoding
+from rl.methods.densesteer.task import dense_solution, sparse_solution, write_styles_task
 from rollout.base import SamplingParams
 from rollout.decoding import DecodeState, install_residual_hooks
 from rollout.hf_engine import HFEngine
-from rollout.steering import SteerDecoding
 
 PROMPTS = ["3+4+2=", "5+6+7+1=", "9+9+9="]
 
@@ -88,13 +88,13 @@ def test_strength_zero_decodes_as_plain_and_min_token_index_spares_earlier_posit
         sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, seed=0, decoding=decoding, decoding_params=params)
         return engine.generate(PROMPTS, sp)
     plain = gen()
-    zero = gen("steer", {"vectors": str(path), "layer": 1, "strength": 0.0})
+    zero = gen("densesteer", {"vectors": str(path), "layer": 1, "strength": 0.0})
     assert torch.equal(zero.response_ids, plain.response_ids)
     torch.testing.assert_close(zero.rollout_logp, plain.rollout_logp, atol=1e-6, rtol=0)
-    strong = gen("steer", {"vectors": str(path), "layer": 1, "strength": 40.0})
+    strong = gen("densesteer", {"vectors": str(path), "layer": 1, "strength": 40.0})
     assert not torch.equal(strong.rollout_logp, plain.rollout_logp)
     # steering only from a position beyond the whole sequence changes nothing
-    late = gen("steer", {"vectors": str(path), "layer": 1, "strength": 40.0, "min_token_index": 1000})
+    late = gen("densesteer", {"vectors": str(path), "layer": 1, "strength": 40.0, "min_token_index": 1000})
     assert torch.equal(late.response_ids, plain.response_ids)
     torch.testing.assert_close(late.rollout_logp, plain.rollout_logp, atol=1e-6, rtol=0)
 
@@ -121,7 +121,7 @@ def test_a_selection_report_sets_layer_and_strength(tmp_path, vectors_file):
 
 
 def test_held_out_selection_takes_the_densest_arm_that_keeps_accuracy():
-    from rl.densesteer import select_steering
+    from rl.methods.densesteer.core import select_steering
     cands = [{"layer": 2, "strength": 0.0, "rho": 10.0, "accuracy": 0.8},
              {"layer": 2, "strength": 8.0, "rho": 14.0, "accuracy": 0.7},    # denser, but loses accuracy
              {"layer": 2, "strength": 4.0, "rho": 12.0, "accuracy": 0.8},

@@ -1,0 +1,109 @@
+"""The `guidance` stage: citation quality and correctness of the policy's answers on the held-out prompts
+(`data.eval_path` or the synthetic task's held-out split; `trainer.eval_max_prompts` of them), per arm:
+
+* `plain`: greedy answers as the model writes them (its own citations, if it makes any);
+* `post_hoc`: the plain answers with citations removed, each sentence then cited with its best-overlapping chunk;
+* `guidance`: greedy decoding with `guidance` (`rl.methods.guidance.core`, `rl.methods.guidance.decoding`; `guidance_params`).
+
+Scores (`rl.methods.guidance.core.score_citations`, LongBench-Cite): citation recall, precision and F1 per answer, averaged;
+correctness = the recipe's training reward on the answer with citations stripped (e.g. `fact_numbers`, or a
+judge-based reward at real scale). The judge: `containment` (deterministic; CPU tests and the synthetic task) or
+the name of a `reward.judges` entry (a frozen engine asked LongBench-Cite's questions). The report is
+`stages/<name>/cite_eval.json` with the first answers of each arm.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+from rl.config import as_container
+from rl.data import prompt_row_columns
+from rl.registry import register, register_alias
+from rl.stages import Stage, StageContext, StageError, say, stage_cfg
+
+ARMS = ("plain", "post_hoc", "guidance")
+
+
+@register("stage", "guidance")
+class GuidanceStage(Stage):
+    config_keys = ("data", "rollout", "trainer.eval_max_prompts", "reward")
+    runs_in_driver = True
+
+    def __init__(self, arms: list[str] = ARMS, guidance_params: dict[str, Any] | None = None,
+                 judge: str = "containment", max_statements: int = 40, examples: int = 3):
+        """`arms`: of plain, post_hoc, guidance; `guidance_params`: of the guidance decoding method;
+        `judge`: containment | a name in `reward.judges`; `max_statements` scored per answer (LongBench-Cite: 40)."""
+        bad = [a for a in arms if a not in ARMS]
+        if bad or not arms:
+            raise ValueError(f"guidance: arms must be among {list(ARMS)}, got {list(arms)}")
+        self.arms, self.guidance_params = list(arms), dict(guidance_params or {})
+        self.judge, self.max_statements, self.examples = judge, max_statements, examples
+
+    def run(self, ctx: StageContext) -> dict[str, str]:
+        from omegaconf import OmegaConf
+
+        from models.tokenizer import load_tokenizer
+        from rl.methods.guidance.core import (
+            ContainmentJudge,
+            LLMCitationJudge,
+            post_hoc_cite,
+            score_citations,
+            strip_citations,
+        )
+        cfg, rt = stage_cfg(ctx), ctx.runtime
+        rows = ctx.rows("eval", prompt_row_columns(cfg.data))[:cfg.trainer.eval_max_prompts]
+        if not rows:
+            raise StageError(f"{ctx.name}: no held-out prompts (data.eval_path or a synthetic task's eval split)")
+        if cfg.rollout.engine != "hf" and "guidance" in self.arms:
+            raise StageError(f"{ctx.name}: the guidance arm decodes with guidance, which the "
+                             f"{cfg.rollout.engine!r} engine cannot serve: set rollout.engine: hf")
+        clients: dict[str, Any] = {}
+        if self.judge == "containment":
+            judge: Any = ContainmentJudge()
+        else:
+            if self.judge not in cfg.reward.judges:
+                raise StageError(f"{ctx.name}: judge {self.judge!r} is neither 'containment' nor a reward.judges "
+                                 f"entry ({sorted(cfg.reward.judges)})")
+            clients = rt.start_judges({self.judge: as_container(cfg.reward.judges[self.judge])}, ctx.require("policy"))
+            judge = LLMCitationJudge(lambda prompts: clients[self.judge].generate(prompts, temperature=0.0))
+        tokenizer = load_tokenizer(ctx.require("base_model"))
+        report: dict[str, Any] = {"prompts": len(rows), "judge": self.judge, "arms": {}}
+        try:
+            with rt.rollout_workers(ctx, cfg) as workers:
+                answers: dict[str, list[str]] = {}
+                decodings = {"plain": (None, {}), "guidance": ("guidance", self.guidance_params)}
+                for arm in [a for a in ("plain", "guidance") if a in self.arms or (a == "plain" and "post_hoc" in self.arms)]:
+                    name, params = decodings[arm]
+                    arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": name, "eval_decoding_params": params,
+                                                                "eval_runs": 1}})
+                    batch = rt.generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
+                    answers[arm] = list(batch.responses)
+                    if arm == "plain" and "post_hoc" in self.arms:
+                        answers["post_hoc"] = [post_hoc_cite(strip_citations(a), r[cfg.data.prompt_column])
+                                               for a, r in zip(batch.responses, rows)]
+            for arm in self.arms:
+                scores = [score_citations(a, r[cfg.data.prompt_column], judge, self.max_statements)
+                          for a, r in zip(answers[arm], rows)]
+                items = [{"prompt": r[cfg.data.prompt_column], "response": strip_citations(a),
+                          "ground_truth": r.get(cfg.data.answer_column), "metadata": {}, "truncated": False}
+                         for a, r in zip(answers[arm], rows)]
+                scored = rt.score_items(items, evaluation=True)
+                correct = [s["score"] for s in scored if not s["failed"]]
+                report["arms"][arm] = {
+                    **{k: statistics.mean(s[k] for s in scores) for k in ("recall", "precision", "f1")},
+                    "correctness": statistics.mean(correct) if correct else None,
+                    "examples": answers[arm][:self.examples]}
+        finally:
+            rt.stop_judges(clients)
+        path = ctx.stage_dir / "guidance.json"
+        path.write_text(json.dumps(report, indent=1))
+        ctx.summary[ctx.name] = {arm: {k: v for k, v in r.items() if k != "examples"}
+                                 for arm, r in report["arms"].items()}
+        for arm, r in report["arms"].items():
+            say(f"{ctx.name}: {arm}: citation F1 {r['f1']:.3f} (recall {r['recall']:.3f}, precision "
+                f"{r['precision']:.3f}), correctness {r['correctness']}")
+        return {"cite_report": str(path)}
+
+register_alias("stage", "cite_eval", "guidance")

@@ -28,8 +28,8 @@ from recipe_runs import run_recipe, seed_sweep_parser, window_mean, write_report
 
 RECIPE = "recipes/agentic_proposer_tiny.yaml"
 ARMS = {"mgpo": 0.5, "grpo": 0.0}
-KEYS = {"verified": "reward/agentic_proposer/verified", "in_band": "reward/agentic_proposer/in_band",
-        "pass_rate": "reward/agentic_proposer/pass_rate", "reward": "reward/mean"}
+KEYS = {"verified": "reward/agentic_proposing/verified", "in_band": "reward/agentic_proposing/in_band",
+        "pass_rate": "reward/agentic_proposing/pass_rate", "reward": "reward/mean"}
 
 
 def _solver_stage(args, seed: int) -> str:

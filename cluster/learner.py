@@ -23,6 +23,8 @@ import torch
 from models.adapters import reference_forward
 from models.common import kv_bytes_per_token
 from rl.batch import Batch
+from rl.optim import is_forward_only
+from rl.registry import get
 from rl.validation import check_compile_position_wise, check_forward_only, check_learner
 from rollout.probes import ActorProbes
 
@@ -70,16 +72,6 @@ class LearnerWorker(ActorProbes):
                  logprob_chunk_tokens: int = 512, attn_implementation: str | None = None,
                  adapter: dict[str, Any] | None = None, share_prompts: bool = False,
                  compile_position_wise: bool = False):
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
-                          LOCAL_WORLD_SIZE=str(world_size))
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-        torch.set_num_threads(threads)
-        import deepspeed
-        from transformers.integrations import HfDeepSpeedConfig
-
-        from rl.optim import is_forward_only
-        from rl.registry import get
         self.lr = lr
         family_cls = get("family", family)
         check_learner(family, family_cls, share_prompts=share_prompts, pack_sequences=pack_sequences,
@@ -91,14 +83,7 @@ class LearnerWorker(ActorProbes):
         self.loss_parameters: dict[str, torch.nn.Parameter] | None = None  # declared by the loss (rl.losses)
         self.loss_parameter_opt: torch.optim.Optimizer | None = None
         self.backward_passes = 0
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if not torch.cuda.is_available():
-            # DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce op when it starts (about a minute
-            # on a cold cache, again whenever the compiler's view of the build changes). Only its
-            # `inference_all_reduce` uses that op; training collectives go through torch.distributed (gloo).
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend=backend)
+        self._init_distributed(rank, world_size, master_addr, master_port, backend, threads)
         self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
         torch.manual_seed(seed)
         bf16 = dtype == "bfloat16"
@@ -109,46 +94,82 @@ class LearnerWorker(ActorProbes):
         self.ds_config = deepspeed_config(zero_stage, micro_batch_size, grad_accum, world_size,
                                           0.0 if self.manual_clip else grad_clip, bf16)
         self.grad_accum = grad_accum
-        load_dtype = torch.bfloat16 if bf16 else torch.float32
         # ZeRO-3: transformers must see the DeepSpeed config *before* from_pretrained so that the
         # weights are partitioned at load time; the object must stay alive.
+        from transformers.integrations import HfDeepSpeedConfig
         self._hf_ds = HfDeepSpeedConfig(self.ds_config) if zero_stage == 3 else None
-        self.ref = None
         # With an adapter (`learner.adapter`, models/adapters.py) only its parameters train, and the reference
         # policy is the base model itself with the adapter disabled: no second copy of the weights.
         self.adapted, self.adapter_spec = adapter is not None, adapter
-        attn = {"attn_implementation": attn_implementation} if attn_implementation else {}  # none: the model's own
-        if with_ref and not self.adapted:
-            # The frozen reference only runs forward. Under ZeRO-3 it is partitioned like the policy (each
-            # rank holds 1/world_size of it, gathered layer by layer in the forward) inside a DeepSpeed
-            # engine without an optimizer; otherwise it is a plain copy on every rank.
-            ref = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code,
-                                   **attn).eval()
-            for p in ref.parameters():
-                p.requires_grad_(False)
-            if zero_stage == 3:
-                ref_config = {k: v for k, v in self.ds_config.items() if k != "gradient_clipping"}
-                ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
-                ref.eval()
-            self.ref = ref
-        model = self.family.load(model_path, dtype=load_dtype, trust_remote_code=trust_remote_code, **attn)
-        if share_prompts and pack_sequences:
+        load = {"dtype": torch.bfloat16 if bf16 else torch.float32, "trust_remote_code": trust_remote_code,
+                **({"attn_implementation": attn_implementation} if attn_implementation else {})}
+        self.ref = self._load_reference(model_path, load) if with_ref and not self.adapted else None
+        self.with_ref = with_ref
+        model = self._load_policy(model_path, load, share_prompts and pack_sequences, compile_position_wise,
+                                  gradient_checkpointing)
+        self.offload_between_phases, self.offloaded = offload_between_phases, False
+        optim, sched = self._optimizer_and_scheduler(model, lr, weight_decay, optimizer, scheduler, warmup_steps,
+                                                     total_steps)
+        self._init_engine(model, optim, sched, optimizer)
+
+    def _init_distributed(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
+                          threads: int) -> None:
+        """This rank's process group (gloo on CPU, nccl on CUDA) through DeepSpeed."""
+        import deepspeed
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray gives each rank its own visible device
+                          LOCAL_WORLD_SIZE=str(world_size))
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        torch.set_num_threads(threads)
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce op when it starts (about a minute
+            # on a cold cache, again whenever the compiler's view of the build changes). Only its
+            # `inference_all_reduce` uses that op; training collectives go through torch.distributed (gloo).
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend=backend)
+
+    def _load_reference(self, model_path: str, load: dict[str, Any]) -> Any:
+        """The frozen reference: it only runs forward. Under ZeRO-3 it is partitioned like the policy (each rank
+        holds 1/world_size of it, gathered layer by layer in the forward) inside a DeepSpeed engine without an
+        optimizer; otherwise it is a plain copy on every rank."""
+        import deepspeed
+        ref = self.family.load(model_path, **load).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        if self.zero_stage == 3:
+            ref_config = {k: v for k, v in self.ds_config.items() if k != "gradient_clipping"}
+            ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
+            ref.eval()
+        return ref
+
+    def _load_policy(self, model_path: str, load: dict[str, Any], shared_packed: bool, compile_position_wise: bool,
+                     gradient_checkpointing: bool) -> torch.nn.Module:
+        """The policy, with its adapter, compiled position-wise modules and gradient checkpointing as asked."""
+        model = self.family.load(model_path, **load)
+        if shared_packed:
             from models.varlen_attention import require
             require(model)
         if self.adapted:
             from models.adapters import make_adapter
-            model = make_adapter(model, adapter, get("adapter", adapter["name"]))
-        self.with_ref = with_ref
+            model = make_adapter(model, self.adapter_spec, get("adapter", self.adapter_spec["name"]))
         if compile_position_wise:
             from models.blocks import compile_position_wise as compile_modules
             compile_modules(model)
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.offload_between_phases, self.offloaded = offload_between_phases, False
+        return model
+
+    def _optimizer_and_scheduler(self, model: torch.nn.Module, lr: float, weight_decay: float,
+                                 optimizer: dict[str, Any] | None, scheduler: dict[str, Any] | None,
+                                 warmup_steps: int, total_steps: int) -> tuple[Any, Any]:
+        """The recipe's optimizer over the trainable parameters (DeepSpeed's FusedAdam when ZeRO-3 states are
+        offloaded between phases) and its scheduler."""
         opt_spec = {"name": "adamw", "params": {}, **(optimizer or {})}
         sched_spec = {"name": "constant", "params": {}, **(scheduler or {})}
-        if offload_between_phases and zero_stage == 3:
+        if self.offload_between_phases and self.zero_stage == 3:
             # DeepSpeed moves ZeRO-3 states only for its own FusedAdam (a CUDA kernel)
             if not torch.cuda.is_available():
                 raise ValueError("learner.offload_between_phases with zero_stage 3 needs CUDA (DeepSpeed offloads "
@@ -165,8 +186,13 @@ class LearnerWorker(ActorProbes):
                                                        **opt_spec["params"])
         sched = get("scheduler", sched_spec["name"])(optim, warmup_steps=warmup_steps, total_steps=total_steps,
                                                      **sched_spec["params"])
+        return optim, sched
+
+    def _init_engine(self, model: torch.nn.Module, optim: Any, sched: Any, optimizer: dict[str, Any] | None) -> None:
+        """The DeepSpeed engine around the policy; a forward-only optimizer steps itself, outside DeepSpeed."""
+        import deepspeed
         self.forward_only = is_forward_only(optim)
-        check_forward_only(opt_spec["name"], self.forward_only, zero_stage)
+        check_forward_only((optimizer or {}).get("name", "adamw"), self.forward_only, self.zero_stage)
         if self.forward_only:
             # DeepSpeed only runs the forward (and places/casts the model); the optimizer steps itself
             self.engine, _, _, _ = deepspeed.initialize(model=model, config=self.ds_config)
@@ -174,7 +200,7 @@ class LearnerWorker(ActorProbes):
         else:
             self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=optim, lr_scheduler=sched, config=self.ds_config)
-        if world_size == 1 and zero_stage == 0:
+        if self.world_size == 1 and self.zero_stage == 0:
             # Nothing to all-reduce with a single rank; skipping DeepSpeed's flatten/reduce/unflatten
             # copies of every gradient saves ~20% of a CPU training step. Stage 0 only: the ZeRO
             # optimizers fill their gradient partitions in that reduction (skipping it fails their step).
@@ -220,7 +246,6 @@ class LearnerWorker(ActorProbes):
         import inspect
 
         from rl.losses import rollout_importance_weights
-        from rl.registry import get
         loss_fn = get("loss", loss_fn_spec)
         parameters = inspect.signature(loss_fn).parameters
         named = set(parameters)

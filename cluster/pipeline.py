@@ -186,68 +186,14 @@ class RLStage(Stage):
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.output_dir
-        d, tc = cfg.data, cfg.trainer
-        train_path = ctx.require("train")
-        train_rows = load_rows(train_path, prompt_row_columns(d), "data.train_path")
-        ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
-        eval_rows = ctx.rows("eval", prompt_row_columns(d))
-        policy_path = ctx.require("policy")
-        ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
-        tokenizer = load_tokenizer(ctx.require("base_model"))
-        rt.judges = rt.serve_reward_judges(cfg, policy_path, ctx.summary, ctx.require)
-        trainer = rt.trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, rt.placement, rt.reward_service)
-        before_path = out / "eval_before.json"
-        if ckpt is None:  # a fresh run: no metrics or selection from an earlier run in this folder
-            (out / "metrics.jsonl").unlink(missing_ok=True)
-            (out / "checkpoints" / "best.json").unlink(missing_ok=True)
-        else:
-            trainer.load_checkpoint(ckpt)
-            truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
-            say(f"resumed from {ckpt} at step {trainer.step_idx}")
-        if eval_rows and before_path.exists() and ckpt is not None:
-            before = json.loads(before_path.read_text())
-        elif eval_rows:
-            before = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
-            before_path.write_text(json.dumps(before))
-        else:
-            before = None
+        trainer, tokenizer, eval_rows = _start_trainer(ctx, cfg)
+        before = _evaluate_before(trainer, tokenizer, eval_rows, cfg, rt, out)
         if before is not None:
             say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({int(before['num_prompts'])} prompts)")
             ctx.summary["accuracy_before_rl"] = before["accuracy"]
             ctx.summary["heldout_rewards_before_rl"] = before.get("components", {})
-
-        logger = MetricsLogger(out, tc.steps, tensorboard=cfg.logging.tensorboard,
-                               wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
-                               config=as_container(cfg), start_step=trainer.step_idx)
-        last: dict[str, float] = {}
         t_rl = time.perf_counter()
-        try:
-            while trainer.step_idx < tc.steps:
-                try:
-                    metrics = trainer.step()
-                except LearnerFailed as exc:
-                    ckpt = latest_checkpoint(out)
-                    where = (f"resume with resume=auto from {ckpt}" if ckpt is not None else
-                             "no checkpoint had been written yet (set trainer.checkpoint_every)")
-                    raise type(exc)(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
-                step = trainer.step_idx
-                # with select_by the last step is a candidate too, so it is evaluated like the others
-                evaluates = tc.eval_every and step % tc.eval_every == 0 and (step < tc.steps or tc.select_by)
-                if eval_rows and (evaluates or (tc.select_by and step == tc.steps)):
-                    ev = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
-                    metrics["eval/accuracy"] = ev["accuracy"]
-                    if ev["runs"] > 1:
-                        metrics["eval/accuracy_std_over_runs"] = ev["accuracy_std_over_runs"]
-                    metrics.update({f"eval/reward/{k}": v for k, v in ev["components"].items()})
-                    if tc.select_by:
-                        _select_checkpoint(trainer, metrics, tc, out)
-                logger.log(step, metrics)
-                last = metrics
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not (out / "checkpoints" /
-                                                                                   f"step_{step}").exists():
-                    trainer.save_checkpoint()
-        finally:
-            logger.close()
+        last = _train(trainer, tokenizer, eval_rows, cfg, rt, out)
         rl_s = time.perf_counter() - t_rl
         final = out / "checkpoints" / f"step_{trainer.step_idx}"
         if not (final / "COMPLETE").exists():
@@ -255,7 +201,7 @@ class RLStage(Stage):
         ctx.summary.update(last)
         ctx.summary.update(steps=trainer.step_idx, rl_wall_s=rl_s, peak_rss_gib=trainer.peak_memory(),
                            actor_nodes=trainer.actor_nodes(), last_checkpoint=str(final))
-        best = selected_checkpoint(out) if tc.select_by else None
+        best = selected_checkpoint(out) if cfg.trainer.select_by else None
         if best is not None:  # the later stages (export, evaluate) use the selected checkpoint
             ctx.summary.update(selected_step=best["step"], selected_by=best["metric"], selected_value=best["value"])
             say(f"selected checkpoint: step {best['step']} ({best['metric']} = {best['value']:.4f})")
@@ -264,6 +210,86 @@ class RLStage(Stage):
                 trainer.restore(selected)
             return {"checkpoint": str(selected)}
         return {"checkpoint": str(final)}
+
+
+def _start_trainer(ctx: StageContext, cfg: DictConfig) -> tuple[RLTrainer, Any, list[dict]]:
+    """The RL trainer on the stage's policy and training rows (resumed from a checkpoint with `resume`), with the
+    recipe's judges serving the reward; its tokenizer and the held-out rows."""
+    rt, out, d = ctx.runtime, ctx.output_dir, cfg.data
+    train_path = ctx.require("train")
+    train_rows = load_rows(train_path, prompt_row_columns(d), "data.train_path")
+    ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
+    eval_rows = ctx.rows("eval", prompt_row_columns(d))
+    policy_path = ctx.require("policy")
+    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
+    tokenizer = load_tokenizer(ctx.require("base_model"))
+    rt.judges = rt.serve_reward_judges(cfg, policy_path, ctx.summary, ctx.require)
+    trainer = rt.trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, rt.placement, rt.reward_service)
+    if ckpt is None:  # a fresh run: no metrics or selection from an earlier run in this folder
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "checkpoints" / "best.json").unlink(missing_ok=True)
+        (out / "eval_before.json").unlink(missing_ok=True)
+    else:
+        trainer.load_checkpoint(ckpt)
+        truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
+        say(f"resumed from {ckpt} at step {trainer.step_idx}")
+    return trainer, tokenizer, eval_rows
+
+
+def _evaluate_before(trainer: RLTrainer, tokenizer: Any, eval_rows: list[dict], cfg: DictConfig, rt: Any,
+                     out: Path) -> dict[str, Any] | None:
+    """The held-out evaluation before RL (read back when a resumed run recorded it)."""
+    if not eval_rows:
+        return None
+    before_path = out / "eval_before.json"
+    if before_path.exists():
+        return json.loads(before_path.read_text())
+    before = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
+    before_path.write_text(json.dumps(before))
+    return before
+
+
+def _train(trainer: RLTrainer, tokenizer: Any, eval_rows: list[dict], cfg: DictConfig, rt: Any,
+           out: Path) -> dict[str, float]:
+    """The RL steps up to `trainer.steps`: held-out evaluations, checkpoint selection, metrics, checkpoints;
+    returns the last step's metrics."""
+    tc, last = cfg.trainer, {}
+    logger = MetricsLogger(out, tc.steps, tensorboard=cfg.logging.tensorboard,
+                           wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
+                           config=as_container(cfg), start_step=trainer.step_idx)
+    try:
+        while trainer.step_idx < tc.steps:
+            metrics = _step_or_explain(trainer, out)
+            step = trainer.step_idx
+            # with select_by the last step is a candidate too, so it is evaluated like the others
+            evaluates = tc.eval_every and step % tc.eval_every == 0 and (step < tc.steps or tc.select_by)
+            if eval_rows and (evaluates or (tc.select_by and step == tc.steps)):
+                ev = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
+                metrics["eval/accuracy"] = ev["accuracy"]
+                if ev["runs"] > 1:
+                    metrics["eval/accuracy_std_over_runs"] = ev["accuracy_std_over_runs"]
+                metrics.update({f"eval/reward/{k}": v for k, v in ev["components"].items()})
+                if tc.select_by:
+                    _select_checkpoint(trainer, metrics, tc, out)
+            logger.log(step, metrics)
+            last = metrics
+            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not (out / "checkpoints" /
+                                                                               f"step_{step}").exists():
+                trainer.save_checkpoint()
+    finally:
+        logger.close()
+    return last
+
+
+def _step_or_explain(trainer: RLTrainer, out: Path) -> dict[str, float]:
+    """One RL step; a learner that failed stops the run with the step and where it can resume from."""
+    try:
+        return trainer.step()
+    except LearnerFailed as exc:
+        ckpt = latest_checkpoint(out)
+        where = (f"resume with resume=auto from {ckpt}" if ckpt is not None else
+                 "no checkpoint had been written yet (set trainer.checkpoint_every)")
+        raise type(exc)(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
 
 
 def _select_checkpoint(trainer: RLTrainer, metrics: dict[str, float], tc: DictConfig, out: Path) -> None:

@@ -31,6 +31,7 @@ from rl.data import format_prompt
 from rl.losses import kl_in_reward, kl_penalty, soft_overlong_penalty
 from rl.recipe import model_family, needs_critic, policy_loss_params
 from rl.registry import get
+from rl.validation import check_weight_sync
 from rollout.probes import best_rates
 from rollout.worker import RolloutWorker, RolloutWorkerRestarted, RolloutWorkerStuck
 
@@ -48,15 +49,8 @@ class PendingRollout:
 class RLTrainer:
     def __init__(self, cfg: DictConfig, model_path: str, tokenizer: Any, train_rows: list[dict],
                  placement: Placement, reward_service: Any):
-        gpus, colocated = bool(placement.gpus_per_actor), cfg.cluster.placement == "colocated"
-        if cfg.rollout.weight_sync == "cuda_ipc" and not gpus:
-            raise ValueError("rollout.weight_sync=cuda_ipc needs GPUs (learners and rollout workers on CUDA); "
-                             "on CPU use object_store or collective")
-        if cfg.rollout.weight_sync == "collective" and gpus and colocated:
-            # NCCL refuses a communicator with two ranks on one device (learner rank 0, rollout worker 0)
-            raise ValueError("rollout.weight_sync=collective on GPUs needs cluster.placement: split (NCCL cannot "
-                             "join learner rank 0 and the rollout worker sharing its GPU); with colocated "
-                             "placement use cuda_ipc")
+        check_weight_sync(cfg.rollout.weight_sync, bool(placement.gpus_per_actor),
+                          cfg.cluster.placement == "colocated")
         self.cfg = cfg
         self.model_path = model_path
         self.tokenizer = tokenizer
@@ -81,33 +75,8 @@ class RLTrainer:
         loss_fn = get("loss", a.loss)  # fail now, not after the first rollout
         self.loss_inputs = inspect.signature(loss_fn).parameters
         self.loss_params = policy_loss_params(cfg, loss_fn)  # what the recipe decides, the same every step
-        # The roles start side by side (model loading and imports overlap); with offloading, the engines start
-        # only once the learner's states have left the device, so that they see the free memory.
-        together = not lc.offload_between_phases
-        self.learners = make_learner_group(
-            cfg, model_path, placement, lr=lc.lr, weight_decay=lc.weight_decay,
-            micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
-            scheduler=lc.scheduler, warmup_steps=lc.warmup_steps,
-            total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches, wait=not together)
-        self.critic = (make_critic_group(cfg, model_path, placement, self.grad_accum, wait=not together)
-                       if needs_critic(cfg) else None)
-        # colocated roles take turns on one device: the learner's states wait in host memory while the
-        # engines generate, the engines sleep while the learner computes
-        self.swap_phases = cfg.rollout.sleep_between_phases or lc.offload_between_phases
-        if lc.offload_between_phases:
-            self.learners.offload_states()
-        self.rollout = make_rollout_workers(cfg, model_path, placement, wait=not together)
-        if together:
-            for group in (self.learners, self.critic):
-                if group is not None:
-                    group.wait_ready()
-            ray.get([w.pid.remote() for w in self.rollout])
-        # what perf/mfu and perf/mbu divide by: the model's size and each role's measured ceilings
-        # measured once every role has started: a reward worker still importing would share the cores
-        ray.get(self.rewards.wait_started.remote())
-        self.hardware = {"model": ray.get(self.learners.workers[0].model_numbers.remote()),
-                         "learner": ceilings(self.learners.workers[0], cfg.model.dtype, lc.threads),
-                         "rollout": ceilings(self.rollout[0], cfg.model.dtype, cfg.rollout.threads)}
+        self._start_roles()
+        self.hardware = self._measure_hardware()
         # At start-up another process may still share the cores (Ray's own agents start beside the roles): a run
         # of 3+ synchronous steps measures the ceilings again after its first step and keeps the better ones.
         self.ceilings_to_check = cfg.trainer.steps >= 3 and cfg.trainer.max_staleness == 0
@@ -118,6 +87,40 @@ class RLTrainer:
         self.sync_bytes: float | None = None  # bytes one weight sync sends (logged as rollout/sync_bytes)
         if cfg.rollout.weight_sync == "collective":
             self._init_collective_sync()
+
+    def _start_roles(self) -> None:
+        """The learner group (and critic), then the rollout workers. They start side by side (model loading and
+        imports overlap); with offloading, the engines start only once the learner's states have left the
+        device, so that they see the free memory."""
+        cfg, a, lc = self.cfg, self.cfg.algorithm, self.cfg.learner
+        together = not lc.offload_between_phases
+        self.learners = make_learner_group(
+            cfg, self.model_path, self.placement, lr=lc.lr, weight_decay=lc.weight_decay,
+            micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
+            scheduler=lc.scheduler, warmup_steps=lc.warmup_steps,
+            total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches, wait=not together)
+        self.critic = (make_critic_group(cfg, self.model_path, self.placement, self.grad_accum, wait=not together)
+                       if needs_critic(cfg) else None)
+        # colocated roles take turns on one device: the learner's states wait in host memory while the
+        # engines generate, the engines sleep while the learner computes
+        self.swap_phases = cfg.rollout.sleep_between_phases or lc.offload_between_phases
+        if lc.offload_between_phases:
+            self.learners.offload_states()
+        self.rollout = make_rollout_workers(cfg, self.model_path, self.placement, wait=not together)
+        if together:
+            for group in (self.learners, self.critic):
+                if group is not None:
+                    group.wait_ready()
+            ray.get([w.pid.remote() for w in self.rollout])
+
+    def _measure_hardware(self) -> dict[str, dict[str, float]]:
+        """What perf/mfu and perf/mbu divide by: the model's size and each role's measured ceilings, measured once
+        every role has started (a reward worker still importing would share the cores)."""
+        cfg = self.cfg
+        ray.get(self.rewards.wait_started.remote())
+        return {"model": ray.get(self.learners.workers[0].model_numbers.remote()),
+                "learner": ceilings(self.learners.workers[0], cfg.model.dtype, cfg.learner.threads),
+                "rollout": ceilings(self.rollout[0], cfg.model.dtype, cfg.rollout.threads)}
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -280,51 +283,56 @@ class RLTrainer:
         sampler_metrics: dict[str, float] = {}  # the prompt sampler's, after its last observed batch
         timing["generate"] = timing["reward"] = 0.0
         while have < want and rounds < (a.max_sampling_rounds if a.dynamic_sampling else 1):
-            t0 = time.perf_counter()
-            if rounds == 0:  # from the rollout pipeline (submitted up to max_staleness steps ago)
-                self._fill_pipeline()
-                pending = self.pending.pop(0)
-                self._fill_pipeline()  # the next step's rollout overlaps this step's update
-            else:  # dynamic-sampling top-ups are generated now, with the current weights
-                pending = self._submit(self.step_idx, rounds)
-            batch = self._gather_rollout(pending)
-            batch.check_groups(n)
+            batch = self._generate_round(rounds, timing)
             staleness.append(self.step_idx - batch.policy_version)
-            timing["generate"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            attach_rewards(batch, self.score(batch), self.tokenizer,
-                           failed_leave_loss=self.cfg.reward.failed_samples == "exclude")
-            apply_length_shaping(batch, a, cfg.rollout.max_new_tokens)
-            if hasattr(self.sampler, "observe"):  # a sampler that adapts to the scored samples (curriculum)
-                sampler_metrics.update(self.sampler.observe(batch))
-            timing["reward"] += time.perf_counter() - t0
+            sampler_metrics.update(self._score_round(batch, timing))
             rounds += 1
             seen += want
             if not a.dynamic_sampling:
                 kept.append(batch)
                 have = want
                 break
-            informative = {g for g in torch.unique(batch.group_id).tolist()
-                           if batch.rewards[batch.group_id == g].unique().numel() > 1}
-            informative_seen += len(informative)
-            rows = [i for i in range(len(batch)) if int(batch.group_id[i]) in informative]
-            take = rows[:(want - have) * n]
+            informative, rest, groups = split_informative(batch)
+            informative_seen += groups
+            take = informative[:(want - have) * n]
             if take:
                 kept.append(batch.select(take))
                 have += len(take) // n
-            rest = [i for i in range(len(batch)) if int(batch.group_id[i]) not in informative]
             if rest:
                 dropped.append(batch.select(rest))
         if have < want:  # the cap was reached: fill up with uninformative groups (zero advantage)
-            pool = Batch.concat(dropped)
-            kept.append(pool.select(list(range((want - have) * n))))
-        batch = Batch.concat(kept)
-        metrics: dict[str, float] = {"rollout/staleness": float(max(staleness))}
-        metrics.update(sampler_metrics)
+            kept.append(Batch.concat(dropped).select(list(range((want - have) * n))))
+        metrics: dict[str, float] = {"rollout/staleness": float(max(staleness)), **sampler_metrics}
         if a.dynamic_sampling:
             metrics["sampling/rounds"] = float(rounds)
             metrics["sampling/informative_frac"] = informative_seen / max(1, seen)
-        return batch, metrics
+        return Batch.concat(kept), metrics
+
+    def _generate_round(self, rounds: int, timing: dict[str, float]) -> Batch:
+        """The first round's rollout from the pipeline (submitted up to max_staleness steps ago; the next step's
+        is submitted so that it overlaps this step's update); a dynamic-sampling top-up, generated now."""
+        t0 = time.perf_counter()
+        if rounds == 0:
+            self._fill_pipeline()
+            pending = self.pending.pop(0)
+            self._fill_pipeline()
+        else:
+            pending = self._submit(self.step_idx, rounds)
+        batch = self._gather_rollout(pending)
+        batch.check_groups(self.cfg.rollout.n)
+        timing["generate"] += time.perf_counter() - t0
+        return batch
+
+    def _score_round(self, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
+        """Rewards and length shaping into `batch`; the prompt sampler's metrics when it adapts to scored
+        samples (curriculum)."""
+        t0 = time.perf_counter()
+        attach_rewards(batch, self.score(batch), self.tokenizer,
+                       failed_leave_loss=self.cfg.reward.failed_samples == "exclude")
+        apply_length_shaping(batch, self.cfg.algorithm, self.cfg.rollout.max_new_tokens)
+        metrics = self.sampler.observe(batch) if hasattr(self.sampler, "observe") else {}
+        timing["reward"] += time.perf_counter() - t0
+        return metrics
 
     def score(self, batch: Batch) -> list[dict]:
         """The reward service's scores for `batch`, within `trainer.deadlines.reward_s` (the service itself
@@ -676,6 +684,16 @@ def _gather(refs: list[Any]) -> Batch:
     # a batch mixes the versions of its workers only if they were out of step: keep the oldest
     batch.policy_version = min(p.policy_version for p in parts)
     return batch
+
+
+def split_informative(batch: Batch) -> tuple[list[int], list[int], int]:
+    """The rows of groups whose rewards differ (they carry a signal), the rows of the other groups, and the
+    number of informative groups (DAPO's dynamic sampling keeps the first)."""
+    informative = {g for g in torch.unique(batch.group_id).tolist()
+                   if batch.rewards[batch.group_id == g].unique().numel() > 1}
+    rows = [i for i in range(len(batch)) if int(batch.group_id[i]) in informative]
+    rest = [i for i in range(len(batch)) if int(batch.group_id[i]) not in informative]
+    return rows, rest, len(informative)
 
 
 def apply_length_shaping(batch: Batch, a: Any, max_new_tokens: int) -> None:

@@ -312,6 +312,51 @@ def _margin(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return chosen - other
 
 
+def _check_schedule(gen_length: int, block_length: int, steps: int, remasking: str) -> int:
+    """The number of blocks; a schedule that does not divide evenly, or an unknown remasking, is refused."""
+    if gen_length % block_length:
+        raise ValueError(f"diffusion sampling: gen_length {gen_length} must be a multiple of block_length {block_length}")
+    blocks = gen_length // block_length
+    if steps % blocks:
+        raise ValueError(f"diffusion sampling: steps {steps} must be a multiple of the number of blocks {blocks}")
+    if remasking not in ("low_confidence", "random"):
+        raise ValueError(f"diffusion sampling: remasking must be low_confidence or random, got {remasking!r}")
+    return blocks
+
+
+def _predict(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids: torch.Tensor, masked: torch.Tensor,
+             hi: int, temperature: float, remasking: str, generator: torch.Generator | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One denoising forward: every position's prediction (greedy at temperature 0, else Gumbel-max of the tempered
+    distribution), its log-probability and margin, and the confidence that ranks the masked positions up to the
+    current block's end `hi` for commitment (-inf elsewhere)."""
+    logits = model(input_ids=x, attention_mask=attn, position_ids=position_ids).logits.float()
+    tempered = logits / temperature if temperature > 0 else logits
+    if temperature > 0:
+        u = torch.rand(tempered.shape, generator=generator, device=x.device).clamp_(1e-20, 1.0)
+        x0 = (tempered - torch.log(-torch.log(u))).argmax(-1)
+    else:
+        x0 = tempered.argmax(-1)
+    logp_all = torch.log_softmax(tempered, -1).gather(-1, x0[..., None]).squeeze(-1)
+    probs = torch.softmax(logits, -1)
+    if remasking == "low_confidence":
+        confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
+    else:
+        confidence = torch.rand(x0.shape, generator=generator, device=x.device)
+    confidence[:, hi:] = -torch.inf  # nothing past the current block
+    confidence = torch.where(masked, confidence, torch.full_like(confidence, -torch.inf))
+    return x0, logp_all, _margin(probs, x0), confidence
+
+
+def _remask(events: list, x: torch.Tensor, logp: torch.Tensor, margin: torch.Tensor, commit_step: torch.Tensor,
+            debt: torch.Tensor, P: int, mask_id: int) -> None:
+    """Send the revised tokens back to the mask; each row's next step commits as many on top of its schedule."""
+    for row, pos, *_ in events:
+        x[row, pos + P] = mask_id
+        logp[row, pos], margin[row, pos], commit_step[row, pos] = 0.0, 0.0, -1
+        debt[row] += 1
+
+
 @torch.no_grad()
 def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, gen_length: int,
                        block_length: int, steps: int, mask_id: int, temperature: float = 0.0,
@@ -324,13 +369,7 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
     are committed (`low_confidence` remasking keeps the rest masked) — or random ones (`random`) — as many as the
     schedule says, and every one left at a block's last step. `revise` sends committed tokens back to the mask at
     its probe steps (`Remasking`: CORE and its controls)."""
-    if gen_length % block_length:
-        raise ValueError(f"diffusion sampling: gen_length {gen_length} must be a multiple of block_length {block_length}")
-    blocks = gen_length // block_length
-    if steps % blocks:
-        raise ValueError(f"diffusion sampling: steps {steps} must be a multiple of the number of blocks {blocks}")
-    if remasking not in ("low_confidence", "random"):
-        raise ValueError(f"diffusion sampling: remasking must be low_confidence or random, got {remasking!r}")
+    blocks = _check_schedule(gen_length, block_length, steps, remasking)
     revise = revise or Remasking()
     probe_at = revise.probe_steps(steps)
     per_block = steps // blocks
@@ -350,23 +389,9 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
         schedule = num_transfer_tokens((x[:, lo:hi] == mask_id).sum(1), per_block)
         for s in range(per_block):
             masked = x == mask_id
-            logits = model(input_ids=x, attention_mask=attn, position_ids=position_ids).logits.float()
+            x0, logp_all, margin_all, confidence = _predict(model, x, attn, position_ids, masked, hi, temperature,
+                                                            remasking, generator)
             forwards += 1
-            tempered = logits / temperature if temperature > 0 else logits
-            if temperature > 0:
-                u = torch.rand(tempered.shape, generator=generator, device=device).clamp_(1e-20, 1.0)
-                x0 = (tempered - torch.log(-torch.log(u))).argmax(-1)
-            else:
-                x0 = tempered.argmax(-1)
-            logp_all = torch.log_softmax(tempered, -1).gather(-1, x0[..., None]).squeeze(-1)
-            probs = torch.softmax(logits, -1)
-            margin_all = _margin(probs, x0)
-            if remasking == "low_confidence":
-                confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
-            else:
-                confidence = torch.rand(x0.shape, generator=generator, device=device)
-            confidence[:, hi:] = -torch.inf  # nothing past the current block
-            confidence = torch.where(masked, confidence, torch.full_like(confidence, -torch.inf))
             committed = []
             for row in range(B):
                 open_ = int(torch.isfinite(confidence[row]).sum())
@@ -376,22 +401,17 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
                     continue
                 pos = torch.topk(confidence[row], k).indices
                 x[row, pos] = x0[row, pos]
-                logp[row, pos - P] = logp_all[row, pos]
-                margin[row, pos - P] = margin_all[row, pos]
+                logp[row, pos - P], margin[row, pos - P] = logp_all[row, pos], margin_all[row, pos]
                 commit_step[row, pos - P] = step
                 if commit_log:
                     committed += [[row, int(p) - P, int(x0[row, p]), float(confidence[row, p])] for p in pos]
             if commit_log:
                 log.append({"step": step, "block": blk, "committed": committed})
             if step in probe_at and s < per_block - 1:  # a probe needs steps left in the block to refill
-                window = (max(P, lo - block_length), hi)
-                events, used = _revise(model, x, attn, position_ids, P, window, logp, margin, mask_id, revise,
-                                       generator)
+                events, used = _revise(model, x, attn, position_ids, P, (max(P, lo - block_length), hi), logp,
+                                       margin, mask_id, revise, generator)
                 forwards += used
-                for row, pos, *_ in events:
-                    x[row, pos + P] = mask_id
-                    logp[row, pos], margin[row, pos], commit_step[row, pos] = 0.0, 0.0, -1
-                    debt[row] += 1
+                _remask(events, x, logp, margin, commit_step, debt, P, mask_id)
                 remasked += len(events)
                 if commit_log:
                     log.append({"step": step, "probe": revise.policy, "remasked": events})

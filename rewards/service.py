@@ -121,8 +121,14 @@ class RewardService(ActorProbes):
             if f.key in self.in_process:
                 raw[f.key] = self._score_in_process(f, items)
         pooled = [f for f in functions if f.key not in self.in_process]
-        if not pooled:
-            return [self._combine({f.key: raw[f.key][i] for f in functions}, functions) for i in range(len(items))]
+        if pooled:
+            self._score_in_pool(pooled, items, raw)
+        return [self._combine({f.key: raw[f.key][i] for f in functions}, functions) for i in range(len(items))]
+
+    def _score_in_pool(self, pooled: list[RewardSpec], items: list[dict],
+                       raw: dict[str, list[tuple[Any, str | None]]]) -> None:
+        """Score `items` with the pooled functions in chunks over the worker processes, into `raw`; chunks lost
+        with a dead or stuck worker are scored again (up to `max_worker_deaths` restarts)."""
         n_chunks = min(len(items), self.num_workers * 2)
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         tasks = [(f, bounds[c], items[bounds[c]:bounds[c + 1]]) for f in pooled for c in range(n_chunks)]
@@ -136,44 +142,40 @@ class RewardService(ActorProbes):
             workers = list(pool._pool)  # multiprocessing.Pool has no public handle on its processes
             running = {t: pool.apply_async(score_chunk, (tasks[t][0].name, dict(tasks[t][0].params), tasks[t][2],
                                                           self.timeout_s)) for t in todo}
-            todo = []
-            while running:
-                for t, res in list(running.items()):
-                    if res.ready():
-                        f, start, chunk = tasks[t]
-                        try:
-                            out = res.get()
-                        except Exception as exc:
-                            out = [(None, f"reward {f.name!r} worker failed: {type(exc).__name__}: {exc}")] * len(chunk)
-                        raw[f.key][start:start + len(chunk)] = out
-                        del running[t]
-                if not running:
-                    break
-                if any(w.exitcode is not None for w in workers) and deaths < self.max_worker_deaths:
-                    # A worker process died (killed, out of memory): the pool replaces it but silently
-                    # drops its task. Restart the pool and score every unfinished chunk again.
-                    deaths += 1
-                    self.worker_deaths += 1
-                    todo = sorted(running)
-                    self._restart_pool()
-                    break
-                if time.monotonic() > deadline and deaths < self.max_worker_deaths:
-                    # Stuck past every per-sample timer (a plugin blocking its timer signal, a hung C call):
-                    # kill the pool and score the unfinished chunks again, as for a dead worker.
-                    deaths += 1
-                    self.worker_deaths += 1
-                    todo = sorted(running)
-                    self._restart_pool()
-                    break
-                if time.monotonic() > deadline:  # stuck again and again: give up on these samples
-                    for t in running:
-                        f, start, chunk = tasks[t]
-                        raw[f.key][start:start + len(chunk)] = [
-                            (None, f"reward {f.name!r} worker did not answer in time (killed and restarted)")] * len(chunk)
-                    self._restart_pool()
-                    break
-                time.sleep(0.005)
-        return [self._combine({f.key: raw[f.key][i] for f in functions}, functions) for i in range(len(items))]
+            todo, deaths = self._wait(running, tasks, raw, workers, deadline, deaths)
+
+    def _wait(self, running: dict[int, Any], tasks: list[tuple], raw: dict[str, list], workers: list[Any],
+              deadline: float, deaths: int) -> tuple[list[int], int]:
+        """Collect the chunks as they finish; returns the chunks to score again and the restarts so far."""
+        while running:
+            for t, res in list(running.items()):
+                if res.ready():
+                    f, start, chunk = tasks[t]
+                    try:
+                        out = res.get()
+                    except Exception as exc:
+                        out = [(None, f"reward {f.name!r} worker failed: {type(exc).__name__}: {exc}")] * len(chunk)
+                    raw[f.key][start:start + len(chunk)] = out
+                    del running[t]
+            if not running:
+                break
+            died = any(w.exitcode is not None for w in workers)
+            if (died or time.monotonic() > deadline) and deaths < self.max_worker_deaths:
+                # A worker process died (killed, out of memory: the pool replaces it but silently drops its task),
+                # or is stuck past every per-sample timer (a plugin blocking its timer signal, a hung C call):
+                # restart the pool and score every unfinished chunk again.
+                self.worker_deaths += 1
+                self._restart_pool()
+                return sorted(running), deaths + 1
+            if time.monotonic() > deadline:  # stuck again and again: give up on these samples
+                for t in running:
+                    f, start, chunk = tasks[t]
+                    raw[f.key][start:start + len(chunk)] = [
+                        (None, f"reward {f.name!r} worker did not answer in time (killed and restarted)")] * len(chunk)
+                self._restart_pool()
+                break
+            time.sleep(0.005)
+        return [], deaths
 
     def _combine(self, per_fn: dict[str, tuple[Any, str | None]], functions: list[RewardSpec]) -> dict:
         total, applicable, errors, components, steps, valid = 0.0, 0, [], {}, None, None

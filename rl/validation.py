@@ -159,6 +159,18 @@ def check_learner(family_name: str, family: Any, *, share_prompts: bool, pack_se
                           f"(its attention builds its own masks); set learner.pack_sequences false")
 
 
+def check_weight_sync(weight_sync: str, gpus: bool, colocated: bool) -> None:
+    """What a weight-sync transport needs from the placement the run got (known once Ray has placed it)."""
+    if weight_sync == "cuda_ipc" and not gpus:
+        raise ConfigError("rollout.weight_sync=cuda_ipc needs GPUs (learners and rollout workers on CUDA); "
+                          "on CPU use object_store or collective")
+    if weight_sync == "collective" and gpus and colocated:
+        # NCCL refuses a communicator with two ranks on one device (learner rank 0, rollout worker 0)
+        raise ConfigError("rollout.weight_sync=collective on GPUs needs cluster.placement: split (NCCL cannot "
+                          "join learner rank 0 and the rollout worker sharing its GPU); with colocated "
+                          "placement use cuda_ipc")
+
+
 # --------------------------------------------------------------------------------------------- components
 def check_components(cfg: DictConfig, model_path: str) -> None:
     """Resolve every named component of the recipe and check its parameters: advantage, loss (its inputs against

@@ -335,151 +335,216 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     (`rollout.packed_linear`; fp32 and bf16). The plain loop drops the rows that ended from the batch it runs
     (`compaction`); they sample the same tokens as if they had stayed (`sample_rows`). `kv_buffers`: the KV
     cache's storage, reused from the caller's earlier generates (`KVBuffers`, claimed by the caller)."""
-    method = method if method is not None else Plain()
-    forward_kwargs = forward_kwargs or {}
-    device = prompt_ids.device
-    B = prompt_ids.shape[0]
-    state = DecodeState(prompt_ids, prompt_mask[:, :0].long(), [[] for _ in range(B)], [[] for _ in range(B)],
-                        torch.zeros(B, dtype=torch.bool, device=device), tokenizer=tokenizer)
-    logps: list[list[float]] = [[] for _ in range(B)]
-    hooks = install_residual_hooks(model, method, state)
-    if getattr(method, "forward_hooks", None) is not None:
-        hooks += list(method.forward_hooks(model, state))
-    process = getattr(method, "process_logits", None)
-    kv_policy = getattr(method, "kv_policy", None)
-    insert = getattr(method, "insert", None)
-    # a method that hooks the forward sees every row of the batch: the prompts then run row by row as given
-    plain = (hooks == [] and process is None and kv_policy is None and insert is None
-             and getattr(method, "forward_hooks", None) is None)
-    # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
-    capacity = prompt_ids.shape[1] + max_new_tokens + 1
-    fused = fused_attention and plain and device.type == "cpu" and fused_attention_applies(model, rows=B)
-    # CPU half-precision batched matmuls copy a strided operand first; fp32 ones, CUDA's and the fused kernel read
-    # it as it is, and the fused kernel is bound by the cache's reads: it attends the filled part alone
-    dtype = next(model.parameters()).dtype
-    full_view = plain and not fused and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-    cache = reserved_cache(capacity, full_view=full_view, buffers=kv_buffers)
-    next_pos = torch.zeros(B, dtype=torch.long, device=device)
-    capped = torch.zeros(B, dtype=torch.bool, device=device)  # rows whose response reached max_new_tokens
-    current: dict[str, Any] = {"logits": None, "pending": None}  # what the lookahead starts from
+    loop = DecodeLoop(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                      pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
+                      forward_kwargs=forward_kwargs, fused_attention=fused_attention, kv_buffers=kv_buffers)
+    try:
+        with (fused_decode_attention(model, enabled=loop.fused, rows=loop.batch_size),
+              packed_linear_weights(model, enabled=packed_weights, rows=loop.batch_size)):
+            logits = loop.insert_first(loop.prefill())
+            while not loop.done():
+                tokens, active, blocks = loop.step(logits, temperature, top_k, top_p)
+                if loop.done():
+                    break
+                logits = loop.feed_next(tokens, blocks)
+    finally:
+        for h in loop.hooks:
+            h.remove()
+    return loop.outputs()
 
-    def lookahead(n: int) -> list[list[int]]:
+
+class DecodeLoop:
+    """One call of `decode`: the batch's `DecodeState`, its KV cache, the method's hooks and the rows the forward
+    runs. Its methods are the loop's phases: prefill, the method's first insertion, a step (sample, record, stop
+    strings, insertions), and feeding the next tokens (cache policy, compaction)."""
+
+    def __init__(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+                 max_new_tokens: int, eos_token_id: int, pad_token_id: int, method: Any, tokenizer: Any,
+                 stop: list[str] | None, forward_kwargs: dict | None, fused_attention: bool,
+                 kv_buffers: KVBuffers | None):
+        method = method if method is not None else Plain()
+        self.model, self.prompt_ids, self.prompt_mask = model, prompt_ids, prompt_mask.long()
+        self.max_new_tokens, self.eos, self.pad, self.stop = max_new_tokens, eos_token_id, pad_token_id, stop
+        self.tokenizer, self.forward_kwargs = tokenizer, forward_kwargs or {}
+        self.device, B = prompt_ids.device, prompt_ids.shape[0]
+        self.batch_size = B
+        self.state = DecodeState(prompt_ids, prompt_mask[:, :0].long(), [[] for _ in range(B)],
+                                 [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=self.device),
+                                 tokenizer=tokenizer)
+        self.logps: list[list[float]] = [[] for _ in range(B)]
+        self.hooks = install_residual_hooks(model, method, self.state)
+        if getattr(method, "forward_hooks", None) is not None:
+            self.hooks += list(method.forward_hooks(model, self.state))
+        self.process = getattr(method, "process_logits", None)
+        self.kv_policy = getattr(method, "kv_policy", None)
+        self.insert = getattr(method, "insert", None)
+        # a method that hooks the forward sees every row of the batch: the prompts then run row by row as given
+        self.plain = (self.hooks == [] and self.process is None and self.kv_policy is None and self.insert is None
+                      and getattr(method, "forward_hooks", None) is None)
+        # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
+        self.capacity = prompt_ids.shape[1] + max_new_tokens + 1
+        self.fused = (fused_attention and self.plain and self.device.type == "cpu"
+                      and fused_attention_applies(model, rows=B))
+        # CPU half-precision batched matmuls copy a strided operand first; fp32 ones, CUDA's and the fused kernel
+        # read it as it is, and the fused kernel is bound by the cache's reads: it attends the filled part alone
+        dtype = next(model.parameters()).dtype
+        self.full_view = (self.plain and not self.fused and self.device.type == "cpu"
+                          and dtype in (torch.bfloat16, torch.float16))
+        self.kv_buffers = kv_buffers
+        self.cache = reserved_cache(self.capacity, full_view=self.full_view, buffers=kv_buffers)
+        self.next_pos = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.capped = torch.zeros(B, dtype=torch.bool, device=self.device)  # rows at max_new_tokens
+        self.current: dict[str, Any] = {"logits": None, "pending": None}  # what the lookahead starts from
+        # The rows the forward runs (`live`: their indices in the batch): all of them, except in the plain loop,
+        # which drops the rows that have ended once they are an eighth of it (`compaction`), as a server's
+        # continuous batching does; a method's hooks (and `state.lookahead`, which only methods call) see
+        # every row.
+        self.live, self.rows = torch.arange(B, device=self.device), list(range(B))
+        self.state.lookahead = self.lookahead
+
+    def _feed(self, ids: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor | None = None) -> torch.Tensor:
+        return _feed(self.model, ids, mask, self.next_pos if next_pos is None else next_pos, self.state, self.cache,
+                     self.forward_kwargs)
+
+    def lookahead(self, n: int) -> list[list[int]]:
+        """Per row, the greedy next `n` tokens from here; the cache and the state are restored after."""
+        state, cache, B = self.state, self.cache, self.batch_size
         saved_len, saved_mask, saved_positions = cache.get_seq_length(), state.attention_mask, state.positions
-        pos = next_pos.clone()
-        ones = torch.ones((B, 1), dtype=torch.long, device=device)
+        pos = self.next_pos.clone()
+        ones = torch.ones((B, 1), dtype=torch.long, device=self.device)
         out: list[torch.Tensor] = []
         try:
-            cur = (current["logits"] if current["pending"] is None
-                   else _feed(model, current["pending"][:, None], ones, pos, state, cache, forward_kwargs))
+            pending = self.current["pending"]
+            cur = self.current["logits"] if pending is None else self._feed(pending[:, None], ones, pos)
             for k in range(n):
                 out.append(cur.argmax(-1))
                 if k < n - 1:
-                    cur = _feed(model, out[-1][:, None], ones, pos, state, cache, forward_kwargs)
+                    cur = self._feed(out[-1][:, None], ones, pos)
         finally:
             _truncate_cache(cache, saved_len)
             state.attention_mask, state.positions = saved_mask, saved_positions
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
-    state.lookahead = lookahead
-    try:
-        with (fused_decode_attention(model, enabled=fused, rows=B),
-              packed_linear_weights(model, enabled=packed_weights, rows=B)):
-            if plain:
-                logits, cache = _prefill_shared(model, prompt_ids, prompt_mask.long(), next_pos, state, cache,
-                                                forward_kwargs, lambda: reserved_cache(capacity, full_view, kv_buffers))
-            else:
-                logits = _feed(model, prompt_ids, prompt_mask.long(), next_pos, state, cache, forward_kwargs)
-            if insert is not None:  # before the first token: what the method inserts is fed at once
-                current["logits"] = logits
-                first = insert(state)
-                if first is not None and any(first):
-                    first = [list(x)[:max_new_tokens] for x in first]
-                    for i, x in enumerate(first):
-                        state.responses[i].extend(x)
-                        state.inserted[i].extend([True] * len(x))
-                        logps[i].extend([0.0] * len(x))
-                        capped[i] = len(state.responses[i]) >= max_new_tokens
-                    ids, mask = pad_token_rows(first, pad_token_id, "left")
-                    fed = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
-                    has = torch.tensor([bool(x) for x in first], device=device)
-                    logits = torch.where(has[:, None], fed, logits)  # a row with nothing fed keeps its logits
-            # The rows the forward runs (`live`: their indices in the batch): all of them, except in the plain loop,
-            # which drops the rows that have ended once they are an eighth of it (`compaction`), as a server's
-            # continuous batching does; a method's hooks (and `state.lookahead`, which only methods call) see
-            # every row.
-            live, rows = torch.arange(B, device=device), list(range(B))
-            while not bool((state.finished | capped).all()):
-                if process is not None:
-                    logits = process(logits, state).float()
-                greedy = temperature <= 0
-                scores = logits if greedy else warp_logits(logits, temperature, top_k, top_p)
-                if greedy:
-                    tokens = scores.argmax(-1)
-                else:
-                    tokens = sample_rows(scores.softmax(-1), live, B)
-                logp = torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
-                active = ~(state.finished | capped)[live]
-                tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
-                # one conversion per step: indexing a tensor row by row costs more than the step's small ops
-                active_rows, token_list, logp_list = active.tolist(), tokens.tolist(), logp.tolist()
-                for j, i in enumerate(rows):
-                    if active_rows[j]:
-                        state.responses[i].append(token_list[j])
-                        state.inserted[i].append(False)
-                        logps[i].append(logp_list[j])
-                state.step += 1
-                state.finished[live] |= active & (tokens == eos_token_id)
-                if stop and tokenizer is not None:
-                    for j, i in enumerate(rows):
-                        if active_rows[j] and not state.finished[i]:
-                            text = tokenizer.decode(state.responses[i], skip_special_tokens=True)
-                            if text.endswith(tuple(stop)):
-                                state.finished[i] = True
-                current["pending"] = tokens
-                extra = insert(state) if insert is not None else None
-                finished_rows = state.finished.tolist()
-                blocks, reached = [], []
-                for j, i in enumerate(rows):
-                    room = max_new_tokens - len(state.responses[i])
-                    add = (list(extra[i])[:max(0, room)] if extra is not None and active_rows[j]
-                           and not finished_rows[i] else [])
-                    state.responses[i].extend(add)
-                    state.inserted[i].extend([True] * len(add))
-                    logps[i].extend([0.0] * len(add))
-                    if extra is not None:  # the plain loop feeds `tokens` as they are
-                        blocks.append([token_list[j]] + add)
-                    if len(state.responses[i]) >= max_new_tokens:
-                        reached.append(i)
-                capped[reached] = True
-                if bool((state.finished | capped).all()):
-                    break
-                if kv_policy is not None:
-                    kv_policy(cache, state)
-                if plain:
-                    keep = compaction(~(state.finished | capped)[live], cache)
-                    if keep is not None:
-                        live, rows, tokens = live[keep], [rows[k] for k in keep.tolist()], tokens[keep]
-                        next_pos = next_pos[keep]
-                        state.attention_mask = state.attention_mask[keep]
-                if extra is None:  # one token a row
-                    ids, mask = tokens[:, None], torch.ones((len(rows), 1), dtype=torch.long, device=device)
-                else:
-                    ids, mask = pad_token_rows(blocks, pad_token_id, "left")  # every row's last column is real
-                logits = _feed(model, ids.to(device), mask.to(device), next_pos, state, cache, forward_kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    L = max(1, max(len(r) for r in state.responses))
-    resp = torch.full((B, L), pad_token_id, dtype=torch.long)
-    out_logp = torch.zeros((B, L))
-    inserted = torch.zeros((B, L), dtype=torch.long)
-    lengths = torch.zeros(B, dtype=torch.long)
-    for i in range(B):
-        r = state.responses[i]
-        resp[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        out_logp[i, :len(r)] = torch.tensor(logps[i])
-        inserted[i, :len(r)] = torch.tensor(state.inserted[i], dtype=torch.long)
-        lengths[i] = len(r)
-    return resp, out_logp, lengths, inserted, state.finished.cpu()
+
+    def prefill(self) -> torch.Tensor:
+        """The prompts into the cache (once per distinct prompt in the plain loop); the next-token logits."""
+        if not self.plain:
+            return self._feed(self.prompt_ids, self.prompt_mask)
+        logits, self.cache = _prefill_shared(
+            self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state, self.cache,
+            self.forward_kwargs, lambda: reserved_cache(self.capacity, self.full_view, self.kv_buffers))
+        return logits
+
+    def insert_first(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the method inserts before the first token, fed at once; a row with nothing fed keeps its logits."""
+        if self.insert is None:
+            return logits
+        self.current["logits"] = logits
+        first = self.insert(self.state)
+        if first is None or not any(first):
+            return logits
+        first = [list(x)[:self.max_new_tokens] for x in first]
+        for i, x in enumerate(first):
+            self._append(i, x, inserted=True)
+            self.capped[i] = len(self.state.responses[i]) >= self.max_new_tokens
+        ids, mask = pad_token_rows(first, self.pad, "left")
+        fed = self._feed(ids.to(self.device), mask.to(self.device))
+        has = torch.tensor([bool(x) for x in first], device=self.device)
+        return torch.where(has[:, None], fed, logits)
+
+    def _append(self, i: int, tokens: list[int], inserted: bool, logps: list[float] | None = None) -> None:
+        self.state.responses[i].extend(tokens)
+        self.state.inserted[i].extend([inserted] * len(tokens))
+        self.logps[i].extend(logps if logps is not None else [0.0] * len(tokens))
+
+    def done(self) -> bool:
+        return bool((self.state.finished | self.capped).all())
+
+    def step(self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+             ) -> tuple[torch.Tensor, list[bool], list[list[int]] | None]:
+        """Sample a token for every live row (pad for the rows that ended), record it, end rows at EOS or a stop
+        string, and add what the method inserts; returns the tokens, which rows were active and, when the method
+        inserts, each row's block to feed."""
+        state, live = self.state, self.live
+        if self.process is not None:
+            logits = self.process(logits, state).float()
+        greedy = temperature <= 0
+        scores = logits if greedy else warp_logits(logits, temperature, top_k, top_p)
+        tokens = scores.argmax(-1) if greedy else sample_rows(scores.softmax(-1), live, self.batch_size)
+        logp = torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        active = ~(state.finished | self.capped)[live]
+        tokens = torch.where(active, tokens, torch.full_like(tokens, self.pad))
+        # one conversion per step: indexing a tensor row by row costs more than the step's small ops
+        active_rows, token_list, logp_list = active.tolist(), tokens.tolist(), logp.tolist()
+        for j, i in enumerate(self.rows):
+            if active_rows[j]:
+                self._append(i, [token_list[j]], inserted=False, logps=[logp_list[j]])
+        state.step += 1
+        state.finished[live] |= active & (tokens == self.eos)
+        self._end_at_stop_strings(active_rows)
+        self.current["pending"] = tokens
+        return tokens, active_rows, self._insert_after(active_rows, token_list)
+
+    def _end_at_stop_strings(self, active_rows: list[bool]) -> None:
+        if not (self.stop and self.tokenizer is not None):
+            return
+        for j, i in enumerate(self.rows):
+            if active_rows[j] and not self.state.finished[i]:
+                text = self.tokenizer.decode(self.state.responses[i], skip_special_tokens=True)
+                if text.endswith(tuple(self.stop)):
+                    self.state.finished[i] = True
+
+    def _insert_after(self, active_rows: list[bool], token_list: list[int]) -> list[list[int]] | None:
+        """What the method inserts after this step's token (within each row's room); caps the rows that reached
+        `max_new_tokens`. Returns each row's block to feed (None when the method inserts nothing: the plain
+        loop feeds the tokens as they are)."""
+        state = self.state
+        extra = self.insert(state) if self.insert is not None else None
+        finished_rows = state.finished.tolist()
+        blocks, reached = [], []
+        for j, i in enumerate(self.rows):
+            room = self.max_new_tokens - len(state.responses[i])
+            add = (list(extra[i])[:max(0, room)] if extra is not None and active_rows[j]
+                   and not finished_rows[i] else [])
+            self._append(i, add, inserted=True)
+            if extra is not None:
+                blocks.append([token_list[j]] + add)
+            if len(state.responses[i]) >= self.max_new_tokens:
+                reached.append(i)
+        self.capped[reached] = True
+        return blocks if extra is not None else None
+
+    def feed_next(self, tokens: torch.Tensor, blocks: list[list[int]] | None) -> torch.Tensor:
+        """Apply the method's cache policy, drop ended rows in the plain loop, and feed the step's tokens (or
+        the blocks with insertions); the next-token logits."""
+        if self.kv_policy is not None:
+            self.kv_policy(self.cache, self.state)
+        if self.plain:
+            keep = compaction(~(self.state.finished | self.capped)[self.live], self.cache)
+            if keep is not None:
+                self.live, self.rows, tokens = self.live[keep], [self.rows[k] for k in keep.tolist()], tokens[keep]
+                self.next_pos = self.next_pos[keep]
+                self.state.attention_mask = self.state.attention_mask[keep]
+        if blocks is None:  # one token a row
+            ids, mask = tokens[:, None], torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)
+        else:
+            ids, mask = pad_token_rows(blocks, self.pad, "left")  # every row's last column is real
+        return self._feed(ids.to(self.device), mask.to(self.device))
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(response_ids, logp, lengths, inserted, ended)`, right-padded with the pad id."""
+        state, B = self.state, self.batch_size
+        L = max(1, max(len(r) for r in state.responses))
+        resp = torch.full((B, L), self.pad, dtype=torch.long)
+        out_logp = torch.zeros((B, L))
+        inserted = torch.zeros((B, L), dtype=torch.long)
+        lengths = torch.zeros(B, dtype=torch.long)
+        for i in range(B):
+            r = state.responses[i]
+            resp[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            out_logp[i, :len(r)] = torch.tensor(self.logps[i])
+            inserted[i, :len(r)] = torch.tensor(state.inserted[i], dtype=torch.long)
+            lengths[i] = len(r)
+        return resp, out_logp, lengths, inserted, state.finished.cpu()
 
 
 @register("decoding", "diffusion")

@@ -124,14 +124,14 @@ def test_a_reflection_before_any_tool_output_is_not_coherent():
 
 
 def test_the_trajectory_reward_without_judges():
-    from rl.methods.agentic_proposing.reward import agentic_proposer
+    from rl.methods.agentic_proposing.reward import agentic_proposing_reward
     seed = {"skills": ["add", "mul"], "operators": ["+", "*"]}
     responses = ["<python>(3+4)*5</python><out>35</out>\n<final>Problem: (3+4)*5 Answer: 35</final>",
                  "<final>Problem: (3+4)*5 Answer: 36</final>",  # wrong answer: invalid
                  "<final>Problem: 3*5 Answer: 15</final>",  # drops the add skill: invalid
                  "<python>(3+4)*5</python><out>35</out>\n",  # no Finalize
                  "<final>Problem: (3+4)*5 Answer: x</final>"]  # badly formed answer
-    out = agentic_proposer([""] * 5, responses, ground_truth=[seed] * 5, judges={}, verifiers=["sympy"], prober=None)
+    out = agentic_proposing_reward([""] * 5, responses, ground_truth=[seed] * 5, judges={}, verifiers=["sympy"], prober=None)
     assert [o["valid"] for o in out] == [True, False, False, False, False]
     assert out[0]["score"] == pytest.approx(0.1 + 1.0)  # no prober: rho 0, no difficulty bonus
     assert [o["score"] for o in out[1:]] == [0.0, 0.0, 0.0, 0.0]
@@ -151,12 +151,12 @@ def test_the_difficulty_bonus_from_the_probers_answers():
 def test_an_invalid_proposal_with_two_working_tool_calls_gets_no_reward_at_all():
     """The README's hand-computed case 1 through the environment, the reward and the estimator."""
     from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
-    from rl.methods.agentic_proposing.reward import agentic_proposer
+    from rl.methods.agentic_proposing.reward import agentic_proposing_reward
     _, steps, rewards = _episode(["<python>3*5</python>", "<check>(3+4)*5=35</check>", "<think>answer 15</think>",
                                   "<final>Problem: 3*5 Answer: 15</final>"])
     assert rewards[:2] == [1.0, 1.0]  # both tool calls ran and their outputs were used
     good = _episode(["<python>(3+4)*5</python>", "<final>Problem: (3+4)*5 Answer: 35</final>"])[2]
-    scored = agentic_proposer(["", ""], ["<final>Problem: 3*5 Answer: 15</final>",
+    scored = agentic_proposing_reward(["", ""], ["<final>Problem: 3*5 Answer: 15</final>",
                                          "<final>Problem: (3+4)*5 Answer: 35</final>"],
                               ground_truth=[{"operators": ["+", "*"]}] * 2, judges={}, prober=None)
     assert scored[0]["score"] == 0.0 and scored[0]["valid"] is False
@@ -243,12 +243,12 @@ def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluste
         assert judge["model"].endswith("sft_model") and judge["weights_sha256_start"] == judge["weights_sha256_end"]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:
-        assert m["env/turns_mean"] >= 1 and "reward/agentic_proposer/has_final" in m
+        assert m["env/turns_mean"] >= 1 and "reward/agentic_proposing/has_final" in m
         assert 0 < m["env/observation_token_frac"] < 1 or m["env/turns_mean"] == 1
         assert abs(sum(v for k, v in m.items() if k.startswith("curriculum/prob/")) - 1) < 1e-6
         assert {f"curriculum/proficiency/{c}" for c in ("addition", "subtraction", "multiplication", "modular")} <= set(m)
         # the validity gate: a step whose proposals are all invalid has no reward at all, so nothing trains
-        assert (m["actor/grad_norm"] > 0) == (m["reward/agentic_proposer/verified"] > 0), m
+        assert (m["actor/grad_norm"] > 0) == (m["reward/agentic_proposing/verified"] > 0), m
     # the solver stage: the trained proposer's episodes, scored; the valid ones with a verified solution train
     # the solver, which is evaluated before and after on the task's held-out solver set
     report = summary["agentic_proposing"]

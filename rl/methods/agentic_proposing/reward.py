@@ -58,24 +58,42 @@ def final_verdict(text: str) -> bool | None:
     return found[-1].lower() == "yes" if found else None
 
 
+def pass_rates(prober: Any, finals: dict[int, tuple[str, str]], k: int, solver_template: str, match: str,
+               seed: int) -> dict[int, float]:
+    """The prober's pass@k estimate rho of each valid problem: `k` sampled solutions, each right when its last
+    integer (`exact`) or its math-verify answer (`math_verify`) is the problem's stated answer."""
+    order = list(finals)
+    answers = prober.generate([solver_template.format(problem=finals[i][0]) for i in order for _ in range(k)],
+                              seed=seed)
+    rho = {}
+    for j, i in enumerate(order):
+        said = answers[j * k:(j + 1) * k]
+        if match == "exact":
+            rho[i] = pass_rate([last_integer(a) for a in said], finals[i][1])
+        else:  # the built-in `math` reward (math-verify), looked up by name: rewards/ lies above this layer
+            verify = get("reward", "math")
+            rho[i] = sum(verify("", a, ground_truth=finals[i][1]) or 0.0 for a in said) / k
+    return rho
+
+
 @register("reward", "agentic_proposing")
 @uses_judges
-def agentic_proposer(prompts: list[str], responses: list[str], *, ground_truth: list[Any],
-                     judges: dict[str, Any], verifiers: list[str] = ("sympy",), prober: str | None = "prober",
-                     k: int = 16, difficulty: str = "linear", band: list[float] = (0.125, 0.875),
-                     r_fmt: float = 0.1, r_valid: float = 1.0, verifier_template: str = VERIFIER_TEMPLATE,
-                     solver_template: str = SOLVER_TEMPLATE, max_value: int = 10**6, match: str = "exact",
-                     seed: int = 0, **_: Any) -> list[dict[str, Any]]:
+def agentic_proposing_reward(prompts: list[str], responses: list[str], *, ground_truth: list[Any],
+                             judges: dict[str, Any], verifiers: list[str] = ("sympy",), prober: str | None = "prober",
+                             k: int = 16, difficulty: str = "linear", band: list[float] = (0.125, 0.875),
+                             r_fmt: float = 0.1, r_valid: float = 1.0, verifier_template: str = VERIFIER_TEMPLATE,
+                             solver_template: str = SOLVER_TEMPLATE, max_value: int = 10**6, match: str = "exact",
+                             seed: int = 0, **_: Any) -> list[dict[str, Any]]:
     """Per proposal: `score` (R_traj), `valid` (V), and the components `has_final`, `format_ok`,
     `sympy_valid`, `judge_yes` (share of judge votes for valid), `verified` (V as a number, whose mean is the
     share of valid problems), `pass_rate` and `in_band` (valid problems)."""
     if match not in ("exact", "math_verify"):
-        raise ValueError(f"agentic_proposer: match must be exact or math_verify, got {match!r}")
+        raise ValueError(f"agentic_proposing: match must be exact or math_verify, got {match!r}")
     for name in [v for v in verifiers if v not in CHECKS] + ([prober] if prober else []):
         if name not in judges:
-            raise ValueError(f"agentic_proposer needs reward.judges.{name} (have {sorted(judges)})")
+            raise ValueError(f"agentic_proposing needs reward.judges.{name} (have {sorted(judges)})")
     if difficulty not in ("linear", "band"):
-        raise ValueError(f"agentic_proposer: difficulty must be linear or band, got {difficulty!r}")
+        raise ValueError(f"agentic_proposing: difficulty must be linear or band, got {difficulty!r}")
     finals = [parse_final(r) for r in responses]
     out: list[dict[str, Any]] = [{} for _ in responses]
     votes: list[list[bool]] = [[] for _ in responses]  # every verifier's vote
@@ -96,18 +114,9 @@ def agentic_proposer(prompts: list[str], responses: list[str], *, ground_truth: 
             votes[i].append(bool(final_verdict(text)))  # no verdict: a vote against
             judge_votes[i].append(votes[i][-1])
     valid = [f is not None and majority_valid(votes[i]) for i, f in enumerate(finals)]
-    rho: dict[int, float] = {}
     probed = [i for i in judged if valid[i]]
-    if prober and probed:
-        answers = judges[prober].generate([solver_template.format(problem=finals[i][0])
-                                           for i in probed for _ in range(k)], seed=seed)
-        for j, i in enumerate(probed):
-            said = answers[j * k:(j + 1) * k]
-            if match == "exact":
-                rho[i] = pass_rate([last_integer(a) for a in said], finals[i][1])
-            else:  # the built-in `math` reward (math-verify), looked up by name: rewards/ lies above this layer
-                verify = get("reward", "math")
-                rho[i] = sum(verify("", a, ground_truth=finals[i][1]) or 0.0 for a in said) / k
+    rho = (pass_rates(judges[prober], {i: finals[i] for i in probed}, k, solver_template, match, seed)
+           if prober and probed else {})
     lo, hi = band
     for i, final in enumerate(finals):
         format_ok = final is not None and final[1].lstrip("-").isdigit()

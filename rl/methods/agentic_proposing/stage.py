@@ -54,7 +54,6 @@ class AgenticProposingStage(Stage):
         from omegaconf import OmegaConf
 
         from models.tokenizer import load_tokenizer
-        from rl.data import load_rows
         from rl.sft_data import prompt_response_example
         cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.stage_dir
         out.mkdir(parents=True, exist_ok=True)
@@ -71,26 +70,8 @@ class AgenticProposingStage(Stage):
         if self.solutions not in rt.judges:
             raise StageError(f"stage {ctx.name!r}: solutions {self.solutions!r} names no reward.judges entry "
                              f"(known: {sorted(rt.judges)})")
-        d = cfg.data
-        seeds = load_rows(ctx.require(self.seeds), prompt_row_columns(d), f"stage {ctx.name} seeds")
-        rows = [seeds[i % len(seeds)] for i in range(self.proposals)]
         tok = load_tokenizer(ctx.require("base_model"))
-        workers = rt.start_rollout_workers(cfg, proposer)
-        try:
-            batch = rt.generate(workers, tok, cfg, rows, temperature=cfg.rollout.temperature, n=1,
-                                seed=cfg.seed * 1_000_003 + self.seed)
-        finally:
-            rt.stop_actors(workers)
-        scored = rt.score(batch)
-        episodes, problems = [], {}
-        for response, s in zip(batch.responses, scored):
-            final = parse_final(response)
-            valid = bool(s.get("valid", False)) and final is not None
-            episodes.append({"response": response, "valid": valid, "score": s["score"],
-                             "components": s["components"]})
-            if valid and final[0] not in problems:
-                problems[final[0]] = final[1]
-        (out / "proposals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
+        episodes, problems = self._propose(ctx, cfg, proposer, tok)
         sft_rows, unsolved = self._solutions(rt.judges[self.solutions], problems)
         sft_rows = sft_rows[:self.max_rows]  # the same number of problems for every proposer compared
         set_path = out / "solver_sft_set.jsonl"
@@ -120,6 +101,30 @@ class AgenticProposingStage(Stage):
         say(f"{ctx.name}: solver accuracy {report['solver_accuracy_before']:.3f} -> {report['solver_accuracy_after']:.3f} "
             f"({len(eval_rows)} held-out problems)")
         return {"proposals": str(out / "proposals.jsonl"), "solver_sft_set": str(set_path), "solver": str(solver_out)}
+
+    def _propose(self, ctx: StageContext, cfg: Any, proposer: str, tok: Any) -> tuple[list[dict], dict[str, str]]:
+        """`proposals` episodes of the proposer from the seed rows, scored by the recipe's reward; the episodes
+        (written to proposals.jsonl) and the distinct valid problems with their answers."""
+        from rl.data import load_rows
+        rt = ctx.runtime
+        seeds = load_rows(ctx.require(self.seeds), prompt_row_columns(cfg.data), f"stage {ctx.name} seeds")
+        rows = [seeds[i % len(seeds)] for i in range(self.proposals)]
+        workers = rt.start_rollout_workers(cfg, proposer)
+        try:
+            batch = rt.generate(workers, tok, cfg, rows, temperature=cfg.rollout.temperature, n=1,
+                                seed=cfg.seed * 1_000_003 + self.seed)
+        finally:
+            rt.stop_actors(workers)
+        episodes, problems = [], {}
+        for response, s in zip(batch.responses, rt.score(batch)):
+            final = parse_final(response)
+            valid = bool(s.get("valid", False)) and final is not None
+            episodes.append({"response": response, "valid": valid, "score": s["score"],
+                             "components": s["components"]})
+            if valid and final[0] not in problems:
+                problems[final[0]] = final[1]
+        (ctx.stage_dir / "proposals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in episodes))
+        return episodes, problems
 
     def _solutions(self, judge: Any, problems: dict[str, str]) -> tuple[list[dict], int]:
         prompts = [self.solver_template.format(problem=p) for p in problems for _ in range(self.k)]

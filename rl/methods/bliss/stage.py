@@ -132,11 +132,7 @@ class BlissStage(Stage):
         return [self.val_path, self.proxy.get("path")]
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        import pandas as pd
-        from omegaconf import OmegaConf
-
         from models.tokenizer import load_tokenizer
-        from rl.batch import batch_of_examples
         from rl.sft_data import sft_examples, sft_rows_and_examples
         cfg = stage_cfg(ctx)
         pool_path = ctx.artifact("sft")
@@ -144,70 +140,90 @@ class BlissStage(Stage):
         if pool_path is None or val_path is None:
             raise StageError(f"{ctx.name}: needs the pool (data.sft_path) and a validation set (params.val_path, "
                              f"sft.eval_path or a synthetic task's sft_val split)")
-        base = ctx.require("policy")
-        tok = load_tokenizer(base)
+        tok = load_tokenizer(ctx.require("policy"))
         rows, pool, dropped = sft_rows_and_examples(tok, pool_path, "data.sft_path", cfg.sft, cfg.data)
         val, _ = sft_examples(tok, val_path, f"{ctx.name} validation set", cfg.sft, cfg.data)
-        out, seed, pad = ctx.stage_dir, cfg.seed, tok.pad_token_id
-        rng = random.Random(seed)
-
-        # 1. the proxy, warmed up on random pool rows
-        proxy_init = make_proxy(base, out / "proxy_init", self.proxy, seed)
-        warm_path = out / "proxy"
-        warm_cfg = OmegaConf.merge(cfg, {"output_dir": str(out / "proxy_warmup"), "resume": "no",
-                                         "sft": {"epochs": 0, "steps": self.proxy_warmup_steps, "save_every": 0}})
-        say(f"{ctx.name}: proxy warm-up, {self.proxy_warmup_steps} steps on random pool rows")
-        ctx.runtime.fine_tune(warm_cfg, proxy_init, str(warm_path), tok, pool)
-
-        # 2. the target (warmed up on random pool rows first when asked, as the paper's reference model), its
-        # log-probabilities and the data-parallel bilevel ranks
-        produced: dict[str, str] = {}
-        if self.target_warmup_steps:
-            target_path = out / "target"
-            say(f"{ctx.name}: target warm-up, {self.target_warmup_steps} steps on random pool rows")
-            ctx.runtime.fine_tune(OmegaConf.merge(warm_cfg, {"output_dir": str(out / "target_warmup"),
-                                                             "sft": {"steps": self.target_warmup_steps}}), base,
-                                  str(target_path), tok, pool)
-            base = produced["policy"] = str(target_path)
+        base, produced = self._warm_up(ctx, cfg, tok, pool)
         rt = ctx.runtime  # rank r in learner bundle r, the target beside rank 0
         target = rt.start_actor(TargetLogprobs, base, cfg.model.dtype, cfg.model.trust_remote_code,
                                 num_gpus=self.target_num_gpus)
         addr, port = rt.rendezvous(self.world_size)
         workers = [rt.start_actor(BlissWorker, r, self.world_size, addr, port, self.hyper, cfg.learner.threads,
                                   bundle=r, num_gpus=self.num_gpus_per_rank) for r in range(self.world_size)]
-        per_rank = self.batch_size // self.world_size
-        scores = torch.zeros(len(pool))
         shards = [list(range(len(pool)))[r::self.rounds] for r in range(self.rounds)]
-        selected, history = [], []
         try:
-            for rnd, shard in enumerate(shards):
-                rt.wait([w.reset.remote(str(warm_path), seed + rnd) for w in workers])
-                for step in range(1, self.outer_steps + 1):
-                    idx = rng.sample(shard, min(self.batch_size, len(shard)))
-                    idx += rng.sample(shard, self.batch_size - len(idx))  # a shard smaller than a batch repeats rows
-                    batch = batch_of_examples([pool[i] for i in idx], pad)
-                    target_logp = rt.wait(target.logprobs.remote(batch)) if self.hyper["gamma"] else None
-                    futures = []
-                    for r, w in enumerate(workers):
-                        part = batch_of_examples([pool[i] for i in idx[r * per_rank:(r + 1) * per_rank]], pad)
-                        vb = batch_of_examples(rng.sample(val, min(self.val_batch_size, len(val))), pad)
-                        tl = None
-                        if target_logp is not None:
-                            tl = target_logp[r * per_rank:(r + 1) * per_rank, :part.response_ids.shape[1]]
-                        futures.append(w.outer_step.remote(part, vb, tl))
-                    metrics = rt.wait(futures)[0]
-                    history.append({"round": rnd, "step": step, **metrics})
-                    if step % self.log_every == 0 or step == self.outer_steps:
-                        say(f"{ctx.name}: round {rnd} step {step}/{self.outer_steps} val CE {metrics['val_ce']:.4f}")
-                for start in range(0, len(shard), 256):
-                    chunk = shard[start:start + 256]
-                    scores[chunk] = rt.wait(workers[0].scores.remote(batch_of_examples([pool[i] for i in chunk], pad)))
-                keep = max(1, int(len(shard) * self.ratio))
-                top = sorted(shard, key=lambda i: (-float(scores[i]), i))[:keep]
-                selected.append(sorted(top))
+            scores, selected, history = self._select(ctx, target, workers, pool, val, shards, tok.pad_token_id,
+                                                     cfg.seed)
         finally:
             rt.stop_actors([target, *workers])
+        return {**produced, **self._write(ctx, rows, pool, dropped, shards, scores, selected, history)}
 
+    def _warm_up(self, ctx: StageContext, cfg: Any, tok: Any, pool: list) -> tuple[str, dict[str, str]]:
+        """The proxy warmed up on random pool rows (at `stage_dir/proxy`), and the target: the policy, or the
+        policy warmed up the same way when `target_warmup_steps` (as the paper's reference model), then
+        published as the stage's `policy`."""
+        from omegaconf import OmegaConf
+        out, base = ctx.stage_dir, ctx.require("policy")
+        proxy_init = make_proxy(base, out / "proxy_init", self.proxy, cfg.seed)
+        warm_cfg = OmegaConf.merge(cfg, {"output_dir": str(out / "proxy_warmup"), "resume": "no",
+                                         "sft": {"epochs": 0, "steps": self.proxy_warmup_steps, "save_every": 0}})
+        say(f"{ctx.name}: proxy warm-up, {self.proxy_warmup_steps} steps on random pool rows")
+        ctx.runtime.fine_tune(warm_cfg, proxy_init, str(out / "proxy"), tok, pool)
+        if not self.target_warmup_steps:
+            return base, {}
+        target_path = out / "target"
+        say(f"{ctx.name}: target warm-up, {self.target_warmup_steps} steps on random pool rows")
+        ctx.runtime.fine_tune(OmegaConf.merge(warm_cfg, {"output_dir": str(out / "target_warmup"),
+                                                         "sft": {"steps": self.target_warmup_steps}}), base,
+                              str(target_path), tok, pool)
+        return str(target_path), {"policy": str(target_path)}
+
+    def _select(self, ctx: StageContext, target: Any, workers: list[Any], pool: list, val: list,
+                shards: list[list[int]], pad: int, seed: int) -> tuple[torch.Tensor, list[list[int]], list[dict]]:
+        """Per round: a new score model trained by `outer_steps` bilevel steps on its shard, then the shard scored
+        and its top `ratio` kept. Returns the scores, the selection per round and the step history."""
+        from rl.batch import batch_of_examples
+        rt, rng = ctx.runtime, random.Random(seed)
+        scores = torch.zeros(len(pool))
+        selected, history = [], []
+        for rnd, shard in enumerate(shards):
+            rt.wait([w.reset.remote(str(ctx.stage_dir / "proxy"), seed + rnd) for w in workers])
+            for step in range(1, self.outer_steps + 1):
+                metrics = self._outer_step(rt, target, workers, pool, val, shard, rng, pad)
+                history.append({"round": rnd, "step": step, **metrics})
+                if step % self.log_every == 0 or step == self.outer_steps:
+                    say(f"{ctx.name}: round {rnd} step {step}/{self.outer_steps} val CE {metrics['val_ce']:.4f}")
+            for start in range(0, len(shard), 256):
+                chunk = shard[start:start + 256]
+                scores[chunk] = rt.wait(workers[0].scores.remote(batch_of_examples([pool[i] for i in chunk], pad)))
+            keep = max(1, int(len(shard) * self.ratio))
+            selected.append(sorted(sorted(shard, key=lambda i: (-float(scores[i]), i))[:keep]))
+        return scores, selected, history
+
+    def _outer_step(self, rt: Any, target: Any, workers: list[Any], pool: list, val: list, shard: list[int],
+                    rng: random.Random, pad: int) -> dict[str, float]:
+        """One bilevel step of every rank on its share of a global batch drawn from the shard."""
+        from rl.batch import batch_of_examples
+        per_rank = self.batch_size // self.world_size
+        idx = rng.sample(shard, min(self.batch_size, len(shard)))
+        idx += rng.sample(shard, self.batch_size - len(idx))  # a shard smaller than a batch repeats rows
+        target_logp = (rt.wait(target.logprobs.remote(batch_of_examples([pool[i] for i in idx], pad)))
+                       if self.hyper["gamma"] else None)
+        futures = []
+        for r, w in enumerate(workers):
+            part = batch_of_examples([pool[i] for i in idx[r * per_rank:(r + 1) * per_rank]], pad)
+            vb = batch_of_examples(rng.sample(val, min(self.val_batch_size, len(val))), pad)
+            tl = None
+            if target_logp is not None:
+                tl = target_logp[r * per_rank:(r + 1) * per_rank, :part.response_ids.shape[1]]
+            futures.append(w.outer_step.remote(part, vb, tl))
+        return rt.wait(futures)[0]
+
+    def _write(self, ctx: StageContext, rows: list[dict], pool: list, dropped: dict, shards: list[list[int]],
+               scores: torch.Tensor, selected: list[list[int]], history: list[dict]) -> dict[str, str]:
+        """The selected rows, every row's score and the selection report; the stage's artifacts."""
+        import pandas as pd
+        out = ctx.stage_dir
         scores_path = out / "bliss_scores.parquet"
         round_of = {i: r for r, shard in enumerate(shards) for i in shard}
         pd.DataFrame({"row": [e.row for e in pool], "round": [round_of[i] for i in range(len(pool))],
@@ -222,7 +238,7 @@ class BlissStage(Stage):
         ctx.summary[ctx.name] = {"pool_rows": len(pool), "selected_rows": len(chosen),
                                  "final_val_ce": history[-1]["val_ce"] if history else None}
         say(f"{ctx.name}: selected {len(chosen)} of {len(pool)} rows")
-        return {**produced, "sft": str(selected_path), "bliss_scores": str(scores_path),
-                "bliss_selection": str(report_path)}
+        return {"sft": str(selected_path), "bliss_scores": str(scores_path), "bliss_selection": str(report_path)}
+
 
 register_alias("stage", "select_bliss", "bliss")

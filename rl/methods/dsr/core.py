@@ -519,6 +519,45 @@ def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[
 
 
 
+def _component_text(conditions: list[str], conclusion: str, i: int) -> str:
+    return rename_hypotheses(conditions)[i] if i < len(conditions) else conclusion
+
+
+def _with_component(conditions: list[str], conclusion: str, i: int, text: str) -> tuple[list[str], str]:
+    """The statement's conditions and conclusion with component `i` replaced by `text`."""
+    if i < len(conditions):
+        return [text if k == i else c for k, c in enumerate(conditions)], conclusion
+    return list(conditions), text
+
+
+def _local_request(conditions: list[str], conclusion: str, tree: dict[str, Any] | None, comp: int,
+                   err: LeanLiteError, exhausted: set, nl_component: str, name: str
+                   ) -> tuple[Path_ | str, RepairRequest, tuple[int, int]] | None:
+    """The next local repair of component `comp` for error `err`: the lowest rung of its operator tree's ladder
+    above the smallest node containing the error that is not exhausted, else the whole component with its NL
+    (None when that is exhausted too); the request and the span of the statement it edits."""
+    text = _component_text(conditions, conclusion, comp)
+    start = component_spans(conditions, conclusion, name)[comp][0]
+    target: Path_ | str = "component"
+    if tree is not None:
+        try:
+            if assemble(tree) != text:
+                raise TreeError("the tree no longer spells the component")
+            node = smallest_containing(tree, err.column - start)
+            target = next((p for p in repair_ladder(tree, node) if (comp, p) not in exhausted), "component")
+        except TreeError:
+            target = "component"
+    if target == "component":
+        if (comp, "component") in exhausted:
+            return None
+        return target, RepairRequest("component", text, err.message, _declared(conditions, comp), nl_component), \
+            (start, start + len(text))
+    snippet = assemble(node_at(tree, target))
+    node_start = start + spans(tree)[target][0]
+    return target, RepairRequest("subtree", snippet, err.message, _declared(conditions, comp)), \
+        (node_start, node_start + len(snippet))
+
+
 def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list[dict[str, Any] | None],
                              nl_components: list[str], nl_statement: str, budget: int = 4,
                              rng: Any = None, check: Checker = check) -> RepairSteps:
@@ -541,69 +580,31 @@ def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list
     local_success = False
     calls = 0
 
-    def comp_start(i: int) -> int:
-        return component_spans(conditions, conclusion, name)[i][0]
-
-    def text_of(i: int) -> str:
-        return rename_hypotheses(conditions)[i] if i < len(conditions) else conclusion
-
-    def set_text(i: int, text: str) -> None:
-        nonlocal conclusion
-        if i < len(conditions):
-            conditions[i] = text
-        else:
-            conclusion = text
-
     while errors and calls < budget - 1:
         err = errors[0]
         comp = component_of_column(conditions, conclusion, err.column, name)
         if comp < 0:
             break
-        tree = trees[comp]
-        target: Path_ | str = "component"
-        if tree is not None:
-            try:
-                if assemble(tree) != text_of(comp):
-                    raise TreeError("the tree no longer spells the component")
-                node = smallest_containing(tree, err.column - comp_start(comp))
-                target = next((p for p in repair_ladder(tree, node) if (comp, p) not in exhausted), "component")
-            except TreeError:
-                target = "component"
-        if (comp, "component") in exhausted and target == "component":
+        local = _local_request(conditions, conclusion, trees[comp], comp, err, exhausted, nl_components[comp], name)
+        if local is None:
             break
-        if target == "component":
-            request = RepairRequest("component", text_of(comp), err.message, _declared(conditions, comp),
-                                    nl_components[comp])
-            span = (comp_start(comp), comp_start(comp) + len(text_of(comp)))
-        else:
-            snippet = assemble(node_at(tree, target))
-            request = RepairRequest("subtree", snippet, err.message, _declared(conditions, comp))
-            start = comp_start(comp) + spans(tree)[target][0]
-            span = (start, start + len(snippet))
+        target, request, span = local
         fixed = yield request
         calls += 1
-        if target == "component":
-            new_text, new_tree = fixed, None
-        else:
-            new_tree = replace_node(tree, target, fixed)
-            new_text = assemble(new_tree)
-        old = (text_of(comp), trees[comp])
-        set_text(comp, new_text)
-        new_errors = check(splice(conditions, conclusion, name))
-        edited_end = span[0] + len(fixed)
-        ok = not new_errors or not (span[0] <= new_errors[0].column < max(edited_end, span[0] + 1))
-        ok = ok and len(new_errors) <= len(errors)
-        trace.calls.append({"kind": request.kind, "component": comp, "node": None if target == "component" else list(target),
+        new_tree = None if target == "component" else replace_node(trees[comp], target, fixed)
+        new_conditions, new_conclusion = _with_component(conditions, conclusion, comp,
+                                                         fixed if new_tree is None else assemble(new_tree))
+        new_errors = check(splice(new_conditions, new_conclusion, name))
+        ok = local_fix_holds(errors, new_errors, span[0], len(fixed))
+        trace.calls.append({"kind": request.kind, "component": comp, "node": None if new_tree is None else list(target),
                             "code": request.code, "fixed": fixed, "accepted": ok, "errors_after": len(new_errors)})
-        if ok:
-            trees[comp] = new_tree if target != "component" else None
-            errors, local_success = new_errors, True
-            if target != "component":
-                # the repaired node is now a leaf: the rungs above it stay available for a later error
-                exhausted = {e for e in exhausted if e[0] != comp}
-        else:
-            set_text(comp, old[0])
+        if not ok:
             exhausted.add((comp, target))
+            continue
+        conditions, conclusion, trees[comp] = new_conditions, new_conclusion, new_tree
+        errors, local_success = new_errors, True
+        if new_tree is not None:  # the repaired node is now a leaf: the rungs above it stay available later
+            exhausted = {e for e in exhausted if e[0] != comp}
     statement = splice(conditions, conclusion, name)
     global_done = False
     while calls < budget and (errors or (local_success and not global_done)):
@@ -612,6 +613,13 @@ def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list
         global_done = True
     trace.statement, trace.errors = statement, len(errors)
     return trace
+
+
+def local_fix_holds(errors: list[LeanLiteError], new_errors: list[LeanLiteError], start: int, length: int) -> bool:
+    """A local repair succeeds when the statement then compiles or its first error lies outside the edited span
+    (partial success), with no more errors than before."""
+    outside = not new_errors or not (start <= new_errors[0].column < max(start + length, start + 1))
+    return outside and len(new_errors) <= len(errors)
 
 
 def _global_call(statement: str, errors: list[LeanLiteError], nl: str, rng: Any, trace: RepairTrace,

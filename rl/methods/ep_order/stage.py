@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,36 +84,51 @@ class EPOrderStage(Stage):
         self.embed_batch_size, self.embed_num_gpus = embed_batch_size, embed_num_gpus
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        from omegaconf import OmegaConf
-
         cfg, base, tokenizer, rows, examples, dropped = policy_sft_data(ctx, "SFT data to order")
         out = ctx.stage_dir
-        seed = cfg.seed
-
-        # 1. warm-up on a random share
-        rng = random.Random(seed)
-        share = sorted(rng.sample(range(len(examples)), max(1, round(self.warmup_fraction * len(examples)))))
-        warm_cfg = OmegaConf.merge(cfg, {"output_dir": str(out), "resume": "no",
-                                         "sft": {"epochs": self.warmup_epochs, "save_every": 0, "eval_fraction": 0.0,
-                                                 "eval_path": None}})
-        say(f"{ctx.name}: warm-up on {len(share)} of {len(examples)} rows")
         warm_path = out / "warmup_model"
-        warm = ctx.runtime.fine_tune(warm_cfg, base, str(warm_path), tokenizer, [examples[i] for i in share])
-
-        # 2. embed every row (a Ray task beside the cluster's actors)
+        warm = self._warm_up(ctx, cfg, base, tokenizer, examples, warm_path)
+        # embed every row (a Ray task beside the cluster's actors)
         emb, losses = ctx.runtime.run_task(embed_examples, str(warm_path), examples, tokenizer.pad_token_id,
                                            self.embed_batch_size, self.embed_tokens, cfg.model.dtype,
                                            cfg.model.trust_remote_code, num_gpus=self.embed_num_gpus)
+        report = self._order(ctx, emb, losses, cfg.seed, len(examples))
+        ordered_path = out / "sft_ordered.jsonl"
+        with ordered_path.open("w") as f:
+            for i in report["order"]:
+                f.write(json.dumps(rows[examples[i].row], default=str) + "\n")
+        np.save(out / "embeddings.npy", emb)
+        report.update(rows=len(examples), dropped_rows=dropped, warmup=warm,
+                      source_rows=[examples[i].row for i in report["order"]])
+        report_path = out / "ep_order.json"
+        report_path.write_text(json.dumps(report))
+        ctx.summary[ctx.name] = {k_: report[k_] for k_ in ("rows", "k", "path", "path_length",
+                                                            "random_path_length_median", "zone_proportions")}
+        say(f"{ctx.name}: {report['k']} clusters, path length {report['path_length']:.3f} "
+            f"(median of 100 random orders {report['random_path_length_median']:.3f})")
+        return {"sft": str(ordered_path), "sft_ordering": str(report_path), "sft_embeddings": str(out / "embeddings.npy")}
 
-        # 3. cluster, chain, order
+    def _warm_up(self, ctx: StageContext, cfg: Any, base: str, tokenizer: Any, examples: list, warm_path: Path
+                 ) -> dict[str, float]:
+        """SFT of the policy on a random `warmup_fraction` of the rows, saved at `warm_path`."""
+        from omegaconf import OmegaConf
+        share = sorted(random.Random(cfg.seed).sample(range(len(examples)),
+                                                      max(1, round(self.warmup_fraction * len(examples)))))
+        warm_cfg = OmegaConf.merge(cfg, {"output_dir": str(ctx.stage_dir), "resume": "no",
+                                         "sft": {"epochs": self.warmup_epochs, "save_every": 0, "eval_fraction": 0.0,
+                                                 "eval_path": None}})
+        say(f"{ctx.name}: warm-up on {len(share)} of {len(examples)} rows")
+        return ctx.runtime.fine_tune(warm_cfg, base, str(warm_path), tokenizer, [examples[i] for i in share])
+
+    def _order(self, ctx: StageContext, emb: np.ndarray, losses: np.ndarray, seed: int, n: int) -> dict[str, Any]:
+        """Cluster the embeddings, chain the clusters, and lay out the epoch's order with mixed regions."""
         k = self.k or choose_k(emb, seed, self.k_candidates, self.restarts)
-        if k > len(examples):
-            raise StageError(f"{ctx.name}: k = {k} clusters for {len(examples)} rows")
+        if k > n:
+            raise StageError(f"{ctx.name}: k = {k} clusters for {n} rows")
         labels, centroids = spherical_kmeans(emb, k, seed, self.restarts)
-        dist = cosine_distances(centroids)
         cluster_loss = {c: float(losses[labels == c].mean()) for c in range(k) if (labels == c).any()}
         present = sorted(cluster_loss)
-        sub = dist[np.ix_(present, present)]
+        sub = cosine_distances(centroids)[np.ix_(present, present)]
         first = (min(range(len(present)), key=lambda i: cluster_loss[present[i]]) if self.start == "easiest"
                  else int(sub.sum(1).argmax()))
         chain = greedy_chain(sub, first)
@@ -123,26 +139,13 @@ class EPOrderStage(Stage):
         order, segments = mixed_order(members, path_clusters, seed, self.zone, self.mix, self.end_mix)
         random_lengths = [path_length(random.Random(seed + r).sample(range(len(present)), len(present)), sub)
                           for r in range(100)]
+        return {"k": k, "path": path_clusters, "path_length": path_length(chain, sub),
+                "random_path_length_median": float(np.median(random_lengths)),
+                "cluster_sizes": {int(c): int((labels == c).sum()) for c in present},
+                "cluster_warmup_loss": {int(c): v for c, v in cluster_loss.items()},
+                "zone_proportions": zone_proportions(segments, path_clusters), "order": order,
+                "labels": labels.tolist(),
+                "segments": [{k_: v for k_, v in s.items() if k_ != "drawn_from"} for s in segments]}
 
-        ordered_path = out / "sft_ordered.jsonl"
-        with ordered_path.open("w") as f:
-            for i in order:
-                f.write(json.dumps(rows[examples[i].row], default=str) + "\n")
-        np.save(out / "embeddings.npy", emb)
-        report: dict[str, Any] = {
-            "rows": len(examples), "dropped_rows": dropped, "k": k, "path": path_clusters,
-            "path_length": path_length(chain, sub), "random_path_length_median": float(np.median(random_lengths)),
-            "cluster_sizes": {int(c): int((labels == c).sum()) for c in present},
-            "cluster_warmup_loss": {int(c): v for c, v in cluster_loss.items()},
-            "zone_proportions": zone_proportions(segments, path_clusters), "warmup": warm,
-            "order": order, "source_rows": [examples[i].row for i in order], "labels": labels.tolist(),
-            "segments": [{k_: v for k_, v in s.items() if k_ != "drawn_from"} for s in segments]}
-        report_path = out / "ep_order.json"
-        report_path.write_text(json.dumps(report))
-        ctx.summary[ctx.name] = {k_: report[k_] for k_ in ("rows", "k", "path", "path_length",
-                                                            "random_path_length_median", "zone_proportions")}
-        say(f"{ctx.name}: {k} clusters, path length {report['path_length']:.3f} "
-            f"(median of 100 random orders {report['random_path_length_median']:.3f})")
-        return {"sft": str(ordered_path), "sft_ordering": str(report_path), "sft_embeddings": str(out / "embeddings.npy")}
 
 register_alias("stage", "order_ep", "ep_order")

@@ -20,6 +20,13 @@ from typing import Any
 
 from rl.config import as_container
 from rl.data import prompt_row_columns
+from rl.methods.guidance.core import (
+    ContainmentJudge,
+    LLMCitationJudge,
+    post_hoc_cite,
+    score_citations,
+    strip_citations,
+)
 from rl.registry import register, register_alias
 from rl.stages import Stage, StageContext, StageError, say, stage_cfg
 
@@ -42,59 +49,21 @@ class GuidanceStage(Stage):
         self.judge, self.max_statements, self.examples = judge, max_statements, examples
 
     def run(self, ctx: StageContext) -> dict[str, str]:
-        from omegaconf import OmegaConf
-
         from models.tokenizer import load_tokenizer
-        from rl.methods.guidance.core import (
-            ContainmentJudge,
-            LLMCitationJudge,
-            post_hoc_cite,
-            score_citations,
-            strip_citations,
-        )
         cfg, rt = stage_cfg(ctx), ctx.runtime
         rows = ctx.rows("eval", prompt_row_columns(cfg.data))[:cfg.trainer.eval_max_prompts]
         if not rows:
             raise StageError(f"{ctx.name}: no held-out prompts (data.eval_path or a synthetic task's eval split)")
         if cfg.rollout.engine != "hf" and "guidance" in self.arms:
-            raise StageError(f"{ctx.name}: the guidance arm decodes with guidance, which the "
+            raise StageError(f"{ctx.name}: the guidance arm decodes with the `guidance` decoding method, which the "
                              f"{cfg.rollout.engine!r} engine cannot serve: set rollout.engine: hf")
-        clients: dict[str, Any] = {}
-        if self.judge == "containment":
-            judge: Any = ContainmentJudge()
-        else:
-            if self.judge not in cfg.reward.judges:
-                raise StageError(f"{ctx.name}: judge {self.judge!r} is neither 'containment' nor a reward.judges "
-                                 f"entry ({sorted(cfg.reward.judges)})")
-            clients = rt.start_judges({self.judge: as_container(cfg.reward.judges[self.judge])}, ctx.require("policy"))
-            judge = LLMCitationJudge(lambda prompts: clients[self.judge].generate(prompts, temperature=0.0))
+        judge, clients = self._judge(ctx, cfg)
         tokenizer = load_tokenizer(ctx.require("base_model"))
         report: dict[str, Any] = {"prompts": len(rows), "judge": self.judge, "arms": {}}
         try:
-            with rt.rollout_workers(ctx, cfg) as workers:
-                answers: dict[str, list[str]] = {}
-                decodings = {"plain": (None, {}), "guidance": ("guidance", self.guidance_params)}
-                for arm in [a for a in ("plain", "guidance") if a in self.arms or (a == "plain" and "post_hoc" in self.arms)]:
-                    name, params = decodings[arm]
-                    arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": name, "eval_decoding_params": params,
-                                                                "eval_runs": 1}})
-                    batch = rt.generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
-                    answers[arm] = list(batch.responses)
-                    if arm == "plain" and "post_hoc" in self.arms:
-                        answers["post_hoc"] = [post_hoc_cite(strip_citations(a), r[cfg.data.prompt_column])
-                                               for a, r in zip(batch.responses, rows)]
+            answers = self._answers(ctx, cfg, rows, tokenizer)
             for arm in self.arms:
-                scores = [score_citations(a, r[cfg.data.prompt_column], judge, self.max_statements)
-                          for a, r in zip(answers[arm], rows)]
-                items = [{"prompt": r[cfg.data.prompt_column], "response": strip_citations(a),
-                          "ground_truth": r.get(cfg.data.answer_column), "metadata": {}, "truncated": False}
-                         for a, r in zip(answers[arm], rows)]
-                scored = rt.score_items(items, evaluation=True)
-                correct = [s["score"] for s in scored if not s["failed"]]
-                report["arms"][arm] = {
-                    **{k: statistics.mean(s[k] for s in scores) for k in ("recall", "precision", "f1")},
-                    "correctness": statistics.mean(correct) if correct else None,
-                    "examples": answers[arm][:self.examples]}
+                report["arms"][arm] = self._score_arm(rt, cfg, rows, answers[arm], judge)
         finally:
             rt.stop_judges(clients)
         path = ctx.stage_dir / "guidance.json"
@@ -105,5 +74,47 @@ class GuidanceStage(Stage):
             say(f"{ctx.name}: {arm}: citation F1 {r['f1']:.3f} (recall {r['recall']:.3f}, precision "
                 f"{r['precision']:.3f}), correctness {r['correctness']}")
         return {"cite_report": str(path)}
+
+    def _judge(self, ctx: StageContext, cfg: Any) -> tuple[Any, dict[str, Any]]:
+        """The citation judge: containment, or a `reward.judges` entry served by judge actors (their clients
+        are returned to be stopped)."""
+        if self.judge == "containment":
+            return ContainmentJudge(), {}
+        if self.judge not in cfg.reward.judges:
+            raise StageError(f"{ctx.name}: judge {self.judge!r} is neither 'containment' nor a reward.judges "
+                             f"entry ({sorted(cfg.reward.judges)})")
+        clients = ctx.runtime.start_judges({self.judge: as_container(cfg.reward.judges[self.judge])},
+                                           ctx.require("policy"))
+        return LLMCitationJudge(lambda prompts: clients[self.judge].generate(prompts, temperature=0.0)), clients
+
+    def _answers(self, ctx: StageContext, cfg: Any, rows: list[dict], tokenizer: Any) -> dict[str, list[str]]:
+        """Greedy answers per arm: plain decoding, Guidance, and post-hoc citation of the plain answers."""
+        from omegaconf import OmegaConf
+        rt, answers = ctx.runtime, {}
+        decodings = {"plain": (None, {}), "guidance": ("guidance", self.guidance_params)}
+        with rt.rollout_workers(ctx, cfg) as workers:
+            for arm in [a for a in ("plain", "guidance") if a in self.arms or (a == "plain" and "post_hoc" in self.arms)]:
+                name, params = decodings[arm]
+                arm_cfg = OmegaConf.merge(cfg, {"rollout": {"eval_decoding": name, "eval_decoding_params": params,
+                                                            "eval_runs": 1}})
+                batch = rt.generate(workers, tokenizer, arm_cfg, rows, temperature=0.0, n=1, seed=0, evaluation=True)
+                answers[arm] = list(batch.responses)
+                if arm == "plain" and "post_hoc" in self.arms:
+                    answers["post_hoc"] = [post_hoc_cite(strip_citations(a), r[cfg.data.prompt_column])
+                                           for a, r in zip(batch.responses, rows)]
+        return answers
+
+    def _score_arm(self, rt: Any, cfg: Any, rows: list[dict], answers: list[str], judge: Any) -> dict[str, Any]:
+        """LongBench-Cite recall, precision and F1 of an arm's answers, and their correctness under the recipe's
+        reward with the citations stripped."""
+        scores = [score_citations(a, r[cfg.data.prompt_column], judge, self.max_statements)
+                  for a, r in zip(answers, rows)]
+        items = [{"prompt": r[cfg.data.prompt_column], "response": strip_citations(a),
+                  "ground_truth": r.get(cfg.data.answer_column), "metadata": {}, "truncated": False}
+                 for a, r in zip(answers, rows)]
+        correct = [s["score"] for s in rt.score_items(items, evaluation=True) if not s["failed"]]
+        return {**{k: statistics.mean(s[k] for s in scores) for k in ("recall", "precision", "f1")},
+                "correctness": statistics.mean(correct) if correct else None, "examples": answers[:self.examples]}
+
 
 register_alias("stage", "cite_eval", "guidance")

@@ -44,6 +44,7 @@ import pickle
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rl.methods.memo.core import (
@@ -187,6 +188,15 @@ def insight_request(game: str, ranked: list[tuple[str, int, int]], games_text: s
         return f"{text}Write {k} insights, one per line.\nInsights:"
     return (f"{text}\nWrite exactly {k} insights, one per line: a strategic insight, an error or format insight, "
             f"and an improvement insight.")
+
+
+def invalid_move_rates(recs: dict[str, Any]) -> dict[str, float]:
+    """The share of the candidates' moves, and of the baseline's, that the game refused."""
+    moves = sum(r.moves for a, r in recs.items() if a != BASELINE)
+    base = recs.get(BASELINE)
+    return {"invalid_move_rate": (sum(r.invalid_moves for a, r in recs.items() if a != BASELINE) / moves
+                                  if moves else 0.0),
+            "baseline_invalid_move_rate": base.invalid_moves / base.moves if base is not None and base.moves else 0.0}
 
 
 class ModelClient:
@@ -343,6 +353,37 @@ class MemoStage(Stage):
         out = ctx.stage_dir
         (out / "games").mkdir(exist_ok=True)
         state_path, metrics_path = out / "state.pkl", out / "metrics.jsonl"
+        state = self._load_state(ctx, state_path, metrics_path)
+        rng = random.Random()
+        rng.setstate(state["rng"])
+        env = trueskill_env()
+        if state["population"] is None:
+            state["population"] = self._initial_population(analyzer, rng)
+        for gen in range(state["generation"] + 1, self.generations):
+            t0 = time.perf_counter()
+            row = self._generation(ctx, player, analyzer, opponents, state, rng, env, gen)
+            row["wall_s"] = time.perf_counter() - t0
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+            state["generation"], state["rng"] = gen, rng.getstate()
+            state_path.write_bytes(pickle.dumps(state))
+            ev = ", ".join(f"{k} {v['win_rate']:.2f}" for k, v in row["eval"].items())
+            say(f"memo: generation {gen + 1}/{self.generations}: best {row['best']['id']} fitness "
+                f"{row['best']['fitness']:.3f}; eval win rate {ev}; {row['games']} games ({row['replayed_games']} "
+                f"replayed) in {row['wall_s']:.0f} s")
+        best = state["best"]
+        text = best["prompt"] + ("\n\nInsights from past games:\n" + "".join(
+            f"{i}. {x}\n" for i, x in enumerate(best["memory"], 1)) if best["memory"] else "")
+        (out / "memo_prompt.txt").write_text(text)
+        (out / "memo_context.json").write_text(json.dumps({"game": self.game, "best": best,
+                                                           "history": state["history"]}, indent=2))
+        ctx.summary["memo"] = {"best_fitness": best["fitness"], "best_generation": best["generation"],
+                               "history": state["history"], "rollout_restarts": player.restarts}
+        return {"memo_prompt": str(out / "memo_prompt.txt"), "memo_context": str(out / "memo_context.json")}
+
+    def _load_state(self, ctx: StageContext, state_path: Path, metrics_path: Path) -> dict[str, Any]:
+        """The state saved after the last finished generation when it was made with the same settings (the
+        metrics of later generations dropped), else a fresh one."""
         # what the saved state was made with: the stage's settings, the recipe keys it reads, the player model
         settings = json.dumps([vars(self), config_fingerprint_part(ctx.cfg, self.config_keys),
                                files_identity(ctx.require("policy"))], sort_keys=True, default=str)
@@ -354,76 +395,50 @@ class MemoStage(Stage):
             say(f"memo: resuming after generation {state['generation']}")
             keep = [x for x in metrics_path.read_text().splitlines() if json.loads(x)["generation"] <= state["generation"]]
             metrics_path.write_text("".join(x + "\n" for x in keep))
-        else:
-            metrics_path.unlink(missing_ok=True)
-            rng = random.Random(self.seed)
-            state = {"settings": settings, "generation": -1, "rng": rng.getstate(), "ratings": {}, "memory": [],
-                     "history": [],
-                     "buffer": PrefixReplayBuffer(self.replay_capacity, self.replay_alpha), "population": None,
-                     "analyzer_malformed": 0, "best": None}
-        rng = random.Random()
-        rng.setstate(state["rng"])
-        env = trueskill_env()
-        if state["population"] is None:
-            state["population"] = self._initial_population(analyzer, rng)
-        for gen in range(state["generation"] + 1, self.generations):
-            t0 = time.perf_counter()
-            population: list[Candidate] = state["population"]
-            games = self._tournament(player, population, state["buffer"], state["memory"], rng, gen)
-            with (out / "games" / f"gen{gen}.jsonl").open("w") as f:
-                for g in games:
-                    f.write(json.dumps(g) + "\n")
-            fresh = [g for g in games if not g["replayed"]]
-            state["ratings"] = rate_games(state["ratings"], fresh, env)
-            recs = records(games)
+            return state
+        metrics_path.unlink(missing_ok=True)
+        return {"settings": settings, "generation": -1, "rng": random.Random(self.seed).getstate(), "ratings": {},
+                "memory": [], "history": [], "buffer": PrefixReplayBuffer(self.replay_capacity, self.replay_alpha),
+                "population": None, "analyzer_malformed": 0, "best": None}
+
+    def _generation(self, ctx: StageContext, player: ModelClient, analyzer: ModelClient,
+                    opponents: dict[str, ModelClient], state: dict[str, Any], rng: random.Random, env: Any,
+                    gen: int) -> dict[str, Any]:
+        """One generation: the tournament, ratings, replay buffer, the best candidate's evaluation, the memory
+        update and the next population; returns the generation's metrics row."""
+        population: list[Candidate] = state["population"]
+        games = self._tournament(player, population, state["buffer"], state["memory"], rng, gen)
+        with (ctx.stage_dir / "games" / f"gen{gen}.jsonl").open("w") as f:
             for g in games:
-                if not g["failed"]:
-                    state["buffer"].push_game(g["steps"], g["winners"], g["seed"])
-            fitness = {c.id: self._fitness(recs.get(c.id), state["ratings"].get(c.id)) for c in population}
-            best = max(population, key=lambda c: fitness[c.id])
-            row: dict[str, Any] = {"generation": gen, "games": len(games), "replayed_games": len(games) - len(fresh),
-                                   "failed_games": sum(g["failed"] for g in games),
-                                   "best": {**asdict(best), "fitness": fitness[best.id]},
-                                   "candidates": [self._candidate_row(c, recs, state["ratings"], fitness)
-                                                  for c in population],
-                                   "replay": state["buffer"].stats()}
-            moves = sum(r.moves for a, r in recs.items() if a != BASELINE)
-            row["invalid_move_rate"] = (sum(r.invalid_moves for a, r in recs.items() if a != BASELINE) / moves
-                                        if moves else 0.0)
-            row["baseline_invalid_move_rate"] = (recs[BASELINE].invalid_moves / recs[BASELINE].moves
-                                                 if BASELINE in recs and recs[BASELINE].moves else 0.0)
-            row["eval"] = self._evaluate(player, opponents, best, state["memory"], rng, gen)
-            last = gen == self.generations - 1
-            before = list(state["memory"])
-            if self.memory and not last:
-                state["memory"], malformed = self._update_memory(analyzer, population, games, recs, state,
-                                                                  fitness, rng)
-                state["analyzer_malformed"] += malformed
-            row["memory"] = {"bank": state["memory"], "added": [x for x in state["memory"] if x not in before],
-                             "removed": [x for x in before if x not in state["memory"]],
-                             "analyzer_malformed_total": state["analyzer_malformed"]}
-            if not last:
-                state["population"] = self._next_population(analyzer, population, fitness, games, state, rng, gen)
-            state["best"] = {**asdict(best), "fitness": fitness[best.id], "memory": list(before), "generation": gen}
-            state["history"].append({"generation": gen, "best_fitness": fitness[best.id],
-                                     "eval": row["eval"]})
-            row["wall_s"] = time.perf_counter() - t0
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(row, default=str) + "\n")
-            state["generation"], state["rng"] = gen, rng.getstate()
-            state_path.write_bytes(pickle.dumps(state))
-            ev = ", ".join(f"{k} {v['win_rate']:.2f}" for k, v in row["eval"].items())
-            say(f"memo: generation {gen + 1}/{self.generations}: best {best.id} fitness {fitness[best.id]:.3f}; "
-                f"eval win rate {ev}; {len(games)} games ({row['replayed_games']} replayed) in {row['wall_s']:.0f} s")
-        best = state["best"]
-        text = best["prompt"] + ("\n\nInsights from past games:\n" + "".join(
-            f"{i}. {x}\n" for i, x in enumerate(best["memory"], 1)) if best["memory"] else "")
-        (out / "memo_prompt.txt").write_text(text)
-        (out / "memo_context.json").write_text(json.dumps({"game": self.game, "best": best,
-                                                           "history": state["history"]}, indent=2))
-        ctx.summary["memo"] = {"best_fitness": best["fitness"], "best_generation": best["generation"],
-                               "history": state["history"], "rollout_restarts": player.restarts}
-        return {"memo_prompt": str(out / "memo_prompt.txt"), "memo_context": str(out / "memo_context.json")}
+                f.write(json.dumps(g) + "\n")
+        fresh = [g for g in games if not g["replayed"]]
+        state["ratings"] = rate_games(state["ratings"], fresh, env)
+        recs = records(games)
+        for g in games:
+            if not g["failed"]:
+                state["buffer"].push_game(g["steps"], g["winners"], g["seed"])
+        fitness = {c.id: self._fitness(recs.get(c.id), state["ratings"].get(c.id)) for c in population}
+        best = max(population, key=lambda c: fitness[c.id])
+        row: dict[str, Any] = {"generation": gen, "games": len(games), "replayed_games": len(games) - len(fresh),
+                               "failed_games": sum(g["failed"] for g in games),
+                               "best": {**asdict(best), "fitness": fitness[best.id]},
+                               "candidates": [self._candidate_row(c, recs, state["ratings"], fitness)
+                                              for c in population],
+                               "replay": state["buffer"].stats(), **invalid_move_rates(recs)}
+        row["eval"] = self._evaluate(player, opponents, best, state["memory"], rng, gen)
+        last = gen == self.generations - 1
+        before = list(state["memory"])
+        if self.memory and not last:
+            state["memory"], malformed = self._update_memory(analyzer, population, games, recs, state, fitness, rng)
+            state["analyzer_malformed"] += malformed
+        row["memory"] = {"bank": state["memory"], "added": [x for x in state["memory"] if x not in before],
+                         "removed": [x for x in before if x not in state["memory"]],
+                         "analyzer_malformed_total": state["analyzer_malformed"]}
+        if not last:
+            state["population"] = self._next_population(analyzer, population, fitness, games, state, rng, gen)
+        state["best"] = {**asdict(best), "fitness": fitness[best.id], "memory": before, "generation": gen}
+        state["history"].append({"generation": gen, "best_fitness": fitness[best.id], "eval": row["eval"]})
+        return row
 
     # ------------------------------------------------------------------ games
     def _observation(self, obs: str) -> str:

@@ -52,32 +52,14 @@ def tgpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     whatever w_min. `gate_floor > 0` keeps that share of every token's gradient, so the property holds always.
     """
     mask = response_mask.to(logp.dtype)
-    rho = logp - old_logp
-    log_s = sequence_log_ratio(logp, old_logp, mask).clamp(-20.0, 20.0)
-    if anchor == "geo_mean":
-        ratio = torch.exp(log_s.detach() + logp - logp.detach())
-        delta = (rho - log_s).detach()
-    elif anchor == "token":
-        ratio = torch.exp(rho.clamp(-20.0, 20.0))
-        delta = torch.zeros_like(rho)
-    else:
-        raise ValueError(f"tgpo anchor must be geo_mean or token, got {anchor!r}")
+    ratio, delta = anchored_ratio(logp, old_logp, mask, anchor)
     gamma = tgpo_gate(delta, gate, tau, kappa).clamp(min=gate_floor)
     if h_min > 0:
         if entropy is None:
             raise ValueError("tgpo h_min > 0 needs per-token entropy")
         gamma = gamma * (entropy.detach() >= h_min).to(gamma.dtype)
     seq_adv = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    if trust == "gate_mean":
-        score = (gamma * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    elif trust == "step_frac":
-        if step_verified_frac is None:
-            raise ValueError("tgpo trust=step_frac needs step_verified_frac (the fraction of each sample's steps "
-                             "with a positive step reward); this batch carries no step rewards: use an environment "
-                             "(rollout.env) or a process reward that records steps, or trust: gate_mean")
-        score = step_verified_frac.to(logp.dtype)
-    else:
-        raise ValueError(f"tgpo trust must be gate_mean or step_frac, got {trust!r}")
+    score = trust_score(gamma, mask, trust, step_verified_frac)
     w = torch.where(seq_adv > 0, torch.ones_like(score), score.clamp(w_min, 1.0)).detach()
     pg, clipped = clipped_surrogate(ratio, advantages, eps_low, eps_high)
     pg = w.unsqueeze(-1) * gamma * pg
@@ -89,3 +71,31 @@ def tgpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         metrics["gate_mean"] = float(masked_mean(gamma, mask))
         metrics["trust_mean"] = float(w.mean())
     return loss, metrics
+
+
+def anchored_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, anchor: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ratio and each token's (detached) deviation from its sequence anchor: `geo_mean`, GSPO-token's
+    `sg[s_i] exp(logp - sg[logp])` with s_i the geometric mean ratio; `token`, GRPO's own ratio (deviation 0)."""
+    rho = logp - old_logp
+    if anchor == "geo_mean":
+        log_s = sequence_log_ratio(logp, old_logp, mask).clamp(-20.0, 20.0)
+        return torch.exp(log_s.detach() + logp - logp.detach()), (rho - log_s).detach()
+    if anchor == "token":
+        return torch.exp(rho.clamp(-20.0, 20.0)), torch.zeros_like(rho)
+    raise ValueError(f"tgpo anchor must be geo_mean or token, got {anchor!r}")
+
+
+def trust_score(gamma: torch.Tensor, mask: torch.Tensor, trust: str, step_verified_frac: torch.Tensor | None
+                ) -> torch.Tensor:
+    """Per sample, how far a negative-advantage trajectory is trusted (before clipping to [w_min, 1]): the mean
+    gate over its tokens (`gate_mean`) or the share of its steps with a positive step reward (`step_frac`)."""
+    if trust == "gate_mean":
+        return (gamma * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    if trust == "step_frac":
+        if step_verified_frac is None:
+            raise ValueError("tgpo trust=step_frac needs step_verified_frac (the fraction of each sample's steps "
+                             "with a positive step reward); this batch carries no step rewards: use an environment "
+                             "(rollout.env) or a process reward that records steps, or trust: gate_mean")
+        return step_verified_frac.to(gamma.dtype)
+    raise ValueError(f"tgpo trust must be gate_mean or step_frac, got {trust!r}")

@@ -1,5 +1,7 @@
-"""The modules of `cluster` that register built-ins, by registry kind (read by `rl.registry` through the
-entry-point group `looprl.builtins`; importing this package imports none of them)."""
+"""The Ray actor system: the driver (pipeline, stage runner, runtime), the RL trainer, the DeepSpeed learner group, weight sync, launchers and the CLI.
+
+`BUILTINS`: the modules of `cluster` that register built-ins, by registry kind (read by `rl.registry` through
+the entry-point group `looprl.builtins`; importing this package imports none of them)."""
 
 BUILTINS = {
     "stage": ["cluster.pipeline"],

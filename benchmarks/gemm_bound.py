@@ -19,7 +19,7 @@ The bound on the step: the learner's products (its linears and its attention's) 
 decode's reads of its KV cache at the measured copy bandwidth (the one-query attention is bound by those reads; a
 compiled kernel replaces the eager attention's products there). Everything else (elementwise work, norms,
 sampling, the optimizer, Python) counts as zero. Against the floor of `perf/floor_s`
-(`cluster.trainer.utilisation`, the same formulas and measured ceilings as the trainer's metrics), `bound / floor` is
+(`cluster.perf.utilisation`, the same formulas and measured ceilings as the trainer's metrics), `bound / floor` is
 the smallest step / floor that any schedule of these kernels at these shapes can reach here. The floor counts a
 prompt's tokens once per row (the 8 rows of a group share one prompt forward in both phases here); the
 `floor_s_prompts_once` figure counts them once per group, the work the step really needs.
@@ -134,7 +134,7 @@ def measure(dtype: str, threads: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from cluster.learner import LearnerWorker, free_port
-    from cluster.trainer import cached_reads, utilisation
+    from cluster.perf import cached_reads, utilisation
     from models.tiny import build_tiny_tokenizer, save_tiny
     from rl.batch import Batch, micro_batches_of, plan_prompt_groups, sequence_tokens
     from rollout.decoding import KVBuffers, decode

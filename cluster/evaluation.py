@@ -10,8 +10,8 @@ import numpy as np
 import ray
 from omegaconf import DictConfig
 
-from cluster.trainer import component_means, reward_items
-from cluster.trainer import generate as generate_on_workers
+from cluster.rollout_pipeline import generate as generate_on_workers
+from rl.step import component_means, reward_items
 
 
 def evaluate(workers: list[Any], reward_service: Any, tokenizer: Any, cfg: DictConfig, rows: list[dict],

@@ -21,24 +21,19 @@ import ray
 import torch
 from omegaconf import DictConfig
 
+from cluster.checkpoints import improves, latest_checkpoint, prune_checkpoints, selected_checkpoint
 from cluster.evaluation import evaluate, worker_protocol
 from cluster.learner import LearnerFailed
+from cluster.roles import make_learner_group
 from cluster.runtime import Runtime, truncate_metrics
 from cluster.stage_runner import make_stage, run_stages
 from cluster.tracking import MetricsLogger
-from cluster.trainer import (
-    RLTrainer,
-    improves,
-    latest_checkpoint,
-    make_learner_group,
-    model_family,
-    prune_checkpoints,
-    selected_checkpoint,
-)
+from cluster.trainer import RLTrainer
 from models.tokenizer import load_tokenizer
 from rewards.service import RewardService, RewardSpec
 from rl.config import ConfigError, as_container, to_yaml
 from rl.data import load_rows, prompt_row_columns
+from rl.recipe import model_family
 from rl.registry import get, register
 from rl.sft_data import load_sft_rows, sft_examples
 from rl.stages import Stage, StageContext, StageError, say, stage_cfg

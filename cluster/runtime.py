@@ -18,22 +18,19 @@ import ray
 import torch
 from omegaconf import DictConfig
 
+from cluster.checkpoints import latest_checkpoint
 from cluster.learner import free_port
 from cluster.ray_utils import actor_env, bundle_options, init_ray, make_placement
-from cluster.trainer import (
-    RLTrainer,
-    generate,
-    latest_checkpoint,
-    make_learner_group,
-    make_rollout_workers,
-    needs_critic,
-    reward_items,
-)
+from cluster.roles import make_learner_group, make_rollout_workers
+from cluster.rollout_pipeline import generate
+from cluster.trainer import RLTrainer
 from rewards.judges import start_judges, stop_judges
 from rewards.service import RewardService, RewardSpec
 from rl.config import as_container
+from rl.recipe import needs_critic
 from rl.sft import run_sft
 from rl.stages import StageContext, StageRuntime, say
+from rl.step import reward_items
 
 
 class Runtime(StageRuntime):

@@ -12,9 +12,7 @@ import math
 import random
 import shutil
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +20,29 @@ import ray
 import torch
 from omegaconf import DictConfig
 
-from cluster.learner import LearnerGroup
-from cluster.ray_utils import Placement, actor_env, unfinished
+from cluster.checkpoints import prune_checkpoints
+from cluster.perf import ceilings, engine_seconds, utilisation
+from cluster.ray_utils import Placement, unfinished
+from cluster.roles import make_critic_group, make_learner_group, make_rollout_workers
+from cluster.rollout_pipeline import PendingRollout, gather_rollout, split_informative, submit_generation
 from rl.advantages import gae_advantages_and_returns, outcome_token_rewards
 from rl.batch import Batch
 from rl.config import as_container
-from rl.data import format_prompt
-from rl.losses import kl_in_reward, kl_penalty, soft_overlong_penalty
-from rl.recipe import model_family, needs_critic, policy_loss_params
+from rl.losses import kl_in_reward, kl_penalty
+from rl.recipe import needs_critic, policy_loss_params
 from rl.registry import get
+from rl.step import (
+    apply_length_shaping,
+    attach_rewards,
+    component_means,
+    episode_metrics,
+    estimate_advantages,
+    group_fraction,
+    reward_items,
+    step_verified_fraction,
+)
 from rl.validation import check_weight_sync
-from rollout.probes import best_rates
-from rollout.worker import RolloutWorker, RolloutWorkerRestarted, RolloutWorkerStuck
-
-
-@dataclass
-class PendingRollout:
-    """A submitted generation: the step it is for, the rollout workers' ObjectRefs, and the prompt
-    sampler's state before its prompts were drawn (what a checkpoint must store to redraw them)."""
-    step: int
-    refs: list[Any]
-    sampler_state: dict[str, int]
-    resubmit: Callable[[], list[Any]]  # the same prompts and seeds again (after a rollout worker died)
+from rollout.worker import RolloutWorkerRestarted, RolloutWorkerStuck
 
 
 class RLTrainer:
@@ -244,8 +243,8 @@ class RLTrainer:
         metrics.update({
             "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
             "reward/failures": float(batch.reward_failed.sum()),
-            "reward/solve_all_frac": float(_group_frac(batch, lambda r: r.min() > 0)),
-            "reward/solve_none_frac": float(_group_frac(batch, lambda r: r.max() <= 0)),
+            "reward/solve_all_frac": float(group_fraction(batch, lambda r: r.min() > 0)),
+            "reward/solve_none_frac": float(group_fraction(batch, lambda r: r.max() <= 0)),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/truncated_frac": float(batch.truncated.float().mean()),
             "perf/step_s": step_s, "perf/tokens": n_tokens, "perf/tokens_per_s": n_tokens / step_s,
@@ -368,7 +367,7 @@ class RLTrainer:
             try:
                 self._kill_stuck_rollout_workers(pending.refs, "generate_s",
                                                  f"finish step {pending.step + 1}'s generation")
-                return _gather(pending.refs)
+                return gather_rollout(pending.refs)
             except (ray.exceptions.RayActorError, RolloutWorkerRestarted, RolloutWorkerStuck) as exc:
                 if attempt == self.cfg.rollout.max_restarts:
                     raise RuntimeError(f"rollout for step {pending.step + 1} failed {attempt + 1} times; last "
@@ -539,183 +538,6 @@ class RLTrainer:
             ray.kill(w)
 
 
-# ---------------------------------------------------------------------- helpers shared with other stages
-# The ceilings measured in this driver process, by (node, dtype, threads per actor): a node's matmul and copy rates
-# do not change between the runs of one process (the stages of a pipeline, a test session), and measuring them costs
-# about a second per role and run, in which nothing else may run.
-_CEILINGS: dict[tuple[str, str, int], dict[str, float]] = {}
-
-
-def ceilings(actor: Any, dtype: str, threads: int, again: bool = False) -> dict[str, float]:
-    """The hardware rates that `perf/mfu` and `perf/mbu` divide by (`rollout.probes.hardware_rates`) for a role whose
-    first actor is `actor`: measured by that actor, unless one with the same `threads` on the same node measured
-    them in `dtype` earlier in this process. `again` measures anew and keeps each rate's best (a ceiling)."""
-    key = (ray.get(actor.node_id.remote()), dtype, threads)
-    if key in _CEILINGS and not again:
-        return _CEILINGS[key]
-    _CEILINGS[key] = best_rates(ray.get(actor.hardware_rates.remote(dtype, again=again)), _CEILINGS.get(key))
-    return _CEILINGS[key]
-
-
-def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
-                       micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
-                       with_ref: bool = False, family: str | None = None, wait: bool = True) -> LearnerGroup:
-    """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
-    settings are arguments, everything else comes from the recipe's `learner`/`model` sections (`family`:
-    another model family than the policy's, e.g. a reward model's `sequence_score`)."""
-    lc = cfg.learner
-    return LearnerGroup(
-        lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
-        num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=actor_env(),
-        lr=lr, weight_decay=weight_decay, optimizer=as_container(lc.optimizer), scheduler=as_container(scheduler),
-        family=family or model_family(cfg, model_path), zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size,
-        grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref,
-        warmup_steps=warmup_steps, total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
-        seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
-        offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
-        deadline_s=cfg.trainer.deadlines.learner_s,
-        logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
-        attn_implementation=lc.attn_implementation,
-        adapter=as_container(lc.adapter) if lc.adapter and family is None else None,  # the policy's adapter
-        share_prompts=lc.share_prompts and family is None,
-        compile_position_wise=lc.compile_position_wise and family is None, wait=wait)
-
-
-def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int,
-                      wait: bool = True) -> LearnerGroup:
-    """The value model's DeepSpeed group, on the learner bundles beside the policy's ranks (they take turns)."""
-    lc, c = cfg.learner, cfg.critic
-    return LearnerGroup(
-        lc.world_size, c.model_path or model_path, placement_group=placement.group,
-        bundle_indices=placement.learner_bundles, num_cpus=0, num_gpus=placement.gpus_per_actor, env=actor_env(),
-        lr=c.lr, weight_decay=lc.weight_decay, optimizer=as_container(lc.optimizer), family="value",
-        zero_stage=lc.zero_stage, micro_batch_size=lc.micro_batch_size, grad_accum=grad_accum, grad_clip=c.grad_clip,
-        dtype=cfg.model.dtype, backend=lc.backend, total_steps=cfg.trainer.steps * cfg.algorithm.ppo_epochs
-        * cfg.algorithm.mini_batches, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
-        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
-        deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
-        attn_implementation=lc.attn_implementation, wait=wait)
-
-
-def adapter_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    """The rollout engine's share of `learner.adapter`: the engines hold the base model wrapped with the same
-    adapter, and the weight sync sends the adapter's tensors alone."""
-    return {"adapter": as_container(cfg.learner.adapter)} if cfg.learner.adapter else {}
-
-
-def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement, wait: bool = True) -> list[Any]:
-    """One rollout worker per rollout bundle; `wait=False` returns while they still start (wait on `pid`)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    cls = ray.remote(RolloutWorker)
-    workers = []
-    # vLLM must be built with sleep mode to free its memory between phases
-    sleep_kwargs = {"enable_sleep_mode": True} if cfg.rollout.sleep_between_phases and cfg.rollout.engine == "vllm" else {}
-    for b in placement.rollout_bundles:
-        opts: dict[str, Any] = {"num_cpus": cfg.rollout.num_cpus, "runtime_env": {"env_vars": actor_env()},
-                                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                                    placement_group=placement.group, placement_group_bundle_index=b)}
-        if placement.gpus_per_actor:
-            opts["num_gpus"] = placement.gpus_per_actor
-        # restarted by Ray if its process dies; the trainer then resends the weights and regenerates
-        opts["max_restarts"] = cfg.rollout.max_restarts
-        workers.append(cls.options(**opts).remote(
-            cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-            batch_size=cfg.rollout.generation_batch_size,
-            device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **adapter_kwargs(cfg),
-                                                                     **as_container(cfg.rollout.engine_params)}))
-    if wait:
-        ray.get([w.pid.remote() for w in workers])
-    return workers
-
-
-def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *,
-                      temperature: float, n: int, seed: int, group_base: int = 0, evaluation: bool = False,
-                      sampling_overrides: dict[str, Any] | None = None) -> list[Any]:
-    """Spread prompts over the rollout workers without waiting; returns the workers' ObjectRefs
-    (`Batch.concat(ray.get(refs))` is the prompt-major batch). Each worker runs its calls in order, so
-    a generation submitted before a weight update samples from the weights before it. `evaluation` picks
-    the recipe's evaluation decoding method instead of the rollout one; `sampling_overrides` replace sampling
-    parameters (top_p, exit_at_step) for an evaluation protocol."""
-    d = cfg.data
-    prompts = [format_prompt(r[d.prompt_column], tokenizer, d.prompt_prefix, d.chat_template) for r in rows]
-    answers = [r.get(d.answer_column) for r in rows]
-    k = min(len(workers), len(prompts))
-    bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
-    futures = []
-    for w in range(k):
-        lo, hi = bounds[w], bounds[w + 1]
-        sampling = {"n": n, "temperature": temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
-                    "max_new_tokens": cfg.rollout.max_new_tokens, "seed": seed * 131 + w,
-                    "stop": list(cfg.rollout.stop) or None}
-        r = cfg.rollout
-        decoding, params = (r.eval_decoding, r.eval_decoding_params) if evaluation else (r.decoding, r.decoding_params)
-        if decoding is not None:
-            sampling.update(decoding=decoding, decoding_params=as_container(params))
-        sampling.update(sampling_overrides or {})
-        groups = list(range(group_base + lo, group_base + hi))
-        meta = [{"row": group_base + i, **{c: rows[i].get(c) for c in d.metadata_columns}} for i in range(lo, hi)]
-        if r.env is not None:  # multi-turn episodes of an environment
-            env = {"name": r.env, "params": as_container(r.env_params), "max_turns": r.max_turns,
-                   "max_episode_tokens": r.max_episode_tokens, "opponent_path": r.env_opponent_path}
-            rows_w = [{**row, "answer": row.get(d.answer_column)} for row in rows[lo:hi]]
-            futures.append(workers[w].run_episodes.remote(prompts[lo:hi], rows_w, sampling, groups, env, meta))
-        else:
-            futures.append(workers[w].generate.remote(prompts[lo:hi], sampling, groups, answers[lo:hi], meta))
-    return futures
-
-
-def generate(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *, temperature: float,
-             n: int, seed: int, group_base: int = 0, evaluation: bool = False,
-             sampling_overrides: dict[str, Any] | None = None) -> Batch:
-    """Spread prompts over the rollout workers; returns one Batch (prompt-major rows), within
-    `trainer.deadlines.generate_s`."""
-    refs = submit_generation(workers, tokenizer, cfg, rows, temperature=temperature, n=n, seed=seed,
-                             group_base=group_base, evaluation=evaluation, sampling_overrides=sampling_overrides)
-    limit = cfg.trainer.deadlines.generate_s
-    if unfinished(refs, limit):
-        raise TimeoutError(f"generation on the rollout workers did not finish within {limit:g} s "
-                           f"(trainer.deadlines.generate_s)")
-    return _gather(refs)
-
-
-def _gather(refs: list[Any]) -> Batch:
-    parts = ray.get(refs)
-    batch = Batch.concat(parts)
-    # a batch mixes the versions of its workers only if they were out of step: keep the oldest
-    batch.policy_version = min(p.policy_version for p in parts)
-    return batch
-
-
-def split_informative(batch: Batch) -> tuple[list[int], list[int], int]:
-    """The rows of groups whose rewards differ (they carry a signal), the rows of the other groups, and the
-    number of informative groups (DAPO's dynamic sampling keeps the first)."""
-    informative = {g for g in torch.unique(batch.group_id).tolist()
-                   if batch.rewards[batch.group_id == g].unique().numel() > 1}
-    rows = [i for i in range(len(batch)) if int(batch.group_id[i]) in informative]
-    rest = [i for i in range(len(batch)) if int(batch.group_id[i]) not in informative]
-    return rows, rest, len(informative)
-
-
-def apply_length_shaping(batch: Batch, a: Any, max_new_tokens: int) -> None:
-    """Loss masking and length shaping (in place): environment/tool-output tokens leave the loss; DAPO
-    overlong handling optionally masks truncated completions and adds the soft overlong penalty."""
-    if a.overlong_buffer > 0:
-        lengths = batch.response_attn.sum(-1)
-        batch.rewards = batch.rewards + soft_overlong_penalty(lengths, max_new_tokens, a.overlong_buffer,
-                                                              a.overlong_penalty)
-    if batch.observation_mask is not None:  # environment/tool-output tokens are never trained on
-        batch.response_mask = batch.response_mask * (1 - batch.observation_mask.to(batch.response_mask.dtype))
-    if a.mask_truncated and bool(batch.truncated.any()):
-        batch.response_mask = batch.response_mask * (~batch.truncated).unsqueeze(1).to(batch.response_mask.dtype)
-
-
-def reward_items(batch: Batch) -> list[dict]:
-    """Reward-service rows; `truncated` (the response hit max_new_tokens) reaches plugins as a column."""
-    truncated = batch.truncated.tolist() if batch.truncated is not None else [False] * len(batch.prompts)
-    return [{"prompt": p, "response": r, "ground_truth": g, "metadata": m, "truncated": bool(t)}
-            for p, r, g, m, t in zip(batch.prompts, batch.responses, batch.ground_truth, batch.metadata, truncated)]
-
-
 @contextmanager
 def _timer(timing: dict[str, float], key: str):
     """Adds the time spent inside to `timing[key]`."""
@@ -726,190 +548,3 @@ def _timer(timing: dict[str, float], key: str):
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
 
-def episode_metrics(batch: Batch) -> dict[str, float]:
-    """Multi-turn episodes (`rollout.env`): turns per episode, failed turns, share of observation tokens."""
-    if not batch.step_types:
-        return {}
-    obs = float(batch.observation_mask.sum()) if batch.observation_mask is not None else 0.0
-    return {"env/turns_mean": sum(len(t) for t in batch.step_types) / len(batch),
-            "env/failed_turns": float(sum(m.get("failed_turns", 0) for m in batch.metadata)),
-            "env/observation_token_frac": obs / max(1.0, float(batch.response_attn.sum()))}
-
-
-def component_means(components: list[dict[str, float]]) -> dict[str, float]:
-    """Mean of every reward component over the samples that have it (a function that failed or did not
-    apply to a sample leaves no component there)."""
-    means = {}
-    for name in sorted({k for c in components for k in c}):
-        vals = [c[name] for c in components if name in c]
-        means[name] = sum(vals) / len(vals)
-    return means
-
-
-def attach_rewards(batch: Batch, scored: list[dict], tokenizer: Any = None, failed_leave_loss: bool = True) -> None:
-    """The reward service's scores into `batch`; a process reward's steps (`steps`: rewards and the character
-    offset where each step ends) become `step_rewards` and the `token_step` map (`step_spans`); a validity
-    verdict (`valid`, a reward returning `{"score": ..., "valid": bool}`) becomes `batch.valid`."""
-    batch.rewards = torch.tensor([s["score"] for s in scored], dtype=torch.float32)
-    if tokenizer is not None and any("steps" in s for s in scored) and batch.token_step is None:
-        batch.step_rewards = [s.get("steps", {}).get("rewards", []) for s in scored]
-        batch.token_step = step_spans(batch, [s.get("steps", {}).get("ends", []) for s in scored], tokenizer)
-    if any("valid" in s for s in scored):  # a validity verdict (MGPO's gate); a row no function judged is valid
-        batch.valid = torch.tensor([bool(s.get("valid", True)) for s in scored])
-    batch.reward_failed = torch.tensor([bool(s["failed"]) for s in scored])
-    batch.reward_components = [dict(s["components"]) for s in scored]
-    # A sample whose reward could not be computed carries no learning signal: it leaves the loss (unless
-    # reward.failed_samples: train scores it failure_reward like any sample).
-    if failed_leave_loss and bool(batch.reward_failed.any()):
-        batch.response_mask = batch.response_mask * (~batch.reward_failed).unsqueeze(1).to(batch.response_mask.dtype)
-    for m, s in zip(batch.metadata, scored):
-        if s["failed"]:
-            m["reward_error"] = s["error"]
-
-
-def step_spans(batch: Batch, ends: list[list[int]], tokenizer: Any) -> torch.Tensor:
-    """`token_step [N, L]`: the step each generated token belongs to, from the character offsets where the
-    steps of each response end (a token belongs to the first step whose end it has not passed; tokens
-    after the last end, EOS included, belong to the last step; -1 past the response)."""
-    attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
-    out = torch.full(batch.response_ids.shape, -1, dtype=torch.long)
-    for i, row_ends in enumerate(ends):
-        if not row_ends:
-            continue
-        n = int(attn[i].sum())
-        ids = batch.response_ids[i, :n].tolist()
-        step = 0
-        for t in range(n):
-            out[i, t] = step
-            text_len = len(tokenizer.decode(ids[:t + 1], skip_special_tokens=True))
-            while step < len(row_ends) - 1 and text_len >= row_ends[step]:
-                step += 1
-    return out
-
-
-def engine_seconds(batch: Batch) -> float | None:
-    """Seconds the rollout engines spent generating `batch`, summed over workers (each row carries its share of its
-    chunk's decode time, `gen_s`, in its metadata: the `hf` engine reports it); None unless every row does."""
-    reported = [m["gen_s"] for m in batch.metadata if isinstance(m, dict) and "gen_s" in m]
-    return float(sum(reported)) if reported and len(reported) == len(batch) else None
-
-
-def cached_reads(batch: Batch) -> float:
-    """Cached positions the decode reads for `batch`: each fed token of a row reads its cache, `(r - 1) p + r (r - 1)
-    / 2` for a prompt of p and a response of r tokens."""
-    lengths = batch.response_attn.sum(-1).tolist()
-    prompt_lengths = batch.prompt_mask.sum(-1).tolist()
-    return float(sum((r - 1) * p + r * (r - 1) / 2 for p, r in zip(prompt_lengths, lengths) if r > 0))
-
-
-def utilisation(batch: Batch, timing: dict[str, float], step_s: float, hardware: dict[str, dict[str, float]],
-                cfg: DictConfig, train_passes: int, logprob_passes: int) -> dict[str, float]:
-    """How close each phase ran to the machine's limits, against ceilings measured in the actors.
-
-    * `perf/mfu`: learner model-FLOPs utilisation, `(6 N T x updates + 2 N T x logprob passes) / (time of the
-      train and logprob phases x ranks x matmul FLOP/s)`, N the matmul parameters, T the batch's real tokens
-      (an update is one pass over its share: `ppo_epochs` passes of the batch in all).
-    * `perf/decode_mfu`: generation's FLOPs (`2 N` per prompt and generated token) over the rollout workers'
-      matmul rate during their generation time (as the engines report it); `perf/mbu`: generation's reads of
-      the weights (once per decode step; a worker decodes its rows in chunks of `rollout.generation_batch_size`,
-      each as many steps as its longest response) and of the KV cache (each fed token of a row reads its
-      cached positions: `(r - 1) p + r (r - 1) / 2` for a prompt of p and a response of r tokens), over the
-      measured copy bandwidth. Decoding is bound by whichever of the two floors is higher.
-    * `perf/floor_s`: the step's floor (learner FLOPs at the full matmul rate plus the binding decode floor)
-      and `perf/step_over_floor` the step's time over it. The critic's work is not counted.
-    """
-    from rl.batch import sequence_tokens
-    n, weight_bytes = hardware["model"]["matmul_params"], hardware["model"]["param_bytes"]
-    peak_l, peak_r = hardware["learner"]["matmul_flops"], hardware["rollout"]["matmul_flops"]
-    bandwidth = hardware["rollout"]["copy_bytes_per_s"]
-    ranks, workers = cfg.learner.world_size, cfg.rollout.num_workers
-    tokens = float(sum(sequence_tokens(batch)))
-    updates = train_passes / max(1, cfg.algorithm.mini_batches)  # passes over the whole batch
-    learner_flops = 6 * n * tokens * updates + 2 * n * tokens * logprob_passes
-    generated = float(batch.response_attn.sum())
-    decode_flops = 2 * n * (generated + float(batch.prompt_mask.sum()))
-    lengths = batch.response_attn.sum(-1).tolist()
-    per_worker = -(-len(lengths) // workers)
-    chunk = cfg.rollout.generation_batch_size
-    steps = sum(max(lengths[i:i + chunk]) for w in range(workers)
-                for i in range(w * per_worker, min(len(lengths), (w + 1) * per_worker), chunk))
-    # all workers' steps (they run in parallel) and every row's reads of its cached keys and values
-    decode_bytes = weight_bytes * steps + hardware["model"].get("kv_bytes_per_token", 0.0) * cached_reads(batch)
-    learner_s = timing.get("train", 0.0) + timing.get("logprobs", 0.0)
-    # the workers' own generation time, which an overlapped rollout hides from the step's `generate` phase; else
-    # the phase times the workers
-    reported = engine_seconds(batch)
-    worker_s = reported if reported is not None else timing.get("generate", 0.0) * workers
-    out = {"perf/mfu": learner_flops / max(learner_s * ranks * peak_l, 1e-9) if learner_flops else 0.0,
-           "perf/decode_mfu": decode_flops / max(worker_s * peak_r, 1e-9),
-           "perf/mbu": decode_bytes / max(worker_s * bandwidth, 1e-9)}
-    floor = learner_flops / (ranks * peak_l) + max(decode_flops / (workers * peak_r), decode_bytes / (workers * bandwidth))
-    out.update({"perf/floor_s": floor, "perf/step_over_floor": step_s / max(floor, 1e-9),
-                "perf/learner_floor_s": learner_flops / (ranks * peak_l),
-                "perf/decode_floor_s": max(decode_flops / (workers * peak_r), decode_bytes / (workers * bandwidth))})
-    return out
-
-
-def estimate_advantages(batch: Batch, rewards: torch.Tensor, token_rewards: torch.Tensor | None, adv_fn: Any,
-                        params: dict[str, Any], failed_samples: str = "exclude") -> torch.Tensor:
-    """`adv_fn`'s advantages for `batch`. With `failed_samples: exclude` a sample whose reward failed takes no
-    part: the estimator sees the other rows only (its group's mean, std or leave-one-out baseline are those of
-    the scored samples) and the failed row's advantage is 0 (it has left the loss too). With `train` its
-    `failure_reward` counts like any score."""
-    failed = batch.reward_failed
-    rows = torch.arange(len(batch))
-    if failed_samples == "exclude" and failed is not None and bool(failed.any()):
-        rows = (~failed).nonzero().squeeze(1)
-    if len(rows) == 0:
-        return torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-    sub = batch if len(rows) == len(batch) else batch.select(rows)
-    inputs = sub.named_fields(adv_fn)
-    if "token_rewards" in inspect.signature(adv_fn).parameters:
-        inputs["token_rewards"] = token_rewards[rows]
-    adv = adv_fn(rewards[rows], sub.group_id, sub.response_mask, **inputs, **params)
-    if sub is batch:
-        return adv
-    out = torch.zeros((len(batch), *adv.shape[1:]), dtype=adv.dtype)
-    out[rows] = adv
-    return out
-
-
-def step_verified_fraction(step_rewards: list[list[float]]) -> torch.Tensor:
-    """`[N]`: the share of each sample's steps with a positive step reward (a tool call that ran and was used, a
-    verified reflection); 0 for a sample without steps (nothing verified). TGPO's `trust: step_frac`."""
-    return torch.tensor([sum(r > 0 for r in rows) / len(rows) if rows else 0.0 for rows in step_rewards])
-
-
-def _group_frac(batch: Batch, pred) -> float:
-    ids = torch.unique(batch.group_id)
-    return sum(bool(pred(batch.rewards[batch.group_id == g])) for g in ids) / max(1, len(ids))
-
-
-def latest_checkpoint(output_dir: str | Path, folder: str = "checkpoints") -> Path | None:
-    """The newest complete `step_N` checkpoint in `output_dir/folder`."""
-    root = Path(output_dir) / folder
-    done = [p for p in root.glob("step_*") if (p / "COMPLETE").exists()] if root.exists() else []
-    return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
-
-
-def prune_checkpoints(root: Path, keep: int) -> None:
-    """Keep the `keep` newest complete checkpoints, and the selected one (`best.json`, `trainer.select_by`)."""
-    best = selected_checkpoint(root.parent)
-    done = sorted((p for p in root.glob("step_*") if (p / "COMPLETE").exists()),
-                  key=lambda p: int(p.name.split("_")[1]))
-    for p in done[:-keep] if keep > 0 else []:
-        if best is None or p.name != best["checkpoint"]:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def selected_checkpoint(output_dir: str | Path) -> dict[str, Any] | None:
-    """The checkpoint `trainer.select_by` chose so far: {checkpoint (folder name), step, metric, value}."""
-    path = Path(output_dir) / "checkpoints" / "best.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def improves(value: float, best: dict[str, Any] | None, mode: str) -> bool:
-    """Whether `value` beats the selected checkpoint's (the first evaluation always does; ties keep the earlier)."""
-    if best is None:
-        return True
-    return value > best["value"] if mode == "max" else value < best["value"]

@@ -104,9 +104,14 @@ def builtin_modules(kind: str) -> list[str]:
     return modules
 
 
+_LOADED_KINDS: set[str] = set()  # kinds whose built-in modules are imported (entry points are read once per kind)
+
+
 def _load_builtins(kind: str) -> None:
-    for mod in builtin_modules(kind):
-        importlib.import_module(mod)
+    if kind not in _LOADED_KINDS:
+        for mod in builtin_modules(kind):
+            importlib.import_module(mod)
+        _LOADED_KINDS.add(kind)
     for name, target in _BUILTIN_ATTRS.get(kind, {}).items():
         if name not in _REGISTRY[kind]:
             module, attr = target.split(":")

@@ -127,7 +127,7 @@ class StageRuntime:
         raise NotImplementedError
 
     def learner_group(self, cfg: Any, model_path: str, **params: Any) -> Any:
-        """A learner group on `model_path` (`cluster.trainer.make_learner_group`'s parameters)."""
+        """A learner group on `model_path` (`cluster.roles.make_learner_group`'s parameters)."""
         raise NotImplementedError
 
     def start_rollout_workers(self, cfg: Any, model_path: str) -> list[Any]:
@@ -143,7 +143,7 @@ class StageRuntime:
         raise NotImplementedError
 
     def generate(self, workers: list[Any], tokenizer: Any, cfg: Any, rows: list[dict], **sampling: Any) -> Any:
-        """A `Batch` of responses to `rows` from `workers` (`cluster.trainer.generate`'s parameters)."""
+        """A `Batch` of responses to `rows` from `workers` (`cluster.rollout_pipeline.generate`'s parameters)."""
         raise NotImplementedError
 
     def score(self, batch: Any, evaluation: bool = False) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The worked examples of README's "Extending looprl" (recipes/extending/): each plugin through the registry
+"""The worked examples of `docs/extending.md` (recipes/extending/): each plugin through the registry
 the way a recipe names it, with hand-computed values, and the recipe that uses them all, end to end."""
 
 from pathlib import Path

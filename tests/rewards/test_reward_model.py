@@ -101,9 +101,9 @@ def test_the_reward_model_reward_serves_it_batched_with_the_models_own_scores(tr
 
 
 def test_step_spans_map_character_ends_to_tokens():
-    from cluster.trainer import step_spans
     from models.tiny import build_tiny_tokenizer
     from rl.sft_data import make_sft_batch
+    from rl.step import step_spans
     tok = build_tiny_tokenizer()  # one token per character, then EOS
     b = make_sft_batch(tok, ["q", "q"], ["ab\ncd", "xyz"])
     spans = step_spans(b, [[3, 5], []], tok)
@@ -116,12 +116,12 @@ def test_the_process_reward_model_scores_every_step_prefix_and_fills_the_step_fi
     import ray
 
     from cluster.ray_utils import actor_env
-    from cluster.trainer import attach_rewards
     from models.tiny import build_tiny_tokenizer
     from rewards.judges import start_judges
     from rewards.scoring import RewardSpec
     from rewards.service import RewardService
     from rl.sft_data import make_sft_batch
+    from rl.step import attach_rewards
     from rollout.classifier_engine import ClassifierEngine
     _, tmp = trained
     path = str(tmp / "run" / "reward_model")

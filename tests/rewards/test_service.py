@@ -134,9 +134,9 @@ def test_none_is_not_applicable_and_components_are_kept(plugin_file):
 def test_a_validity_verdict_reaches_the_batch(plugin_file):
     """A reward's `valid` (MGPO's gate) is combined over functions, carried to `batch.valid`, and a non-bool
     verdict is a recorded failure naming the plugin."""
-    from cluster.trainer import attach_rewards
     from models.tiny import build_tiny_tokenizer
     from rl.sft_data import make_sft_batch
+    from rl.step import attach_rewards
     s = _service(plugin_file, "validity", "with_components")
     bad = _service(plugin_file, "bad_validity")
     try:

@@ -264,9 +264,9 @@ def test_gae_estimator_puts_the_outcome_on_the_last_token_and_whitens():
 def test_a_failed_sample_takes_no_part_in_its_groups_statistics(estimator):
     """`reward.failed_samples: exclude`: the group's statistics are those of its scored samples, as if the failed
     one had never been drawn; `train`: its failure_reward counts like a score."""
-    from cluster.trainer import estimate_advantages
     from models.tiny import build_tiny_tokenizer
     from rl.sft_data import make_sft_batch
+    from rl.step import estimate_advantages
     fn = get("advantage", estimator)
     tok = build_tiny_tokenizer()
     batch = make_sft_batch(tok, ["q"] * 4, ["ab", "cd", "ef", "gh"])

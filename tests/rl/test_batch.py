@@ -59,7 +59,7 @@ def test_pickles():
 def test_length_shaping_masks_truncated_and_penalises_long():
     from types import SimpleNamespace
 
-    from cluster.trainer import apply_length_shaping
+    from rl.step import apply_length_shaping
     b = _batch(3, 2, 4)
     b.response_attn = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
     b.truncated = torch.tensor([False, True, False])
@@ -80,7 +80,7 @@ def test_token_step_pads_with_minus_one():
 def test_observation_tokens_leave_the_loss():
     from types import SimpleNamespace
 
-    from cluster.trainer import apply_length_shaping
+    from rl.step import apply_length_shaping
     b = _batch(2, 2, 4)
     b.response_attn = torch.ones(2, 4, dtype=torch.long)
     b.truncated = torch.tensor([False, False])
@@ -181,7 +181,7 @@ def test_micro_batches_of_fills_an_empty_bin_with_a_row_that_carries_no_loss():
 def test_utilisation_metrics_by_hand():
     from omegaconf import OmegaConf
 
-    from cluster.trainer import utilisation
+    from cluster.perf import utilisation
     b = _batch(n=2, p=3, width=3)
     b.response_attn = torch.tensor([[1, 1, 0], [1, 1, 1]])
     cfg = OmegaConf.create({"learner": {"world_size": 1}, "rollout": {"num_workers": 1, "generation_batch_size": 256},

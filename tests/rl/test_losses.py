@@ -334,10 +334,10 @@ def test_tgpo_entropy_gate_and_errors():
 def test_tgpo_step_trust_comes_from_the_batch_step_rewards():
     """`trust: step_frac` reads the share of each sample's steps with a positive reward, which the trainer derives
     from the step rewards an environment or a process reward recorded and hands to the loss by name."""
-    from cluster.trainer import step_verified_fraction
     from models.tiny import build_tiny_tokenizer
     from rl.methods.tgpo.loss import tgpo_loss
     from rl.sft_data import make_sft_batch
+    from rl.step import step_verified_fraction
     frac = step_verified_fraction([[1.0, 0.0, -1.0, 1.0], [], [0.5]])
     assert frac.tolist() == [0.5, 0.0, 1.0]
     batch = make_sft_batch(build_tiny_tokenizer(), ["q"] * 3, ["ab", "cd", "ef"])

@@ -8,7 +8,7 @@ each chosen layer, the mean difference of the decoder block's output at the last
 
 Artifacts: `steering_vectors` (`steering_vectors.pt`, `{layer: vector}`: what decoding `steer` reads through
 `rollout.decoding_params.vectors` or `rollout.eval_decoding_params.vectors`, e.g.
-`${output_dir}/stages/steer_extract/steering_vectors.pt`) and `steering_report` (JSON: pairs used, each layer's
+`${output_dir}/stages/densesteer/steering_vectors.pt`) and `steering_report` (JSON: pairs used, each layer's
 vector norm and the mean norm of the block's output at the last token, the scale λ multiplies).
 """
 

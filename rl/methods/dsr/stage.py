@@ -21,7 +21,7 @@ statement when there is one); `from_broken` repairs the held-out rows' `broken` 
 task injects one local error per statement; the paper's SC-vs-CC comparison), scoring compile rate (SC), the judge's
 pass rate (CC) and, against the reference, `kept` (every component the error did not touch unchanged) and `exact`.
 Held-out rows come from the data's eval split, or from a PRIME file (`prime_path`: DSR's `benchmark/prime.json`,
-156 items). Report: `stages/<name>/autoformalize.json`, with per-item traces.
+156 items). Report: `stages/<name>/dsr.json`, with per-item traces.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Scores (`rl.methods.guidance.core.score_citations`, LongBench-Cite): citation re
 correctness = the recipe's training reward on the answer with citations stripped (e.g. `fact_numbers`, or a
 judge-based reward at real scale). The judge: `containment` (deterministic; CPU tests and the synthetic task) or
 the name of a `reward.judges` entry (a frozen engine asked LongBench-Cite's questions). The report is
-`stages/<name>/cite_eval.json` with the first answers of each arm.
+`stages/<name>/guidance.json` with the first answers of each arm.
 """
 
 from __future__ import annotations

@@ -180,8 +180,8 @@ def test_rltt_is_shard_invariant(weighting, mode, chunks):
 def test_recipe_kl_is_the_single_source_of_the_loss_kl(kl_coef, kl_in_reward, expected):
     """`algorithm.kl_coef` / `kl_in_reward` decide the loss's KL term: no KL (and no reference) runs RLTT without
     a KL term instead of failing on missing reference logprobs, KL in the reward adds none in the loss."""
-    from cluster.trainer import policy_loss_params
     from rl import config
+    from rl.recipe import policy_loss_params
     cfg = config.load("recipes/rltt_tiny.yaml", [f"algorithm.kl_coef={kl_coef}", f"algorithm.kl_in_reward={kl_in_reward}"])
     params = policy_loss_params(cfg, rltt_loss)
     assert params["kl_coef"] == expected
@@ -199,9 +199,9 @@ def test_recipe_kl_is_the_single_source_of_the_loss_kl(kl_coef, kl_in_reward, ex
 
 
 def test_a_loss_without_a_kl_term_refuses_a_kl_coef_in_the_loss():
-    from cluster.trainer import policy_loss_params
     from rl import config
     from rl.config import ConfigError
+    from rl.recipe import policy_loss_params
 
     def plain_loss(logp, old_logp, advantages, response_mask, *, agg="token-mean", norm_len=None):
         return (-(advantages * logp) * response_mask).sum(), {}

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.rl.test_ep_order import purity
+from tests.rl.methods.test_ep_order import purity
 
 
 @pytest.mark.slow
@@ -47,7 +47,7 @@ def test_select_then_order_then_sft(ray_cluster, tmp_path):
     order = json.loads((out / "stages" / "ep_order" / "ep_order.json").read_text())
     domains = np.unique([pool[i]["domain"] for i in chosen], return_inverse=True)[1]
     # corrupted rows (random targets) pull the centroids: the clusters follow the domains, less cleanly than on
-    # clean data (purity > 0.9 there: tests/rl/test_ep_order.py); chance would be about 1/6
+    # clean data (purity > 0.9 there: tests/rl/methods/test_ep_order.py); chance would be about 1/6
     clean = np.array([pool[i]["clean"] for i in chosen])
     assert order["k"] == 6 and purity(np.array(order["labels"])[clean], domains[clean]) > 0.6
     assert sorted(order["source_rows"]) == list(range(len(chosen)))

@@ -13,7 +13,7 @@ from rl import config
 from rl.methods.memo.core import records
 from rl.methods.memo.stage import MemoStage, ModelClient
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=64", "model.tiny.max_position_embeddings=8192", "rollout.engine=hf",
         "reward.num_workers=1", "logging.progress_bar=false", "logging.tensorboard=false", "sft.enabled=false"]

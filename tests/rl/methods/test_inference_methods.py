@@ -12,7 +12,7 @@ def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(r
     from rl import config
     from tests.cluster.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
-    vectors = f"{out}/stages/steer_extract/steering_vectors.pt"
+    vectors = f"{out}/stages/densesteer/steering_vectors.pt"
     summary = run(config.load(ROOT / "recipes/densesteer_tiny.yaml", [
         f"output_dir={out}", *TINY, "model.tiny.num_layers=2", "sft.steps=5", "sft.batch_size=16",
         "data.synthetic.params.num_pairs=12", "trainer.steps=1",
@@ -51,8 +51,8 @@ def test_a_steering_pair_file_with_a_bad_row_is_named(tmp_path):
         read_pairs(str(path), 50)
 
 
-def test_cite_eval_scores_plain_post_hoc_and_guided_answers_through_the_recipe(ray_cluster, tmp_path):
-    """recipes/guidance_tiny.yaml at test size (a barely trained model: the plumbing; tests/rollout/test_citation.py
+def test_guidance_stage_scores_plain_post_hoc_and_guided_answers_through_the_recipe(ray_cluster, tmp_path):
+    """recipes/guidance_tiny.yaml at test size (a barely trained model: the plumbing; tests/rl/methods/test_citation.py
     measures the insertions on a model that states facts)."""
     from cluster.pipeline import run
     from rl import config
@@ -72,7 +72,7 @@ def test_cite_eval_scores_plain_post_hoc_and_guided_answers_through_the_recipe(r
     assert set(summary["guidance"]) == {"plain", "post_hoc", "guidance"}
 
 
-def test_autoformalize_formalizes_repairs_and_judges_through_the_recipe(ray_cluster, tmp_path):
+def test_dsr_stage_formalizes_repairs_and_judges_through_the_recipe(ray_cluster, tmp_path):
     """DSR's stage on Ray with its four roles served by one barely taught model (the pipeline, not its quality):
     every statement's repair stays within the budget, SC is the checker's verdict on the final statement, and the
     reference comparison (kept, exact) is recorded for the broken inputs."""

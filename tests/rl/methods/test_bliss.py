@@ -1,6 +1,6 @@
 """BLISS (rl/methods/bliss/README.md): the implicit hypergradient against finite differences on a quadratic lower
 level, the softmax Jacobian against autograd, and one outer step split over two ranks equal to one rank (the
-`bliss` stage runs end to end in tests/rl/test_data_stages.py)."""
+`bliss` stage runs end to end in tests/rl/methods/test_data_stages.py)."""
 
 import copy
 import os

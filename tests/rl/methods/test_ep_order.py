@@ -1,5 +1,5 @@
 """EP-Order ([RECONSTRUCTION], rl/methods/ep_order/README.md): clustering, the centroid chain, mixed regions, the
-sequential sampler (the `ep_order` stage runs end to end in tests/rl/test_data_stages.py)."""
+sequential sampler (the `ep_order` stage runs end to end in tests/rl/methods/test_data_stages.py)."""
 
 import random
 

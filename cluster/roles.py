@@ -1,0 +1,85 @@
+"""The actor groups of an RL run, made from the recipe: the learner group, the critic, the rollout workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from omegaconf import DictConfig
+
+from cluster.learner import LearnerGroup
+from cluster.ray_utils import Placement, actor_env
+from rl.config import as_container
+from rl.recipe import model_family
+from rollout.worker import RolloutWorker
+
+
+def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
+                       micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
+                       with_ref: bool = False, family: str | None = None, wait: bool = True) -> LearnerGroup:
+    """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
+    settings are arguments, everything else comes from the recipe's `learner`/`model` sections (`family`:
+    another model family than the policy's, e.g. a reward model's `sequence_score`)."""
+    lc = cfg.learner
+    return LearnerGroup(
+        lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
+        num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=actor_env(),
+        lr=lr, weight_decay=weight_decay, optimizer=as_container(lc.optimizer), scheduler=as_container(scheduler),
+        family=family or model_family(cfg, model_path), zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref,
+        warmup_steps=warmup_steps, total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
+        offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
+        deadline_s=cfg.trainer.deadlines.learner_s,
+        logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
+        attn_implementation=lc.attn_implementation,
+        adapter=as_container(lc.adapter) if lc.adapter and family is None else None,  # the policy's adapter
+        share_prompts=lc.share_prompts and family is None,
+        compile_position_wise=lc.compile_position_wise and family is None, wait=wait)
+
+
+def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int,
+                      wait: bool = True) -> LearnerGroup:
+    """The value model's DeepSpeed group, on the learner bundles beside the policy's ranks (they take turns)."""
+    lc, c = cfg.learner, cfg.critic
+    return LearnerGroup(
+        lc.world_size, c.model_path or model_path, placement_group=placement.group,
+        bundle_indices=placement.learner_bundles, num_cpus=0, num_gpus=placement.gpus_per_actor, env=actor_env(),
+        lr=c.lr, weight_decay=lc.weight_decay, optimizer=as_container(lc.optimizer), family="value",
+        zero_stage=lc.zero_stage, micro_batch_size=lc.micro_batch_size, grad_accum=grad_accum, grad_clip=c.grad_clip,
+        dtype=cfg.model.dtype, backend=lc.backend, total_steps=cfg.trainer.steps * cfg.algorithm.ppo_epochs
+        * cfg.algorithm.mini_batches, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
+        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
+        deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
+        attn_implementation=lc.attn_implementation, wait=wait)
+
+
+def adapter_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The rollout engine's share of `learner.adapter`: the engines hold the base model wrapped with the same
+    adapter, and the weight sync sends the adapter's tensors alone."""
+    return {"adapter": as_container(cfg.learner.adapter)} if cfg.learner.adapter else {}
+
+
+def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement, wait: bool = True) -> list[Any]:
+    """One rollout worker per rollout bundle; `wait=False` returns while they still start (wait on `pid`)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    cls = ray.remote(RolloutWorker)
+    workers = []
+    # vLLM must be built with sleep mode to free its memory between phases
+    sleep_kwargs = {"enable_sleep_mode": True} if cfg.rollout.sleep_between_phases and cfg.rollout.engine == "vllm" else {}
+    for b in placement.rollout_bundles:
+        opts: dict[str, Any] = {"num_cpus": cfg.rollout.num_cpus, "runtime_env": {"env_vars": actor_env()},
+                                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                                    placement_group=placement.group, placement_group_bundle_index=b)}
+        if placement.gpus_per_actor:
+            opts["num_gpus"] = placement.gpus_per_actor
+        # restarted by Ray if its process dies; the trainer then resends the weights and regenerates
+        opts["max_restarts"] = cfg.rollout.max_restarts
+        workers.append(cls.options(**opts).remote(
+            cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+            batch_size=cfg.rollout.generation_batch_size,
+            device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **adapter_kwargs(cfg),
+                                                                     **as_container(cfg.rollout.engine_params)}))
+    if wait:
+        ray.get([w.pid.remote() for w in workers])
+    return workers

@@ -25,8 +25,8 @@ def test_the_driver_measures_a_nodes_ceilings_once_per_dtype_and_thread_count(ra
     threads or dtype is, and `again` asks anew and keeps the best."""
     import ray
 
-    import cluster.trainer as trainer
-    monkeypatch.setattr(trainer, "_CEILINGS", {})
+    import cluster.perf as perf
+    monkeypatch.setattr(perf, "_CEILINGS", {})
 
     @ray.remote(num_cpus=0)
     class Role(probes.ActorProbes):
@@ -41,15 +41,15 @@ def test_the_driver_measures_a_nodes_ceilings_once_per_dtype_and_thread_count(ra
             return self.asked
 
     first, second = Role.remote(), Role.remote()
-    rates = trainer.ceilings(first, "float32", threads=1)
-    assert rates["matmul_flops"] > 1e8 and trainer.ceilings(second, "float32", threads=1) == rates
+    rates = perf.ceilings(first, "float32", threads=1)
+    assert rates["matmul_flops"] > 1e8 and perf.ceilings(second, "float32", threads=1) == rates
     assert ray.get(second.times_asked.remote()) == 0
-    trainer.ceilings(second, "float32", threads=2)
-    trainer.ceilings(second, "bfloat16", threads=2)
+    perf.ceilings(second, "float32", threads=2)
+    perf.ceilings(second, "bfloat16", threads=2)
     assert ray.get([a.times_asked.remote() for a in (first, second)]) == [1, 2]
     node = ray.get(first.node_id.remote())
-    trainer._CEILINGS[(node, "float32", 1)] = {**rates, "matmul_flops": 1e20}  # a better earlier measurement
-    assert trainer.ceilings(second, "float32", threads=1, again=True)["matmul_flops"] == pytest.approx(1e20)
+    perf._CEILINGS[(node, "float32", 1)] = {**rates, "matmul_flops": 1e20}  # a better earlier measurement
+    assert perf.ceilings(second, "float32", threads=1, again=True)["matmul_flops"] == pytest.approx(1e20)
     assert ray.get(second.times_asked.remote()) == 3
     for a in (first, second):
         ray.kill(a)

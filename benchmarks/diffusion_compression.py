@@ -34,7 +34,7 @@ import random
 import statistics
 from pathlib import Path
 
-from recipe_runs import run_recipe, seed_sweep_parser, write_report
+from recipe_runs import method_figures, run_recipe, seed_sweep_parser, write_report
 
 LLADA = "recipes/llada_sft_tiny.yaml"
 RATIOS = (0.2, 0.4, 0.6)
@@ -200,50 +200,57 @@ def _mean_ccdf(rows: list[dict]) -> list[float]:
             for d in range(n)]
 
 
+def _decomper(s: dict, axes: list) -> None:
+    for method, style in (("plain", "--"), ("whitened", "-")):
+        for comp, color in (("none", "tab:gray"), ("closed_form", "tab:orange"), ("learned", "tab:blue")):
+            axes[0].plot(RATIOS, [s["decomper"][f"{method}/{r}/{comp}"]["token_kl"] for r in RATIOS], style,
+                         color=color, marker="o", label=f"{method}, {comp}")
+    axes[0].set_xlabel("compression ratio")
+    axes[0].set_ylabel("held-out token KL to the original")
+    axes[0].set_yscale("log")
+    axes[0].set_title("Decomper: whitened vs plain low-rank, with and without compensation", fontsize=10)
+    axes[0].legend(fontsize=7)
+
+
+def _fair(s: dict, axes: list) -> None:
+    names = [a for a in s["fair"] if a not in ("fp_accuracy", "fp_lag")]
+    axes[0].bar(names, [s["fair"][a]["accuracy"] for a in names], color="tab:blue")
+    axes[0].axhline(s["fair"]["fp_accuracy"], color="k", linestyle="--", label="full precision")
+    axes[0].set_ylabel("exact-match accuracy (W4A4)")
+    axes[0].set_title("FAIR-Calib vs uniform calibration and round-to-nearest", fontsize=10)
+    axes[0].tick_params(axis="x", labelsize=8, rotation=30)
+    axes[0].legend(fontsize=8)
+    if "fp_lag" not in s["fair"]:
+        return
+    curves = {"full precision": s["fair"]["fp_lag"], **{a: s["fair"][a] for a in ("rtn", "uniform", "fair",
+                                                                                      "uniform+kron", "fair+kron")
+                                                         if "stability_lag_ccdf" in s["fair"].get(a, {})}}
+    for name, row in curves.items():
+        ccdf = row["stability_lag_ccdf"]
+        axes[1].plot(range(len(ccdf)), ccdf, marker="o", label=name)
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("stability lag δ_lag (steps)")
+    axes[1].set_ylabel("P(δ_lag ≥ d), own trajectories")
+    axes[1].set_title("FAIR-Calib: the stability lag's CCDF per calibration", fontsize=10)
+    axes[1].legend(fontsize=7)
+
+
+def _core(s: dict, axes: list) -> None:
+    names = list(s["core"])
+    axes[0].bar(names, [s["core"][a]["accuracy"] for a in names], color="tab:green")
+    axes[0].set_ylabel("exact-match accuracy")
+    axes[0].set_title("CORE vs its controls (forwards: " + ", ".join(str(s["core"][a]["forwards"]) for a in names)
+                      + ")", fontsize=10)
+    axes[0].tick_params(axis="x", labelsize=8)
+
+
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One figure per method: `diffusion_compression_{decomper,fair,core}.png`."""
     s = report["summary"]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-    if "decomper" in s:
-        for method, style in (("plain", "--"), ("whitened", "-")):
-            for comp, color in (("none", "tab:gray"), ("closed_form", "tab:orange"), ("learned", "tab:blue")):
-                axes[0].plot(RATIOS, [s["decomper"][f"{method}/{r}/{comp}"]["token_kl"] for r in RATIOS], style,
-                             color=color, marker="o", label=f"{method}, {comp}")
-        axes[0].set_xlabel("compression ratio")
-        axes[0].set_ylabel("held-out token KL to the original")
-        axes[0].set_yscale("log")
-        axes[0].set_title("Decomper")
-        axes[0].legend(fontsize=7)
-    if "fair" in s:
-        names = [a for a in s["fair"] if a not in ("fp_accuracy", "fp_lag")]
-        axes[1].bar(names, [s["fair"][a]["accuracy"] for a in names], color="tab:blue")
-        axes[1].axhline(s["fair"]["fp_accuracy"], color="k", linestyle="--", label="full precision")
-        axes[1].set_ylabel("exact-match accuracy (W4A4)")
-        axes[1].set_title("FAIR-Calib")
-        axes[1].tick_params(axis="x", labelsize=8, rotation=30)
-        axes[1].legend(fontsize=8)
-    if "fair" in s and "fp_lag" in s["fair"]:
-        curves = {"full precision": s["fair"]["fp_lag"], **{a: s["fair"][a] for a in ("rtn", "uniform", "fair",
-                                                                                          "uniform+kron", "fair+kron")
-                                                             if "stability_lag_ccdf" in s["fair"].get(a, {})}}
-        for name, row in curves.items():
-            ccdf = row["stability_lag_ccdf"]
-            axes[3].plot(range(len(ccdf)), ccdf, marker="o", label=name)
-        axes[3].set_yscale("log")
-        axes[3].set_xlabel("stability lag δ_lag (steps)")
-        axes[3].set_ylabel("P(δ_lag ≥ d), own trajectories")
-        axes[3].set_title("FAIR-Calib: δ_lag CCDF")
-        axes[3].legend(fontsize=7)
-    if "core" in s:
-        names = list(s["core"])
-        axes[2].bar(names, [s["core"][a]["accuracy"] for a in names], color="tab:green")
-        axes[2].set_ylabel("exact-match accuracy")
-        axes[2].set_title("CORE vs controls (forwards: " + ", ".join(str(s["core"][a]["forwards"]) for a in names) + ")")
-        axes[2].tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    drawers = {"decomper": (1, _decomper), "fair": (2 if "fp_lag" in s.get("fair", {}) else 1, _fair),
+               "core": (1, _core)}
+    method_figures(path, {name: (panels, lambda axes, draw=draw: draw(s, axes))
+                          for name, (panels, draw) in drawers.items() if name in s})
 
 
 def main() -> None:

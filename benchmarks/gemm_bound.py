@@ -133,8 +133,9 @@ def measure(dtype: str, threads: int) -> dict:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from cluster.learner import LearnerWorker, free_port
+    from cluster.learner import LearnerWorker
     from cluster.perf import cached_reads, utilisation
+    from cluster.ray_utils import free_port
     from models.tiny import build_tiny_tokenizer, save_tiny
     from rl.batch import Batch, micro_batches_of, plan_prompt_groups, sequence_tokens
     from rollout.decoding import KVBuffers, decode

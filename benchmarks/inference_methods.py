@@ -61,7 +61,7 @@ import re
 import statistics
 from pathlib import Path
 
-from recipe_runs import run_recipe, seed_sweep_parser, write_report
+from recipe_runs import method_figures, run_recipe, seed_sweep_parser, write_report
 
 DENSESTEER = "recipes/densesteer_tiny.yaml"
 STRENGTHS = (-8.0, -4.0, 0.0, 2.0, 4.0, 8.0, 16.0, 32.0)
@@ -237,14 +237,14 @@ def kv_memory() -> dict:
     model = LlamaForCausalLM(config).eval()
     enc = tok(["12+3*4=", "5+6*7=", "1+2*3=", "9+8*7="], return_tensors="pt", padding=True, add_special_tokens=False)
     kw = dict(max_new_tokens=512, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id)
-    from rl.registry import get
+    from rl.registry import lookup
     out = {}
     arms = {"plain": ("plain", {})}
     arms.update({f"kv_{p}": (f"kv_{p}", {"budget": 64, "sink": 4, "recent": 16})
                  for p in ("beacon", "snapkv", "h2o", "rkv", "streaming")})
     arms["kv_beacon_every_32"] = ("beaconkv", {"budget": 64, "sink": 4, "recent": 16, "interval": 32})
     for name, (method_name, params) in arms.items():
-        method = get("decoding", method_name)(**params)
+        method = lookup("decoding", method_name)(**params)
         t0 = time.perf_counter()
         resp, *_ = decode(model, enc["input_ids"], enc["attention_mask"], method=method, **kw)
         dt = time.perf_counter() - t0
@@ -263,7 +263,7 @@ RECALL = {"n_keys": 8, "filler": 8, "steps": 3000, "held_out": 100, "interval": 
 
 
 def kv_recall_seed(seed: int) -> dict:
-    from rl.registry import get
+    from rl.registry import lookup
     from rollout.kv_recall import evaluate_recall, tiny_recall_lm
     model, tok, held_out = tiny_recall_lm(seed, RECALL["steps"], n_keys=RECALL["n_keys"], filler=RECALL["filler"],
                                           log=lambda line: print(line, flush=True))
@@ -271,7 +271,7 @@ def kv_recall_seed(seed: int) -> dict:
     arms = {"full": evaluate_recall(model, tok, examples)}
     for policy in KV_POLICIES:
         for budget in RECALL_BUDGETS:
-            method = get("decoding", f"kv_{policy}")(budget=budget, sink=4, recent=16, interval=RECALL["interval"])
+            method = lookup("decoding", f"kv_{policy}")(budget=budget, sink=4, recent=16, interval=RECALL["interval"])
             arms[f"{policy}/{budget}"] = evaluate_recall(model, tok, examples, method)
     for arm in arms.values():
         arm["memory_ratio_full_over"] = arms["full"]["peak_kv_bytes"] / arm["peak_kv_bytes"]
@@ -293,67 +293,77 @@ def summarize_beaconkv(rows: list[dict]) -> dict:
     return out
 
 
-def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 9, figsize=(45, 4))
-    if "densesteer" in report:
-        s = report["densesteer"]["summary"]
-        for layer, color in zip(STEER_LAYERS, ("tab:gray", "tab:blue")):
-            arms = [f"L{layer}/{lam:g}" for lam in STRENGTHS]
-            for ax, key, label in zip(axes, ("rho", "steps", "accuracy", "self_nll"),
-                                      ("density ρ (tokens / step)", "steps", "exact-match accuracy",
-                                       "self-NLL (unsteered model, per token)")):
-                ax.plot(STRENGTHS, [s[a][key] for a in arms], marker="o", color=color,
-                        label=f"block {layer}" + (" (first)" if layer == 0 else " (middle)"))
-                ax.set_xlabel("steering strength λ")
-                ax.set_ylabel(label)
-        axes[0].set_title(f"DenseSteer, tiny two-style task ({len(report['densesteer']['seeds'])} seeds)")
-        axes[0].legend()
-    if "beaconkv" in report:
-        s = report["beaconkv"]["summary"]
-        for policy in KV_POLICIES:
-            for ax, key in zip(axes[4:], ("recall_revisit", "recall_local")):
-                ax.plot(KV_BUDGETS, [s[f"{policy}/{b}"][key] for b in KV_BUDGETS], marker="o", label=policy)
-        for ax, key in zip(axes[4:], ("revisit", "local")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("budget B (kept keys besides 4 sink + 16 recent)")
-            ax.set_ylabel(f"{key} queries: attention-mass recall")
-            ax.set_title(f"KV policies on the synthetic harness ({len(report['beaconkv']['seeds'])} seeds)")
-        axes[4].legend()
-    if "guidance" in report:
-        g = report["guidance"]["summary"]
-        xs = range(len(GUIDANCE_ARMS))
-        axes[6].bar([x - 0.2 for x in xs], [g[a]["f1"] for a in GUIDANCE_ARMS], width=0.4, label="citation F1")
-        axes[6].bar([x + 0.2 for x in xs], [g[a]["correctness"] for a in GUIDANCE_ARMS], width=0.4,
-                    label="number accuracy")
-        axes[6].set_xticks(list(xs), list(GUIDANCE_ARMS))
-        axes[6].set_title(f"Guidance, cited-facts task ({len(report['guidance']['seeds'])} seeds)")
-        axes[6].legend()
-    if "dsr" in report and "from_broken" in report["dsr"]["summary"]:
-        d = report["dsr"]["summary"]["from_broken"]
-        keys = [k for k in ("sc", "kept", "exact", "cc") if k in d["tree"]]
-        xs = range(len(keys))
-        for off, mode in ((-0.2, "tree"), (0.2, "global")):
-            axes[7].bar([x + off for x in xs], [d[mode][k] for k in keys], width=0.4,
-                        label="tree-guided (DSR)" if mode == "tree" else "global rewrite")
-        axes[7].set_xticks(list(xs), keys)
-        axes[7].set_title(f"DSR repair at 4 calls, LeanLite ({len(report['dsr']['seeds'])} seeds)")
-        axes[7].legend()
+def _densesteer(report: dict, axes: list) -> None:
+    s = report["densesteer"]["summary"]
+    seeds = len(report["densesteer"]["seeds"])
+    for layer, color in zip(STEER_LAYERS, ("tab:gray", "tab:blue")):
+        arms = [f"L{layer}/{lam:g}" for lam in STRENGTHS]
+        for ax, key in zip(axes, ("rho", "steps", "accuracy", "self_nll")):
+            ax.plot(STRENGTHS, [s[a][key] for a in arms], marker="o", color=color,
+                    label=f"block {layer}" + (" (first)" if layer == 0 else " (middle)"))
+    titles = ("density ρ (tokens per step)", "denoising steps", "exact-match accuracy",
+              "self-NLL under the unsteered model (per token)")
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("steering strength λ")
+        ax.set_title(f"DenseSteer: {title}\nsteering the first vs a middle block ({seeds} seeds)", fontsize=10)
+    axes[0].legend()
+
+
+def _beaconkv(report: dict, axes: list) -> None:
+    s, seeds = report["beaconkv"]["summary"], len(report["beaconkv"]["seeds"])
+    for policy in KV_POLICIES:
+        for ax, key in zip(axes, ("recall_revisit", "recall_local")):
+            ax.plot(KV_BUDGETS, [s[f"{policy}/{b}"][key] for b in KV_BUDGETS], marker="o", label=policy)
+    for ax, key in zip(axes, ("revisiting", "local")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget B (kept keys besides 4 sink + 16 recent)")
+        ax.set_ylabel("attention-mass recall")
+        ax.set_title(f"BeaconKV vs other KV policies: {key} queries\n(synthetic harness, {seeds} seeds)", fontsize=10)
+    axes[0].legend()
     if "kv_recall" in report:
-        r = report["kv_recall"]["summary"]
-        budgets = report["kv_recall"]["budgets"]
+        r, budgets = report["kv_recall"]["summary"], report["kv_recall"]["budgets"]
         for policy in KV_POLICIES:
-            axes[8].plot(budgets, [r[f"{policy}/{b}"]["accuracy"] for b in budgets], marker="o", label=policy)
-        axes[8].axhline(r["full"]["accuracy"], color="black", linestyle="--", label="full cache")
-        axes[8].set_xscale("log", base=2)
-        axes[8].set_xlabel("budget B (kept keys besides 4 sink + 16 recent)")
-        axes[8].set_ylabel("values recalled")
-        axes[8].set_title(f"KV policies, taught recall task ({len(report['kv_recall']['seeds'])} seeds)")
-        axes[8].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+            axes[2].plot(budgets, [r[f"{policy}/{b}"]["accuracy"] for b in budgets], marker="o", label=policy)
+        axes[2].axhline(r["full"]["accuracy"], color="black", linestyle="--", label="full cache")
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xlabel("budget B (kept keys besides 4 sink + 16 recent)")
+        axes[2].set_ylabel("values recalled")
+        axes[2].set_title(f"BeaconKV vs other KV policies: a taught recall task\n"
+                          f"({len(report['kv_recall']['seeds'])} seeds)", fontsize=10)
+        axes[2].legend()
+
+
+def _guidance(report: dict, axes: list) -> None:
+    g, xs = report["guidance"]["summary"], range(len(GUIDANCE_ARMS))
+    axes[0].bar([x - 0.2 for x in xs], [g[a]["f1"] for a in GUIDANCE_ARMS], width=0.4, label="citation F1")
+    axes[0].bar([x + 0.2 for x in xs], [g[a]["correctness"] for a in GUIDANCE_ARMS], width=0.4,
+                label="number accuracy")
+    axes[0].set_xticks(list(xs), list(GUIDANCE_ARMS))
+    axes[0].set_title(f"Guidance vs its controls: cited-facts task ({len(report['guidance']['seeds'])} seeds)",
+                      fontsize=10)
+    axes[0].legend()
+
+
+def _dsr(report: dict, axes: list) -> None:
+    d = report["dsr"]["summary"]["from_broken"]
+    keys = [k for k in ("sc", "kept", "exact", "cc") if k in d["tree"]]
+    xs = range(len(keys))
+    for off, mode in ((-0.2, "tree"), (0.2, "global")):
+        axes[0].bar([x + off for x in xs], [d[mode][k] for k in keys], width=0.4,
+                    label="tree-guided (DSR)" if mode == "tree" else "global rewrite")
+    axes[0].set_xticks(list(xs), keys)
+    axes[0].set_title(f"DSR: tree-guided repair vs global rewrite at 4 calls\n(LeanLite, "
+                      f"{len(report['dsr']['seeds'])} seeds)", fontsize=10)
+    axes[0].legend()
+
+
+def _plot(report: dict, path: Path) -> None:
+    """One figure per method: `inference_methods_{densesteer,beaconkv,guidance,dsr}.png`."""
+    drawers = {"densesteer": (4, _densesteer), "beaconkv": (3 if "kv_recall" in report else 2, _beaconkv),
+               "guidance": (1, _guidance), "dsr": (1, _dsr)}
+    present = {name: (panels, lambda axes, draw=draw: draw(report, axes)) for name, (panels, draw) in drawers.items()
+               if name in report and (name != "dsr" or "from_broken" in report["dsr"]["summary"])}
+    method_figures(path, present)
 
 
 def main() -> None:

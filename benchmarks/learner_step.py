@@ -87,7 +87,8 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import models.families as families
-    from cluster.learner import LearnerWorker, free_port
+    from cluster.learner import LearnerWorker
+    from cluster.ray_utils import free_port
     from models.common import distinct_prompts
     from models.tiny import save_tiny
     from rl.batch import (
@@ -142,10 +143,10 @@ def main() -> None:
             import sys
 
             from models.blocks import compile_position_wise, compile_rotary
-            compile_position_wise(worker.engine.module)
-            compiled_calls = {m: m._compiled_call_impl for m in worker.engine.module.modules()
+            compile_position_wise(worker.strategy.engine.module)
+            compiled_calls = {m: m._compiled_call_impl for m in worker.strategy.engine.module.modules()
                               if getattr(m, "_compiled_call_impl", None) is not None}
-            for name in compile_rotary(worker.engine.module):  # its modeling module's function: compiled, original
+            for name in compile_rotary(worker.strategy.engine.module):  # its modeling module's function: compiled, original
                 fn = sys.modules[name].apply_rotary_pos_emb
                 rotary[sys.modules[name]] = (fn, fn.looprl_original)
         for step in range(args.steps + 1):
@@ -155,7 +156,7 @@ def main() -> None:
                     module._compiled_call_impl = call if compiled else None
                 for module, (fast, original) in rotary.items():
                     module.apply_rotary_pos_emb = fast if compiled else original
-                worker.engine.module.set_attn_implementation(kernel)
+                worker.strategy.engine.module.set_attn_implementation(kernel)
                 worker.family.share_prompts = "shared_prompts" in batching
                 worker.pack = batching.startswith("packed")
                 families.length_buckets = functools.partial(buckets, max_padding=padding_of[batching])

@@ -65,6 +65,29 @@ def held_out_report(per_seed: list[dict], models: list[str], measures, pairs: li
 
 
 
+def method_figures(path: Path, drawers: dict) -> list[Path]:
+    """One PNG per method beside `path` (`<stem>_<method>.png`), at most three panels a row, so that each reads on
+    a page. `drawers` maps a method to `(panels, draw)`; `draw(axes)` fills its panels and titles them."""
+    import math
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    for name, (panels, draw) in drawers.items():
+        cols = 2 if panels == 4 else min(panels, 3)
+        rows = math.ceil(panels / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 4.2 * rows), squeeze=False)
+        draw(list(axes.ravel()))
+        for ax in list(axes.ravel())[panels:]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        written.append(path.with_name(f"{path.stem}_{name}.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
 def write_report(report: dict, out: str, plot) -> None:
     """Write `report` as JSON to `out`, its figure (`plot(report, path)`) beside it as PNG, and print its summary."""
     path = Path(out)

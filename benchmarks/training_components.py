@@ -342,63 +342,70 @@ def summarize_lora_rl(rows: list[dict]) -> dict:
     return out
 
 
+def _simplenorm(report: dict, axes: list) -> None:
+    sn = report["simplenorm"]
+    lrs, s = sn["lrs"], sn["summary"]
+    high = f"{max(lrs):g}"
+    for arch, color in zip(ARCHS, ("tab:gray", "tab:blue")):
+        axes[0].plot(lrs, [s["held_out_loss"][arch][f"{lr:g}"] for lr in lrs], marker="o", color=color,
+                     label=arch)
+        curves = [r["runs"][f"{arch}/{high}"]["losses"] for r in sn["per_seed"]]
+        for i, losses in enumerate(c for c in curves if c is not None):  # a seed from its run log has none
+            axes[1].plot([10 * j for j in range(len(losses))], losses, color=color, alpha=0.6,
+                         label=arch if i == 0 else None)
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("learning rate")
+    axes[0].set_ylabel("held-out loss after training (mean of seeds)")
+    axes[0].set_title("SimpleGPT vs pre-norm: learning-rate sweep", fontsize=10)
+    axes[0].legend()
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("training loss")
+    axes[1].set_title(f"SimpleGPT vs pre-norm: training loss at lr {high}, every seed", fontsize=10)
+    axes[1].legend()
+
+
+def _zo(report: dict, axes: list) -> None:
+    rows = report["zo"]["per_seed"]
+    for arm, color in zip(ZO_ARMS, ("tab:gray", "tab:blue", "tab:orange")):
+        curves = [r[arm]["held_out_loss"] for r in rows]
+        mean = [statistics.mean(c[i] for c in curves) for i in range(len(curves[0]))]
+        axes[0].plot([100 * (i + 1) for i in range(len(mean))], mean, color=color, label=arm)
+    axes[0].set_xlabel("forward-only step (2 forwards each)")
+    axes[0].set_ylabel(f"task-B held-out loss (mean of {len(rows)} seeds)")
+    axes[0].set_title("ZO Fine-tuner vs MeZO", fontsize=10)
+    axes[0].legend()
+
+
+def _ulora(report: dict, axes: list) -> None:
+    su = report["ulora"]["summary"]
+    axes[0].bar(list(ULORA_ARMS), [su[a]["mean_test_mse"] for a in ULORA_ARMS], color="tab:green")
+    for i, a in enumerate(ULORA_ARMS):
+        axes[0].scatter([i] * len(su[a]["test_mse"]), su[a]["test_mse"], color="k", s=10, zorder=3)
+        axes[0].text(i, su[a]["mean_test_mse"], f"{su[a]['params']} params", ha="center", va="bottom", fontsize=7)
+    axes[0].set_ylabel("held-out MSE (bars: mean; dots: seeds)")
+    axes[0].set_title("U-LoRA vs LoRA: per-sequence utilization task", fontsize=10)
+    axes[0].tick_params(axis="x", labelsize=7)
+
+
+def _lora_rl(report: dict, axes: list) -> None:
+    rows = report["lora_rl"]["per_seed"]
+    for arm, color in zip(LORA_RL, ("tab:gray", "tab:blue")):
+        before = [r[arm]["accuracy_before_rl"] for r in rows]
+        after = [r[arm]["accuracy_after_rl"] for r in rows]
+        for i, (b, a) in enumerate(zip(before, after)):
+            axes[0].plot([0, 1], [b, a], marker="o", color=color, alpha=0.7, label=arm if i == 0 else None)
+    axes[0].set_xticks([0, 1], ["before RL", "after 60 GRPO steps"])
+    axes[0].set_ylabel("held-out accuracy (each line a seed)")
+    axes[0].set_title("LoRA vs full fine-tuning, quickstart", fontsize=10)
+    axes[0].legend()
+
+
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 5, figsize=(26, 4))
-    if "simplenorm" in report:
-        sn = report["simplenorm"]
-        lrs, s = sn["lrs"], sn["summary"]
-        high = f"{max(lrs):g}"
-        for arch, color in zip(ARCHS, ("tab:gray", "tab:blue")):
-            axes[0].plot(lrs, [s["held_out_loss"][arch][f"{lr:g}"] for lr in lrs], marker="o", color=color,
-                         label=arch)
-            curves = [r["runs"][f"{arch}/{high}"]["losses"] for r in sn["per_seed"]]
-            for i, losses in enumerate(c for c in curves if c is not None):  # a seed from its run log has none
-                axes[1].plot([10 * j for j in range(len(losses))], losses, color=color, alpha=0.6,
-                             label=arch if i == 0 else None)
-        axes[0].set_xscale("log")
-        axes[0].set_xlabel("learning rate")
-        axes[0].set_ylabel("held-out loss after training (mean of seeds)")
-        axes[0].set_title("SimpleGPT vs pre-norm: learning-rate sweep")
-        axes[0].legend()
-        axes[1].set_xlabel("step")
-        axes[1].set_ylabel("training loss")
-        axes[1].set_title(f"at lr {high}, every seed")
-        axes[1].legend()
-    if "zo" in report:
-        rows = report["zo"]["per_seed"]
-        for arm, color in zip(ZO_ARMS, ("tab:gray", "tab:blue", "tab:orange")):
-            curves = [r[arm]["held_out_loss"] for r in rows]
-            mean = [statistics.mean(c[i] for c in curves) for i in range(len(curves[0]))]
-            axes[2].plot([100 * (i + 1) for i in range(len(mean))], mean, color=color, label=arm)
-        axes[2].set_xlabel("forward-only step (2 forwards each)")
-        axes[2].set_ylabel(f"task-B held-out loss (mean of {len(rows)} seeds)")
-        axes[2].set_title("ZO Fine-tuner vs MeZO")
-        axes[2].legend()
-    if "ulora" in report:
-        su = report["ulora"]["summary"]
-        axes[3].bar(list(ULORA_ARMS), [su[a]["mean_test_mse"] for a in ULORA_ARMS], color="tab:green")
-        for i, a in enumerate(ULORA_ARMS):
-            axes[3].scatter([i] * len(su[a]["test_mse"]), su[a]["test_mse"], color="k", s=10, zorder=3)
-            axes[3].text(i, su[a]["mean_test_mse"], f"{su[a]['params']} params", ha="center", va="bottom", fontsize=7)
-        axes[3].set_ylabel("held-out MSE (bars: mean; dots: seeds)")
-        axes[3].set_title("U-LoRA vs LoRA: per-sequence utilization task")
-        axes[3].tick_params(axis="x", labelsize=7)
-    if "lora_rl" in report:
-        rows = report["lora_rl"]["per_seed"]
-        for arm, color in zip(LORA_RL, ("tab:gray", "tab:blue")):
-            before = [r[arm]["accuracy_before_rl"] for r in rows]
-            after = [r[arm]["accuracy_after_rl"] for r in rows]
-            for i, (b, a) in enumerate(zip(before, after)):
-                axes[4].plot([0, 1], [b, a], marker="o", color=color, alpha=0.7, label=arm if i == 0 else None)
-        axes[4].set_xticks([0, 1], ["before RL", "after 60 GRPO steps"])
-        axes[4].set_ylabel("held-out accuracy (each line a seed)")
-        axes[4].set_title("LoRA vs full fine-tuning, quickstart")
-        axes[4].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    """One figure per component: `training_components_{simplenorm,zo,ulora,lora_rl}.png`."""
+    from recipe_runs import method_figures
+    drawers = {"simplenorm": (2, _simplenorm), "zo": (1, _zo), "ulora": (1, _ulora), "lora_rl": (1, _lora_rl)}
+    method_figures(path, {name: (panels, lambda axes, draw=draw: draw(report, axes))
+                          for name, (panels, draw) in drawers.items() if name in report})
 
 
 def _seed_section(report: dict, name: str, seeds: list[int], run_seed, arms: tuple[str, ...], measure: str,

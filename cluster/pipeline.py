@@ -34,7 +34,7 @@ from rewards.service import RewardService, RewardSpec
 from rl.config import ConfigError, as_container, to_yaml
 from rl.data import load_rows, prompt_row_columns
 from rl.recipe import model_family
-from rl.registry import get, register
+from rl.registry import lookup, register
 from rl.sft_data import load_sft_rows, sft_examples
 from rl.stages import Stage, StageContext, StageError, say, stage_cfg
 from rl.validation import check_components
@@ -52,7 +52,7 @@ def prepare_model(cfg: DictConfig, out: Path) -> str:
     path = out / "base_model"
     t = cfg.model.tiny
     shutil.rmtree(path, ignore_errors=True)
-    added = list(t.added_tokens) + (list(getattr(get("task", cfg.data.synthetic.task), "added_tokens", []))
+    added = list(t.added_tokens) + (list(getattr(lookup("task", cfg.data.synthetic.task), "added_tokens", []))
                                     if t.task_tokens else [])
     save_tiny(path, seed=cfg.seed, arch=t.arch, loops=t.loops, added_tokens=added, norm_placement=t.norm_placement,
               hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,
@@ -68,7 +68,7 @@ def prepare_data(cfg: DictConfig, out: Path) -> dict[str, str | None]:
     if d.train_path is None or need_sft:
         s = d.synthetic
         common = {k: v for k, v in as_container(s).items() if k != "params"}
-        synth = get("task", s.task)(out / "data", **common, **as_container(s.params))
+        synth = lookup("task", s.task)(out / "data", **common, **as_container(s.params))
         if d.train_path is None:  # the synthetic task's held-out split goes with its training split
             paths["train"] = synth["train"]
             paths["eval"] = d.eval_path or (synth["eval"] if s.num_eval > 0 else None)
@@ -392,7 +392,7 @@ class EvaluateStage(Stage):
         if self.compare_before and after is not None:
             # the same workers with the policy the RL stage started from, then the RL weights back
             before_path = ctx.artifact_before("policy", "checkpoint")
-            state = pack_state(get("family", model_family(cfg, before_path))().load(before_path).state_dict())
+            state = pack_state(lookup("family", model_family(cfg, before_path))().load(before_path).state_dict())
             ray.get([w.load_weights.remote(state, -1) for w in workers])
             before = protocol_scores(generate, score, **runs)
             out.update(before_policy=before_path, mean_at_k_before=mean_at_k(before),

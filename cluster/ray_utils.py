@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,13 @@ ACTOR_ENV = {
     "HF_HUB_OFFLINE": "1",
     "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", ""),
 }
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def unfinished(refs: list, timeout_s: float) -> list[int]:

@@ -14,44 +14,47 @@ from rl.recipe import model_family
 from rollout.worker import RolloutWorker
 
 
+def shared_learner_options(cfg: DictConfig, placement: Placement) -> dict[str, Any]:
+    """What every learner group of a run takes from the recipe's `learner`, `model` and `trainer` sections: its
+    ranks' placement, precision, ZeRO stage, micro-batching and deadline."""
+    lc = cfg.learner
+    return dict(placement_group=placement.group, bundle_indices=placement.learner_bundles,
+                num_gpus=placement.gpus_per_actor, env=actor_env(), optimizer=as_container(lc.optimizer),
+                zero_stage=lc.zero_stage, dtype=cfg.model.dtype, backend=lc.backend,
+                gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed, threads=lc.threads,
+                trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
+                deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
+                attn_implementation=lc.attn_implementation)
+
+
 def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
                        micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
                        with_ref: bool = False, family: str | None = None, wait: bool = True) -> LearnerGroup:
     """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
     settings are arguments, everything else comes from the recipe's `learner`/`model` sections (`family`:
     another model family than the policy's, e.g. a reward model's `sequence_score`)."""
-    lc = cfg.learner
+    lc, policy = cfg.learner, family is None
     return LearnerGroup(
-        lc.world_size, model_path, placement_group=placement.group, bundle_indices=placement.learner_bundles,
-        num_cpus=lc.num_cpus, num_gpus=placement.gpus_per_actor, env=actor_env(),
-        lr=lr, weight_decay=weight_decay, optimizer=as_container(lc.optimizer), scheduler=as_container(scheduler),
-        family=family or model_family(cfg, model_path), zero_stage=lc.zero_stage, micro_batch_size=micro_batch_size,
-        grad_accum=grad_accum, grad_clip=lc.grad_clip, dtype=cfg.model.dtype, backend=lc.backend, with_ref=with_ref,
-        warmup_steps=warmup_steps, total_steps=total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
-        seed=cfg.seed, threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code,
-        offload_between_phases=lc.offload_between_phases, pack_sequences=lc.pack_sequences,
-        deadline_s=cfg.trainer.deadlines.learner_s,
-        logprob_chunk_tokens=lc.logprob_chunk_tokens, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
-        attn_implementation=lc.attn_implementation,
-        adapter=as_container(lc.adapter) if lc.adapter and family is None else None,  # the policy's adapter
-        share_prompts=lc.share_prompts and family is None,
-        compile_position_wise=lc.compile_position_wise and family is None, wait=wait)
+        lc.world_size, model_path, **shared_learner_options(cfg, placement), num_cpus=lc.num_cpus,
+        lr=lr, weight_decay=weight_decay, scheduler=as_container(scheduler),
+        family=family or model_family(cfg, model_path), micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum, grad_clip=lc.grad_clip, with_ref=with_ref, warmup_steps=warmup_steps,
+        total_steps=total_steps, offload_between_phases=lc.offload_between_phases,
+        logprob_chunk_tokens=lc.logprob_chunk_tokens,
+        adapter=as_container(lc.adapter) if lc.adapter and policy else None,  # the policy's adapter
+        share_prompts=lc.share_prompts and policy, compile_position_wise=lc.compile_position_wise and policy,
+        wait=wait)
 
 
 def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int,
                       wait: bool = True) -> LearnerGroup:
     """The value model's DeepSpeed group, on the learner bundles beside the policy's ranks (they take turns)."""
-    lc, c = cfg.learner, cfg.critic
+    lc, c, a = cfg.learner, cfg.critic, cfg.algorithm
     return LearnerGroup(
-        lc.world_size, c.model_path or model_path, placement_group=placement.group,
-        bundle_indices=placement.learner_bundles, num_cpus=0, num_gpus=placement.gpus_per_actor, env=actor_env(),
-        lr=c.lr, weight_decay=lc.weight_decay, optimizer=as_container(lc.optimizer), family="value",
-        zero_stage=lc.zero_stage, micro_batch_size=lc.micro_batch_size, grad_accum=grad_accum, grad_clip=c.grad_clip,
-        dtype=cfg.model.dtype, backend=lc.backend, total_steps=cfg.trainer.steps * cfg.algorithm.ppo_epochs
-        * cfg.algorithm.mini_batches, gradient_checkpointing=cfg.model.gradient_checkpointing, seed=cfg.seed,
-        threads=lc.threads, trust_remote_code=cfg.model.trust_remote_code, pack_sequences=lc.pack_sequences,
-        deadline_s=cfg.trainer.deadlines.learner_s, max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
-        attn_implementation=lc.attn_implementation, wait=wait)
+        lc.world_size, c.model_path or model_path, **shared_learner_options(cfg, placement), num_cpus=0,
+        lr=c.lr, weight_decay=lc.weight_decay, family="value", micro_batch_size=lc.micro_batch_size,
+        grad_accum=grad_accum, grad_clip=c.grad_clip, total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
+        wait=wait)
 
 
 def adapter_kwargs(cfg: DictConfig) -> dict[str, Any]:

@@ -19,8 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from cluster.checkpoints import latest_checkpoint
-from cluster.learner import free_port
-from cluster.ray_utils import actor_env, bundle_options, init_ray, make_placement
+from cluster.ray_utils import actor_env, bundle_options, free_port, init_ray, make_placement
 from cluster.roles import make_learner_group, make_rollout_workers
 from cluster.rollout_pipeline import generate
 from cluster.trainer import RLTrainer
@@ -77,6 +76,9 @@ class Runtime(StageRuntime):
     def start_actor(self, cls: type, *args: Any, bundle: int = 0, num_gpus: float = 0.0) -> Any:
         return ray.remote(cls).options(**bundle_options(self.placement, bundle, num_gpus)).remote(*args)
 
+    def call(self, actor: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(actor, method).remote(*args, **kwargs)
+
     def wait(self, refs: Any, timeout: float | None = None) -> Any:
         return ray.get(refs, timeout=timeout)
 
@@ -94,6 +96,11 @@ class Runtime(StageRuntime):
 
     def start_rollout_workers(self, cfg: DictConfig, model_path: str) -> list[Any]:
         return make_rollout_workers(cfg, model_path, self.placement)
+
+    def release_trainer(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
 
     @contextmanager
     def rollout_workers(self, ctx: StageContext, cfg: DictConfig) -> Iterator[list[Any]]:

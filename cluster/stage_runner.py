@@ -13,7 +13,7 @@ import ray
 from omegaconf import DictConfig
 
 from rl.config import as_container
-from rl.registry import get
+from rl.registry import lookup
 from rl.stages import (
     Stage,
     StageContext,
@@ -46,7 +46,7 @@ def _run_remote(spec: str, params: dict[str, Any], key: str, ctx: StageContext
 
 def make_stage(spec: str, params: dict[str, Any], key: str) -> Any:
     """The stage object for `spec` with `params`; a wrong parameter fails naming the recipe key."""
-    cls = get("stage", spec)
+    cls = lookup("stage", spec)
     try:
         return cls(**params)
     except TypeError as exc:

@@ -6,7 +6,6 @@ service, learner group) are Ray actors placed by `cluster.ray_utils.make_placeme
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import random
@@ -21,25 +20,24 @@ import torch
 from omegaconf import DictConfig
 
 from cluster.checkpoints import prune_checkpoints
+from cluster.colocation import Colocation
 from cluster.perf import ceilings, engine_seconds, utilisation
 from cluster.ray_utils import Placement, unfinished
 from cluster.roles import make_critic_group, make_learner_group, make_rollout_workers
 from cluster.rollout_pipeline import PendingRollout, gather_rollout, split_informative, submit_generation
-from rl.advantages import gae_advantages_and_returns, outcome_token_rewards
+from cluster.weight_sync import make_transport
+from cluster.weight_sync.object_store import ObjectStoreTransport
+from rl.algorithm import RLAlgorithm
 from rl.batch import Batch
-from rl.config import as_container
-from rl.losses import kl_in_reward, kl_penalty
-from rl.recipe import needs_critic, policy_loss_params
-from rl.registry import get
+from rl.recipe import as_container
+from rl.registry import lookup
 from rl.step import (
     apply_length_shaping,
     attach_rewards,
     component_means,
     episode_metrics,
-    estimate_advantages,
     group_fraction,
     reward_items,
-    step_verified_fraction,
 )
 from rl.validation import check_weight_sync
 from rollout.worker import RolloutWorkerRestarted, RolloutWorkerStuck
@@ -59,21 +57,11 @@ class RLTrainer:
         self.out = Path(cfg.output_dir)
         self.step_idx = 0
         ps = cfg.trainer.prompt_sampler
-        self.sampler = get("sampler", ps.name)(train_rows, cfg.seed, **as_container(ps.params))
-        a, lc = cfg.algorithm, cfg.learner
-        self.need_ref = a.kl_coef > 0
-        self.samples_per_update = cfg.trainer.prompts_per_step * cfg.rollout.n // a.mini_batches
-        self.grad_accum = max(1, math.ceil(self.samples_per_update / lc.world_size / lc.micro_batch_size))
-        # The learner's logprobs are of the distribution the rollout sampled from: temperature, and the
-        # top-k / top-p truncation when there is one, so that the PPO ratio, the rollout-correction weights
-        # and the mismatch metrics compare one distribution (the rollout engines report processed logprobs).
-        r = cfg.rollout
-        self.sampling_distribution = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
-        self.adv_fn = get("advantage", a.advantage)
-        self.adv_params = inspect.signature(self.adv_fn).parameters
-        loss_fn = get("loss", a.loss)  # fail now, not after the first rollout
-        self.loss_inputs = inspect.signature(loss_fn).parameters
-        self.loss_params = policy_loss_params(cfg, loss_fn)  # what the recipe decides, the same every step
+        self.sampler = lookup("sampler", ps.name)(train_rows, cfg.seed, **as_container(ps.params))
+        self.algorithm = RLAlgorithm(cfg)
+        samples_per_update = cfg.trainer.prompts_per_step * cfg.rollout.n // cfg.algorithm.mini_batches
+        lc = cfg.learner
+        self.grad_accum = max(1, math.ceil(samples_per_update / lc.world_size / lc.micro_batch_size))
         self._start_roles()
         self.hardware = self._measure_hardware()
         # At start-up another process may still share the cores (Ray's own agents start beside the roles): a run
@@ -84,8 +72,10 @@ class RLTrainer:
         self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
         self.rollout_restarts = 0  # rollouts regenerated because a rollout worker died
         self.sync_bytes: float | None = None  # bytes one weight sync sends (logged as rollout/sync_bytes)
-        if cfg.rollout.weight_sync == "collective":
-            self._init_collective_sync()
+        r = cfg.rollout
+        self.weight_sync = make_transport(r.weight_sync, self.learners, self.rollout, bucket_mb=r.sync_bucket_mb,
+                                          gpus=bool(placement.gpus_per_actor),
+                                          keep_versions=cfg.trainer.max_staleness + 1)
 
     def _start_roles(self) -> None:
         """The learner group (and critic), then the rollout workers. They start side by side (model loading and
@@ -95,17 +85,16 @@ class RLTrainer:
         together = not lc.offload_between_phases
         self.learners = make_learner_group(
             cfg, self.model_path, self.placement, lr=lc.lr, weight_decay=lc.weight_decay,
-            micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.need_ref,
+            micro_batch_size=lc.micro_batch_size, grad_accum=self.grad_accum, with_ref=self.algorithm.need_ref,
             scheduler=lc.scheduler, warmup_steps=lc.warmup_steps,
             total_steps=cfg.trainer.steps * a.ppo_epochs * a.mini_batches, wait=not together)
         self.critic = (make_critic_group(cfg, self.model_path, self.placement, self.grad_accum, wait=not together)
-                       if needs_critic(cfg) else None)
-        # colocated roles take turns on one device: the learner's states wait in host memory while the
-        # engines generate, the engines sleep while the learner computes
-        self.swap_phases = cfg.rollout.sleep_between_phases or lc.offload_between_phases
-        if lc.offload_between_phases:
+                       if self.algorithm.critic else None)
+        if lc.offload_between_phases:  # the engines start once the learner's states have left the device
             self.learners.offload_states()
         self.rollout = make_rollout_workers(cfg, self.model_path, self.placement, wait=not together)
+        self.phases = Colocation(self.learners, self.rollout,
+                                 swap=cfg.rollout.sleep_between_phases or lc.offload_between_phases)
         if together:
             for group in (self.learners, self.critic):
                 if group is not None:
@@ -124,112 +113,48 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
         """One RL step: rollout → rewards → logprobs → advantages → policy update → weight sync."""
-        a = self.cfg.algorithm
         t_start, timing = time.perf_counter(), {}
-        if self.swap_phases:  # colocated roles take turns: the learner's states wait in host memory
-            self.learners.offload_states()
+        self.phases.rollout_turn()  # colocated roles take turns on a device (cluster.colocation)
         batch, metrics = self.collect(timing)  # generate and score (dynamic sampling tops up)
-        if self.swap_phases:
-            with _timer(timing, "swap"):
-                ray.get([w.sleep.remote() for w in self.rollout])
-                self.learners.reload_states()
+        self.phases.learner_turn(timing)
         with _timer(timing, "logprobs"):
-            if a.ppo_epochs * a.mini_batches > 1:  # the PPO ratio's denominator after the first update
-                batch.old_logp = self.learners.compute_logprobs(batch, "policy", **self.sampling_distribution)
-            if self.need_ref:
-                batch.ref_logp = self.learners.compute_logprobs(batch, "ref", **self.sampling_distribution)
-            if self.critic is not None:
-                batch.set_extra("values", self.critic.compute_logprobs(batch, output="values"), pad="right")
-        rewards = self.kl_shaped_rewards(batch, metrics)
-        token_rewards = self.token_rewards(batch) if self.critic is not None or "token_rewards" in self.adv_params \
-            else None
-        batch.advantages = self.advantages(batch, rewards, token_rewards)
-        if "step_verified_frac" in self.loss_inputs and any(batch.step_rewards):
-            batch.set_extra("step_verified_frac", step_verified_fraction(batch.step_rewards))
+            self.logprob_passes(batch)  # old policy, reference, critic values: what the algorithm needs
+        token_rewards = self.algorithm.advantages(batch, metrics)
         with _timer(timing, "train"):
-            if self.critic is not None:
-                metrics.update(self.update_critic(batch, token_rewards))
-            warming_up = self.critic is not None and self.step_idx < self.cfg.critic.warmup_steps
-            train_metrics = [] if warming_up else self.update(batch)
+            train_metrics = self.update(batch, token_rewards, metrics)
         self.step_idx += 1
         with _timer(timing, "sync"):
-            if self.swap_phases:  # weights first: the new ones go straight in
-                ray.get([w.wake.remote(["weights"]) for w in self.rollout])
-            # the engines' load time (with max_staleness > 0: of the previous update, loaded in the background)
-            metrics["rollout/weight_load_s"] = self.sync_weights()
-            if self.cfg.rollout.weight_sync != "cuda_ipc":  # what one sync sent (the adapter's tensors alone with one)
-                if self.sync_bytes is None:  # the same every step: asked once, so pipelined syncs never wait on it
-                    self.sync_bytes = float(ray.get(self.learners.workers[0].last_sync_bytes.remote()))
-                metrics["rollout/sync_bytes"] = self.sync_bytes
-        if self.swap_phases:  # the KV cache comes back after the learner has left the device
-            metrics["memory/learner_gpu_gib_loaded"] = self.learners.gpu_memory_gib()
-            with _timer(timing, "swap"):
-                self.learners.offload_states()
-                metrics["memory/learner_gpu_gib_offloaded"] = self.learners.gpu_memory_gib()
-                ray.get([w.wake.remote(["kv_cache"]) for w in self.rollout])
+            self.phases.weights_turn()
+            metrics.update(self.sync_weights_and_measure())
+        metrics.update(self.phases.cache_turn(timing))
         return self.step_metrics(batch, metrics, train_metrics, timing, time.perf_counter() - t_start)
 
-    def advantages(self, batch: Batch, rewards: torch.Tensor, token_rewards: torch.Tensor | None) -> torch.Tensor:
-        return estimate_advantages(batch, rewards, token_rewards, self.adv_fn,
-                                   as_container(self.cfg.algorithm.advantage_params), self.cfg.reward.failed_samples)
+    def logprob_passes(self, batch: Batch) -> None:
+        """The learners' forward passes the algorithm needs, into `batch`: the old policy's logprobs (the PPO
+        ratio's denominator after the first update), the reference's (KL), the critic's values."""
+        algo = self.algorithm
+        if algo.need_old_logp:
+            batch.old_logp = self.learners.compute_logprobs(batch, "policy", **algo.sampling)
+        if algo.need_ref:
+            batch.ref_logp = self.learners.compute_logprobs(batch, "ref", **algo.sampling)
+        if self.critic is not None:
+            batch.set_extra("values", self.critic.compute_logprobs(batch, output="values"), pad="right")
 
-    def kl_shaped_rewards(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
-        """The rewards the advantages are computed from: minus the KL to the reference when `kl_in_reward`;
-        the behaviour policy's KL is logged either way."""
-        a, rewards = self.cfg.algorithm, batch.rewards
-        if self.need_ref:
-            behaviour = batch.old_logp if batch.old_logp is not None else batch.rollout_logp
-            penalised, seq_kl = kl_in_reward(rewards, behaviour, batch.ref_logp, batch.response_mask,
-                                             a.kl_coef, a.kl_estimator)
-            metrics["actor/kl"] = float(seq_kl.sum() / batch.response_mask.sum().clamp(min=1))
-            if a.kl_in_reward:
-                rewards = penalised
-        return rewards
-
-    def token_rewards(self, batch: Batch) -> torch.Tensor:
-        """`[N, L]` rewards per token for a token-level estimator (GAE): the outcome on the last token, minus
-        `kl_coef` times each token's KL to the reference when the KL is in the reward."""
-        a = self.cfg.algorithm
-        out = outcome_token_rewards(batch.rewards, batch.response_mask)
-        if self.need_ref and a.kl_in_reward:
-            behaviour = batch.old_logp if batch.old_logp is not None else batch.rollout_logp
-            out = out - a.kl_coef * kl_penalty(behaviour, batch.ref_logp, a.kl_estimator) * batch.response_mask
-        return out
-
-    def update_critic(self, batch: Batch, token_rewards: torch.Tensor) -> dict[str, float]:
-        """The critic's clipped value regression onto the GAE returns of the values it gave before the update
-        (`ppo_epochs` passes over `mini_batches`, as the policy)."""
-        a, c = self.cfg.algorithm, self.cfg.critic
-        values = batch.extras["values"].value
-        gamma, lam = (as_container(a.advantage_params).get(k, self.adv_params[k].default) for k in ("gamma", "lam"))
-        _, returns = gae_advantages_and_returns(token_rewards, values, batch.response_mask, gamma, lam)
-        batch.set_extra("old_values", values, pad="right")
-        batch.set_extra("returns", returns, pad="right")
-        results = [self.critic.train_step(mb, self.grad_accum, "value_clip", {"clip": c.value_clip, "agg": "token-mean"})
-                   for mb in self.mini_batches(batch, self.cfg.seed * 37 + self.step_idx)]
-        mask = batch.response_mask.bool()
-        residual_var = float((returns - values)[mask].var())
-        out = {f"critic/{k}": sum(r[k] for r in results) / len(results)
-               for k in ("loss", "grad_norm", "value_clip_frac", "values_mean")}
-        out["critic/explained_variance"] = 1.0 - residual_var / max(float(returns[mask].var()), 1e-8)
-        out["critic/returns_mean"] = float(returns[mask].mean())
-        return out
-
-    def update(self, batch: Batch) -> list[dict[str, float]]:
-        """`ppo_epochs` passes over `mini_batches` shuffled mini-batches, one optimizer step each."""
-        cfg, a = self.cfg, self.cfg.algorithm
-        correction = {"level": a.is_correction, "mode": a.is_mode, "cap": a.is_cap}
-        return [self.learners.train_step(mb, self.grad_accum, a.loss, self.loss_params, need_entropy=True,
-                                         rollout_correction=correction, **self.sampling_distribution)
-                for mb in self.mini_batches(batch, cfg.seed * 31 + self.step_idx)]
-
-    def mini_batches(self, batch: Batch, seed: int):
-        """`ppo_epochs` passes over `mini_batches` mini-batches of `batch`, reshuffled each pass (seeded)."""
-        a = self.cfg.algorithm
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(a.ppo_epochs):
-            order = torch.randperm(len(batch), generator=gen) if a.mini_batches > 1 else torch.arange(len(batch))
-            yield from batch.select(order).split(a.mini_batches)
+    def update(self, batch: Batch, token_rewards: torch.Tensor | None, metrics: dict[str, float]
+               ) -> list[dict[str, float]]:
+        """The critic's update (when there is one), then the policy's: `ppo_epochs` passes over `mini_batches`
+        shuffled mini-batches, one optimizer step each (none while the critic warms up)."""
+        algo = self.algorithm
+        if self.critic is not None:
+            returns = algo.critic_targets(batch, token_rewards)
+            results = [self.critic.train_step(mb, self.grad_accum, "value_clip",
+                                              {"clip": algo.value_clip, "agg": "token-mean"})
+                       for mb in algo.mini_batches(batch, algo.seed * 37 + self.step_idx)]
+            metrics.update(algo.critic_metrics(batch, returns, results))
+            if self.step_idx < algo.critic_warmup_steps:
+                return []
+        return [self.learners.train_step(mb, self.grad_accum, **algo.policy_loss_kwargs())
+                for mb in algo.mini_batches(batch, algo.seed * 31 + self.step_idx)]
 
     def step_metrics(self, batch: Batch, metrics: dict[str, float], train_metrics: list[dict[str, float]],
                      timing: dict[str, float], step_s: float) -> dict[str, float]:
@@ -391,18 +316,6 @@ class RLTrainer:
             raise RolloutWorkerStuck(f"rollout worker(s) {stuck} did not {doing} within {limit:g} s "
                                      f"(trainer.deadlines.{deadline}); killed for a restart")
 
-    def _init_collective_sync(self) -> None:
-        """Form the weight-sync process group: learner rank 0 and every rollout worker (NCCL when the
-        roles have GPUs, else gloo). Formed again after a rollout worker is restarted."""
-        host, port = ray.get(self.learners.workers[0].weight_sync_endpoint.remote())
-        world = 1 + len(self.rollout)
-        backend = "nccl" if self.placement.gpus_per_actor else "gloo"
-        senders = [w.init_weight_sync_group.remote(host, port, world, backend) for w in self.learners.workers]
-        receivers = [r.init_weight_sync_group.remote(host, port, i + 1, world, backend)
-                     for i, r in enumerate(self.rollout)]
-        self.sync_meta = ray.get(senders)[0]
-        ray.get(receivers)
-
     def _resync_rollout_workers(self) -> None:
         """Wait until every rollout worker is alive again and give them all the current weights."""
         deadline = time.monotonic() + 600
@@ -418,10 +331,10 @@ class RLTrainer:
                     if time.monotonic() > deadline:  # still restarting (loading its model) after 10 minutes
                         raise RuntimeError(f"rollout worker {i} did not come back within 600 s: {exc}") from exc
                     time.sleep(0.5)
-        state = self.learners.workers[0].weights_for_sync.remote()
-        ray.get([w.load_weights.remote(state, self.step_idx) for w in self.rollout])
-        if self.cfg.rollout.weight_sync == "collective":  # the restarted worker left the old group
-            self._init_collective_sync()
+        # the current weights through the object store (every learner rank takes part: ZeRO-3 gathers them)
+        waits, loads = ObjectStoreTransport(self.learners, self.rollout).push(self.step_idx)
+        ray.get(waits + loads)
+        self.weight_sync.reset()  # a collective's group is formed again: the restarted worker left it
 
     def _fill_pipeline(self) -> None:
         """Keep the rollouts of steps `step_idx .. step_idx + max_staleness` submitted (never past the
@@ -432,37 +345,38 @@ class RLTrainer:
             self.pending.append(self._submit(self.next_submit, 0))
             self.next_submit += 1
 
+    def sync_weights_and_measure(self) -> dict[str, float]:
+        """The sync after an update, with the engines' load time (with max_staleness > 0: of the previous update,
+        loaded in the background) and the bytes one sync sends (the adapter's tensors alone with one)."""
+        metrics = {"rollout/weight_load_s": self.sync_weights()}
+        if self.cfg.rollout.weight_sync != "cuda_ipc":
+            if self.sync_bytes is None:  # the same every step: asked once, so pipelined syncs never wait on it
+                self.sync_bytes = float(ray.get(self.learners.workers[0].last_sync_bytes.remote()))
+            metrics["rollout/sync_bytes"] = self.sync_bytes
+        return metrics
+
     def sync_weights(self) -> float:
-        """Learner rank 0's full weights (ZeRO-3 gathers first) into every rollout engine.
+        """Learner rank 0's full weights (ZeRO-3 gathers first) into every rollout engine, by the recipe's
+        transport (`cluster.weight_sync`).
 
         Synchronous runs wait for the rollout engines to load them and return the longest load time.
-        With max_staleness > 0 the loads are queued behind the in-flight generations (each rollout
-        worker runs its calls in order) and this returns at once; their times are read on the next call.
+        With max_staleness > 0 the loads of a pipelined transport are queued behind the in-flight generations
+        (each rollout worker runs its calls in order) and this returns at once; their times are read on the
+        next call.
         """
-        if self.cfg.rollout.weight_sync == "collective":
-            bucket = self.cfg.rollout.sync_bucket_mb << 20
-            sends = [w.broadcast_weights.remote(bucket) for w in self.learners.workers]
-            loads = [r.receive_weights.remote(self.step_idx, self.sync_meta, bucket) for r in self.rollout]
-            self.learners.get_all(sends, "the weight broadcast")
+        waits, loads = self.weight_sync.push(self.step_idx)
+        if not self.weight_sync.pipelined:
             self._kill_stuck_rollout_workers(loads, "sync_s", "load the weights")
             return max(ray.get(loads))
-        if self.cfg.rollout.weight_sync == "cuda_ipc":  # rollout worker i reads learner rank i's GPU buckets
-            bucket, keep = self.cfg.rollout.sync_bucket_mb << 20, self.cfg.trainer.max_staleness + 1
-            refs = [w.share_weights_ipc.remote(bucket, keep) for w in self.learners.workers]
-            loads = [r.load_weights_ipc.remote(refs[i], self.step_idx) for i, r in enumerate(self.rollout)]
-        else:
-            refs = [w.weights_for_sync.remote() for w in self.learners.workers]
-            state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
-            loads = [r.load_weights.remote(state, self.step_idx) for r in self.rollout]
         if self.cfg.trainer.max_staleness == 0:
-            ray.get(refs[1:])
+            ray.get(waits)
             try:
                 self._kill_stuck_rollout_workers(loads, "sync_s", "load the weights")
                 return max(ray.get(loads))
             except (ray.exceptions.RayActorError, RolloutWorkerStuck):  # restart it with these weights
                 self._resync_rollout_workers()
                 return 0.0
-        done, self.pending_loads = self.pending_loads, loads + refs[1:]
+        done, self.pending_loads = self.pending_loads, loads + waits
         times = []
         for ref in done:
             try:
@@ -503,14 +417,10 @@ class RLTrainer:
     def restore(self, ckpt: Path) -> None:
         """Checkpoint `ckpt` into the live run after its last step (the checkpoint `trainer.select_by` chose), in
         the learners and the rollout engines, with the phases in the state a step leaves them in."""
-        if self.swap_phases:  # as in a step: the engines sleep while the learner is on the device
-            ray.get([w.sleep.remote() for w in self.rollout])
-            self.learners.reload_states()
-            ray.get([w.wake.remote(["weights"]) for w in self.rollout])
+        self.phases.learner_turn({})  # as in a step: the engines sleep while the learner is on the device
+        self.phases.weights_turn()
         self.load_checkpoint(ckpt)
-        if self.swap_phases:
-            self.learners.offload_states()
-            ray.get([w.wake.remote(["kv_cache"]) for w in self.rollout])
+        self.phases.cache_turn({})
 
     def _ask_learners_and_rollout(self, method: str) -> dict[str, Any]:
         """`method()` of every learner rank and rollout worker, keyed learner0.., rollout0.."""

@@ -1,6 +1,6 @@
 """Writes the generated pages of the documentation site into `docs/`: the home page (the README), one page per
-method (each `rl/methods/NAME/README.md`), the methods' index, and the benchmarks page (`benchmarks/README.md`).
-`make docs` runs it before `mkdocs build --strict`; the generated pages are not committed (`.gitignore`)."""
+method (each `rl/methods/NAME/README.md`), the methods' index, the benchmarks' index (`benchmarks/README.md`) and
+the figures the benchmark pages show. `make docs` runs it before `mkdocs build --strict`; the generated pages are not committed (`.gitignore`)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,21 @@ def generate() -> list[Path]:
     # the README's pointers into docs/ become links of the site
     text = re.sub(r"`docs/([a-z/_-]+\.md)`", r"[\1](\1)", (ROOT / "README.md").read_text())
     home.write_text(text)
-    bench = DOCS / "benchmarks.md"
-    bench.write_text((ROOT / "benchmarks" / "README.md").read_text())
-    return [*written, index, home, bench]
+    return [*written, index, home, *benchmark_pages()]
+
+
+def benchmark_pages() -> list[Path]:
+    """The benchmarks' index (`benchmarks/README.md`, its links into docs/ made links of the site) and the figures
+    the recorded-results pages (`docs/benchmarks/*.md`, committed) show, copied from `benchmarks/results/`."""
+    bench = DOCS / "benchmarks"
+    index = bench / "index.md"
+    index.write_text(re.sub(r"\(\.\./docs/benchmarks/([a-z_-]+\.md)\)", r"(\1)",
+                            (ROOT / "benchmarks" / "README.md").read_text()))
+    images = bench / "img"
+    shutil.rmtree(images, ignore_errors=True)
+    images.mkdir()
+    copied = [Path(shutil.copy(png, images)) for png in sorted((ROOT / "benchmarks" / "results").glob("*.png"))]
+    return [index, *copied]
 
 
 if __name__ == "__main__":

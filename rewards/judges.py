@@ -25,10 +25,10 @@ class JudgeWorker:
                  device: str = "cpu", threads: int = 1, chat_template: bool = False):
         import torch
 
-        from rl.registry import get
+        from rl.registry import lookup
         torch.set_num_threads(threads)
         self.model_path, self.chat_template = model_path, chat_template
-        self.engine = get("engine", engine)(model_path, dtype=dtype, device=device, **(engine_params or {}))
+        self.engine = lookup("engine", engine)(model_path, dtype=dtype, device=device, **(engine_params or {}))
 
     def generate(self, prompts: list[str], sampling: dict[str, Any]) -> list[str]:
         from rl.data import format_prompt

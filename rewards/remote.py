@@ -36,8 +36,8 @@ def make_app(spec: str, params: dict[str, Any] | None = None, timeout_s: float =
     from aiohttp import web
 
     from rewards.scoring import score_chunk
-    from rl.registry import get
-    get("reward", spec)
+    from rl.registry import lookup
+    lookup("reward", spec)
     params = dict(params or {})
     pool = ProcessPoolExecutor(num_workers, mp_context=get_context("spawn"))
 

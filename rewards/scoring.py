@@ -44,8 +44,8 @@ _FN_CACHE: dict[str, Any] = {}
 
 def _resolve(spec: str) -> Any:
     if spec not in _FN_CACHE:
-        from rl.registry import get
-        _FN_CACHE[spec] = get("reward", spec)
+        from rl.registry import lookup
+        _FN_CACHE[spec] = lookup("reward", spec)
     return _FN_CACHE[spec]
 
 
@@ -71,9 +71,9 @@ def _with_timeout(timeout_s: float, fn, *args, **kwargs):
 
 def load_rewards(names: list[str]) -> int:
     """Import the reward functions `names` in a worker process ahead of the first chunk (a warm-up)."""
-    from rl.registry import get
+    from rl.registry import lookup
     for name in names:
-        get("reward", name)
+        lookup("reward", name)
     return len(names)
 
 

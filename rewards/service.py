@@ -29,14 +29,14 @@ class RewardService(ActorProbes):
                  failure_reward: float = 0.0, judges: dict[str, Any] | None = None, grace_s: float = 30.0):
         if not functions:
             raise ValueError("the reward service needs at least one reward function")
-        from rl.registry import get
+        from rl.registry import lookup
         keys = [f.key for f in functions]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
             raise ValueError(f"reward functions {dup} appear more than once: give each a distinct `label`")
         # fail at start-up, in the driver, for plugins that cannot be loaded; rewards that call judges run
         # in this process (where the judges' Ray handles live), the others in the worker pool
-        self.in_process = {f.key for f in functions if needs_judges(get("reward", f.name))}
+        self.in_process = {f.key for f in functions if needs_judges(lookup("reward", f.name))}
         self.functions = functions
         self.judges: dict[str, Any] = dict(judges or {})
         self.num_workers = max(1, num_workers)
@@ -66,10 +66,10 @@ class RewardService(ActorProbes):
 
     def _score_in_process(self, f: RewardSpec, items: list[dict]) -> list[tuple[Any, str | None]]:
         """A judge-calling (batched) reward, run here; an exception marks every sample of the call failed."""
-        from rl.registry import get
+        from rl.registry import lookup
         cols = {k: [it.get(k) for it in items] for k in items[0]}
         try:
-            out = get("reward", f.name)(cols.pop("prompt"), cols.pop("response"), judges=self.judges,
+            out = lookup("reward", f.name)(cols.pop("prompt"), cols.pop("response"), judges=self.judges,
                                         **cols, **dict(f.params))
         except Exception as exc:
             tb = traceback.format_exception_only(type(exc), exc)[-1].strip()

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from models.families import family_for_model_type
-from rl.registry import get
+from rl.registry import lookup
 
 
 class ConfigError(ValueError):
@@ -43,7 +43,7 @@ def model_type_of(model_path: str) -> str:
 
 def needs_critic(cfg: DictConfig) -> bool:
     """Whether the recipe's advantage estimator reads a value model's `values` (PPO's `gae`)."""
-    return "values" in inspect.signature(get("advantage", cfg.algorithm.advantage)).parameters
+    return "values" in inspect.signature(lookup("advantage", cfg.algorithm.advantage)).parameters
 
 
 def policy_loss_params(cfg: DictConfig, loss_fn: Any) -> dict[str, Any]:

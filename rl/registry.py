@@ -1,6 +1,6 @@
 """Name → object registry for pluggable pieces (advantage estimators, losses, rewards, engines, ...).
 
-`get(kind, spec)` resolves, in order:
+`lookup(kind, spec)` resolves, in order:
   * a short name registered with `@register(kind, name)`;
   * `package.module:attr` (imported);
   * `path/to/file.py:attr` (loaded from the file);
@@ -59,7 +59,7 @@ def register_resolver(kind: str, matches: Callable[[str], bool], make: Callable[
     _RESOLVERS[kind].append((matches, make))
 
 
-# Former names kept working: kind -> {old name: new name}; `get` warns once per name and returns the new entry.
+# Former names kept working: kind -> {old name: new name}; `lookup` warns once per name and returns the new entry.
 _ALIASES: dict[str, dict[str, str]] = {k: {} for k in KINDS}
 
 
@@ -144,7 +144,7 @@ def _load_file_attr(path: str, attr: str, kind: str, spec: str) -> Any:
     return getattr(module, attr)
 
 
-def get(kind: str, spec: str) -> Any:
+def lookup(kind: str, spec: str) -> Any:
     """Resolve `spec` (short name, `module:attr`, `file.py:attr` or entry point) for `kind`."""
     if kind not in _REGISTRY:
         raise RegistryError(f"unknown registry kind {kind!r}; kinds are {list(KINDS)}")
@@ -157,7 +157,7 @@ def get(kind: str, spec: str) -> Any:
         new = _ALIASES[kind][spec]
         warnings.warn(f"{kind} {spec!r} is now called {new!r}; the old name will be removed, rename it in your recipe",
                       FutureWarning, stacklevel=2)
-        return get(kind, new)
+        return lookup(kind, new)
     for matches, make in _RESOLVERS[kind]:
         if matches(spec):
             _REGISTRY[kind][spec] = make(spec)
@@ -186,6 +186,12 @@ def get(kind: str, spec: str) -> Any:
                         f"(or give 'package.module:attr' / 'path/to/file.py:attr')")
 
 
+def get(kind: str, spec: str) -> Any:
+    """The former name of `lookup` (it read as `ray.get` beside it); kept for plug-ins written against it."""
+    warnings.warn("rl.registry.get is now rl.registry.lookup", FutureWarning, stacklevel=2)
+    return lookup(kind, spec)
+
+
 def check_params(kind: str, spec: str, params: dict[str, Any], key: str,
                  supplied: tuple[str, ...] = ()) -> None:
     """Fail early when recipe `params` name keywords that the `kind` function `spec` does not take.
@@ -193,7 +199,7 @@ def check_params(kind: str, spec: str, params: dict[str, Any], key: str,
     `supplied` are keywords the framework passes itself (they may not be set in the recipe either).
     """
     import inspect
-    fn = get(kind, spec)
+    fn = lookup(kind, spec)
     sig = inspect.signature(fn)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
     if takes_any and not any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in sig.parameters.values()):

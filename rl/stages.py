@@ -108,8 +108,13 @@ class StageRuntime:
         raise NotImplementedError
 
     def start_actor(self, cls: type, *args: Any, bundle: int = 0, num_gpus: float = 0.0) -> Any:
-        """An actor `cls(*args)` of the stage's own in the learner bundle `bundle`; call its methods with
-        `handle.method.remote(...)`, wait with `wait`, stop it with `stop_actors`."""
+        """An actor `cls(*args)` of the stage's own in the learner bundle `bundle`; call its methods with `call`,
+        wait with `wait`, stop it with `stop_actors`."""
+        raise NotImplementedError
+
+    def call(self, actor: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start `actor.method(*args, **kwargs)` on an actor the runtime started for the stage (`start_actor`,
+        `start_rollout_workers`); returns at once with a reference to resolve with `wait`."""
         raise NotImplementedError
 
     def wait(self, refs: Any, timeout: float | None = None) -> Any:
@@ -140,6 +145,12 @@ class StageRuntime:
         raise NotImplementedError
 
     def stop_actors(self, actors: list[Any]) -> None:
+        """Stop actors the runtime started for the stage."""
+        raise NotImplementedError
+
+    def release_trainer(self) -> None:
+        """Stop the live RL trainer's actors (its learners hold the learner bundles a later fine-tune needs); the
+        stages after this one start their own. No-op when no trainer is live."""
         raise NotImplementedError
 
     def generate(self, workers: list[Any], tokenizer: Any, cfg: Any, rows: list[dict], **sampling: Any) -> Any:

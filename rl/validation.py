@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from rl.batch import NAMED_FIELDS
 from rl.losses import LOSS_INPUTS
 from rl.recipe import ConfigError, as_container, model_family, model_type_of, needs_critic, policy_loss_params
-from rl.registry import check_params, get, required_parameters
+from rl.registry import check_params, lookup, required_parameters
 
 
 def need(cond: bool, key: str, msg: str) -> None:
@@ -178,7 +178,7 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     decoding methods, task, sampler, environment, schedulers, engines. (The stages are built by the stage runner, which
     checks their parameters the same way before any actor starts.)"""
     family_name = model_family(cfg, model_path)
-    family = get("family", family_name)
+    family = lookup("family", family_name)
     _check_algorithm(cfg, family_name, family)
     _check_family(cfg, family_name, model_path)
     _check_adapter(cfg, family_name)
@@ -195,7 +195,7 @@ def _check_algorithm(cfg: DictConfig, family_name: str, family: Any) -> None:
                  supplied=("rewards", "group_id", "response_mask", *NAMED_FIELDS))
     check_params("loss", a.loss, as_container(a.loss_params), "algorithm.loss_params",
                  supplied=(*LOSS_INPUTS, *family.outputs))
-    loss = get("loss", a.loss)
+    loss = lookup("loss", a.loss)
     missing = [n for n in required_parameters(loss)[4:]
                if n not in (*LOSS_INPUTS, *family.outputs, *NAMED_FIELDS, *a.loss_params)]
     if missing:
@@ -235,7 +235,7 @@ def _check_adapter(cfg: DictConfig, family_name: str) -> None:
     adapter, engine = cfg.learner.adapter, cfg.rollout.engine
     if not adapter:
         return
-    get("adapter", adapter.name)  # an unknown adapter name fails here
+    lookup("adapter", adapter.name)  # an unknown adapter name fails here
     check_params("adapter", adapter.name, as_container(adapter.params), "learner.adapter.params", supplied=("model",))
     if family_name != "causal":
         raise ConfigError(f"learner.adapter: adapters apply to the causal family's models, not {family_name!r}")
@@ -255,7 +255,7 @@ def _check_plugins(cfg: DictConfig) -> None:
     check_params("optimizer", lc.optimizer.name, as_container(lc.optimizer.params), "learner.optimizer.params",
                  supplied=("params", "lr", "weight_decay"))
     check_compile_position_wise(lc.compile_position_wise, lc.zero_stage)
-    check_forward_only(lc.optimizer.name, getattr(get("optimizer", lc.optimizer.name), "forward_only", False),
+    check_forward_only(lc.optimizer.name, getattr(lookup("optimizer", lc.optimizer.name), "forward_only", False),
                        lc.zero_stage)
     for key, name, params in (("rollout.decoding", cfg.rollout.decoding, cfg.rollout.decoding_params),
                               ("rollout.eval_decoding", cfg.rollout.eval_decoding, cfg.rollout.eval_decoding_params)):

@@ -343,7 +343,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
               packed_linear_weights(model, enabled=packed_weights, rows=loop.batch_size)):
             logits = loop.insert_first(loop.prefill())
             while not loop.done():
-                tokens, active, blocks = loop.step(logits, temperature, top_k, top_p)
+                tokens, blocks = loop.step(logits, temperature, top_k, top_p)
                 if loop.done():
                     break
                 logits = loop.feed_next(tokens, blocks)
@@ -460,10 +460,10 @@ class DecodeLoop:
         return bool((self.state.finished | self.capped).all())
 
     def step(self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float
-             ) -> tuple[torch.Tensor, list[bool], list[list[int]] | None]:
+             ) -> tuple[torch.Tensor, list[list[int]] | None]:
         """Sample a token for every live row (pad for the rows that ended), record it, end rows at EOS or a stop
-        string, and add what the method inserts; returns the tokens, which rows were active and, when the method
-        inserts, each row's block to feed."""
+        string, and add what the method inserts; returns the tokens and, when the method inserts, each row's block
+        to feed."""
         state, live = self.state, self.live
         if self.process is not None:
             logits = self.process(logits, state).float()
@@ -482,7 +482,7 @@ class DecodeLoop:
         state.finished[live] |= active & (tokens == self.eos)
         self._end_at_stop_strings(active_rows)
         self.current["pending"] = tokens
-        return tokens, active_rows, self._insert_after(active_rows, token_list)
+        return tokens, self._insert_after(active_rows, token_list)
 
     def _end_at_stop_strings(self, active_rows: list[bool]) -> None:
         if not (self.stop and self.tokenizer is not None):

@@ -52,8 +52,8 @@ class HFEngine:
         self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (fair_calib) serves as such
         from models.adapters import load_unmerged, make_adapter
         if adapter:
-            from rl.registry import get
-            self.model = make_adapter(self.model, adapter, get("adapter", adapter["name"])).eval()
+            from rl.registry import lookup
+            self.model = make_adapter(self.model, adapter, lookup("adapter", adapter["name"])).eval()
         else:  # a folder with an adapter that cannot be merged (U-LoRA) serves the base with it
             self.model = load_unmerged(self.model, model_path).eval()
         self.adapted = bool(adapter)
@@ -83,10 +83,10 @@ class HFEngine:
         """The decoding method `name` built with `params` (kept for later calls with the same choice)."""
         import json
 
-        from rl.registry import get
+        from rl.registry import lookup
         key = json.dumps([name, params or {}], sort_keys=True, default=str)
         if key not in self._methods:
-            self._methods[key] = get("decoding", name)(**(params or {}))
+            self._methods[key] = lookup("decoding", name)(**(params or {}))
         return self._methods[key]
 
     def _generate_chunk(self, prompts: list[str], sp: SamplingParams) -> Batch:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rl.batch import Batch
-from rl.registry import get
+from rl.registry import lookup
 from rollout.base import ActorProbes, SamplingParams
 from rollout.weight_sync import PackedState, unpack_state
 
@@ -29,7 +29,7 @@ class RolloutWorker(ActorProbes):
     def __init__(self, engine: str, model_path: str, threads: int = 1, **engine_kwargs: Any):
         import ray
         torch.set_num_threads(threads)
-        self.engine = get("engine", engine)(model_path, **engine_kwargs)
+        self.engine = lookup("engine", engine)(model_path, **engine_kwargs)
         self.policy_version = 0
         # A restarted actor is rebuilt from its constructor arguments, i.e. the initial weights: it
         # must not generate until the trainer has sent the current ones.
@@ -53,7 +53,7 @@ class RolloutWorker(ActorProbes):
         from rollout.multiturn import Seats, run_episodes
         if self.needs_weights:
             raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
-        env_cls, params = get("env", env["name"]), dict(env.get("params") or {})
+        env_cls, params = lookup("env", env["name"]), dict(env.get("params") or {})
         if env.get("opponent_path") and getattr(self, "frozen_engine", None) is None:
             from rollout.hf_engine import HFEngine
             self.frozen_engine = HFEngine(env["opponent_path"])

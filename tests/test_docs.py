@@ -27,6 +27,11 @@ def test_the_site_builds_with_every_method_page_and_the_api_reference(tmp_path):
         assert (tmp_path / "site" / "methods" / name / "index.html").is_file(), name
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "StageRuntime" in api and "register_alias" in api
+    # the benchmark pages show every recorded figure, one per method, and the figures are in the site
+    shown = (tmp_path / "site" / "benchmarks" / "methods" / "index.html").read_text()
+    for png in ("inference_methods_densesteer", "inference_methods_dsr", "training_components_zo", "memo"):
+        assert f"img/{png}.png" in shown, png
+        assert (tmp_path / "site" / "benchmarks" / "img" / f"{png}.png").is_file(), png
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path):

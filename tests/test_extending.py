@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.registry import get
+from rl.registry import lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 EXT = ROOT / "recipes" / "extending"
 
 
 def plugin(kind, file, attr):
-    return get(kind, f"{EXT / file}:{attr}")
+    return lookup(kind, f"{EXT / file}:{attr}")
 
 
 def test_reward_example():

@@ -112,6 +112,27 @@ def test_the_library_imports_no_ray_deepspeed_vllm():
     assert bad == []
 
 
+def remote_calls_at(path: Path, root: Path) -> list[str]:
+    return [f"{path.relative_to(root)}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "remote"]
+
+
+def remote_calls(path: Path) -> list[str]:
+    """`x.method.remote(...)` calls in a file: Ray's actor API, which a Ray-free module must not use even on a
+    handle it was given (a stage calls its actors through `StageRuntime.call`)."""
+    return remote_calls_at(path, ROOT)
+
+
+def test_the_library_calls_no_actor_by_rays_api():
+    mods = project_modules()
+    assert [c for m in sorted(mods) if layer_of(mods[m]) in RAY_FREE for c in remote_calls(mods[m])] == []
+
+
+def test_the_remote_call_check_finds_one(tmp_path):
+    (tmp_path / "stage.py").write_text("def run(rt, w):\n    return rt.wait(w.reset.remote(1))\n")
+    assert [c.rsplit(":", 1)[1] for c in remote_calls_at(tmp_path / "stage.py", tmp_path)] == ["2"]
+
+
 def test_no_module_imports_a_private_name_of_another():
     mods = project_modules()
     bad = []

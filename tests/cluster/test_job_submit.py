@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.learner import free_port
+from cluster.ray_utils import free_port
 from tests.cluster import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -164,8 +164,8 @@ def test_sft_of_every_loop_readout_trains_the_early_exits(ray_cluster, tmp_path)
 def _attention_kernels(worker) -> dict[str, str]:
     import ray
     return ray.get(worker.__ray_call__.remote(
-        lambda self: {"policy": self.engine.module.config._attn_implementation,
-                      "ref": self.ref.config._attn_implementation}))
+        lambda self: {"policy": self.strategy.engine.module.config._attn_implementation,
+                      "ref": self.strategy.ref.config._attn_implementation}))
 
 
 def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_same_model(ray_cluster, tiny):
@@ -203,7 +203,7 @@ def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
         try:
             results[compiled] = {
                 "compiled": ray.get(group.workers[0].__ray_call__.remote(
-                    lambda self: sorted(name for name, m in self.engine.module.named_modules()
+                    lambda self: sorted(name for name, m in self.strategy.engine.module.named_modules()
                                         if getattr(m, "_compiled_call_impl", None) is not None))),
                 "rotary": ray.get(group.workers[0].__ray_call__.remote(
                     lambda self: getattr(__import__("transformers.models.llama.modeling_llama", fromlist=["x"])

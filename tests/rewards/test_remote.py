@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from cluster.learner import free_port
+from cluster.ray_utils import free_port
 from rewards.service import RewardService, RewardSpec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rl.advantages import compute_grpo_advantages, group_stats
-from rl.registry import get
+from rl.registry import lookup
 
 
 def test_grpo_hand_values_unbiased_std():
@@ -49,7 +49,7 @@ def test_dr_grpo_is_mean_centring_only():
 
 
 def test_grpo_is_registered():
-    assert get("advantage", "grpo") is compute_grpo_advantages
+    assert lookup("advantage", "grpo") is compute_grpo_advantages
 
 
 def test_rloo_skyrl_hand_values():
@@ -67,7 +67,7 @@ def test_dr_grpo_registered_equals_grpo_without_std():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.2])
     gid = torch.tensor([0, 0, 0, 0, 1, 1])
     mask = torch.ones(6, 3)
-    assert torch.equal(get("advantage", "dr_grpo")(r, gid, mask),
+    assert torch.equal(lookup("advantage", "dr_grpo")(r, gid, mask),
                        compute_grpo_advantages(r, gid, mask, norm_by_std=False))
 
 
@@ -110,7 +110,7 @@ def test_grpo_passk_credits_only_the_best_sample():
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk"])
 def test_every_estimator_masks_tokens_and_handles_all_equal(name):
-    fn = get("advantage", name)
+    fn = lookup("advantage", name)
     mask = torch.tensor([[1.0, 1.0, 0.0]] * 4)
     adv = fn(torch.ones(4), torch.tensor([0, 0, 1, 1]), mask)
     assert adv.shape == (4, 3) and not torch.isnan(adv).any()
@@ -202,7 +202,7 @@ def test_mgpo_observation_tokens_get_no_gradient():
     adv = compute_mgpo_advantages(rewards, gid, mask, token_step=token_step, step_rewards=step_rewards,
                                   step_types=types, valid=torch.tensor([True, True]), observation_mask=obs)
     logp = torch.full((2, 6), -1.0, requires_grad=True)
-    loss, _ = get("loss", "ppo_clip")(logp, logp.detach(), adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean")
+    loss, _ = lookup("loss", "ppo_clip")(logp, logp.detach(), adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean")
     loss.backward()
     assert logp.grad[0, 2] == 0 and logp.grad[1, 1] == 0
     assert logp.grad[0, 1] != 0 and logp.grad[1, 0] != 0
@@ -267,7 +267,7 @@ def test_a_failed_sample_takes_no_part_in_its_groups_statistics(estimator):
     from models.tiny import build_tiny_tokenizer
     from rl.sft_data import make_sft_batch
     from rl.step import estimate_advantages
-    fn = get("advantage", estimator)
+    fn = lookup("advantage", estimator)
     tok = build_tiny_tokenizer()
     batch = make_sft_batch(tok, ["q"] * 4, ["ab", "cd", "ef", "gh"])
     batch.group_id = torch.tensor([0, 0, 0, 0])

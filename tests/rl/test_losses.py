@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rl.losses import aggregate_loss, kl_penalty, ppo_clip_loss
-from rl.registry import get
+from rl.registry import lookup
 
 
 def _ratio_inputs(ratios, advs):
@@ -124,7 +124,7 @@ def test_ppo_clip_gradient_on_policy_is_reinforce():
 
 
 def test_registered():
-    assert get("loss", "ppo_clip") is ppo_clip_loss
+    assert lookup("loss", "ppo_clip") is ppo_clip_loss
 
 
 def test_kl_in_reward_hand_value():
@@ -195,7 +195,7 @@ def test_cispo_clipped_stop_gradient_weight():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("chunks", [2, 3, 6])
 def test_every_loss_is_shard_invariant(name, mode, chunks):
-    fn = get("loss", name)
+    fn = lookup("loss", name)
     g = torch.Generator().manual_seed(2)
     logp = torch.randn(6, 5, generator=g) * 0.1 - 1
     old = logp + torch.randn(6, 5, generator=g) * 0.05
@@ -287,7 +287,7 @@ def test_tgpo_on_policy_equals_grpo_with_either_gate_and_anchor(gate, anchor):
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
     adv = torch.tensor([[0.8] * 3, [-0.8] * 3])
     mask = torch.ones(2, 3)
-    other = ppo_clip_loss if anchor == "token" else get("loss", "gspo")
+    other = ppo_clip_loss if anchor == "token" else lookup("loss", "gspo")
     m, _ = _assert_same_loss_and_grad(lambda x: tgpo_loss(x, logp, adv, mask, gate=gate, anchor=anchor),
                                       lambda x: other(x, logp, adv, mask, agg="seq-mean-token-mean"), logp, 1e-7)
     assert m["gate_mean"] == 1.0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl.optim import MeZO, adamw, constant, cosine, is_forward_only
-from rl.registry import get
+from rl.registry import lookup
 
 
 def _quadratic(theta):
@@ -70,9 +70,9 @@ def test_mezo_lowers_a_loss_without_gradients_and_resumes_exactly():
 
 
 def test_optimizers_are_registered_and_marked():
-    assert get("optimizer", "adamw") is adamw and get("optimizer", "mezo").forward_only
+    assert lookup("optimizer", "adamw") is adamw and lookup("optimizer", "mezo").forward_only
     p = [torch.nn.Parameter(torch.ones(2))]
-    assert not is_forward_only(adamw(p, lr=1e-3)) and is_forward_only(get("optimizer", "mezo")(p, lr=1e-3))
+    assert not is_forward_only(adamw(p, lr=1e-3)) and is_forward_only(lookup("optimizer", "mezo")(p, lr=1e-3))
 
 
 def test_adamw_factory_matches_torch_adamw():

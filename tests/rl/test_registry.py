@@ -4,39 +4,39 @@ import textwrap
 import pytest
 
 from rl import registry
-from rl.registry import RegistryError, get, register
+from rl.registry import RegistryError, lookup, register
 
 
 def test_short_name_and_unknown_lists_known():
-    assert callable(get("reward", "math"))
+    assert callable(lookup("reward", "math"))
     with pytest.raises(RegistryError) as e:
-        get("advantage", "gpro")
+        lookup("advantage", "gpro")
     assert "grpo" in str(e.value)
 
 
 def test_module_attr_spec():
     from rl.losses import ppo_clip_loss
-    assert get("loss", "rl.losses:ppo_clip_loss") is ppo_clip_loss
+    assert lookup("loss", "rl.losses:ppo_clip_loss") is ppo_clip_loss
     with pytest.raises(RegistryError, match="has no attribute"):
-        get("loss", "rl.losses:nope")
+        lookup("loss", "rl.losses:nope")
     with pytest.raises(RegistryError, match="cannot import module"):
-        get("loss", "not_a_module_xyz:fn")
+        lookup("loss", "not_a_module_xyz:fn")
 
 
 def test_file_path_spec(tmp_path):
     f = tmp_path / "my_reward.py"
     f.write_text("def length_reward(prompt, response, **kw):\n    return float(len(response))\n")
-    fn = get("reward", f"{f}:length_reward")
+    fn = lookup("reward", f"{f}:length_reward")
     assert fn("p", "abc") == 3.0
     with pytest.raises(RegistryError, match="does not exist"):
-        get("reward", f"{tmp_path}/missing.py:fn")
+        lookup("reward", f"{tmp_path}/missing.py:fn")
 
 
 def test_file_plugin_import_error_is_named(tmp_path):
     f = tmp_path / "broken.py"
     f.write_text("import not_a_real_package_xyz\n")
     with pytest.raises(RegistryError, match="broken.py.*ModuleNotFoundError"):
-        get("reward", f"{f}:fn")
+        lookup("reward", f"{f}:fn")
 
 
 def test_entry_point(tmp_path, monkeypatch):
@@ -50,7 +50,7 @@ def test_entry_point(tmp_path, monkeypatch):
         quarter = ep_plugin_mod:score
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = get("reward", "quarter")
+    fn = lookup("reward", "quarter")
     assert fn("p", "r") == 0.25
     assert "ep_plugin_mod" in sys.modules
 
@@ -60,7 +60,7 @@ def test_register_conflict_and_bad_kind():
     def est(r, g, m):
         return m
 
-    assert get("advantage", "test_unique_estimator") is est
+    assert lookup("advantage", "test_unique_estimator") is est
     with pytest.raises(RegistryError, match="already registered"):
         register("advantage", "test_unique_estimator")(lambda r, g, m: m)
     with pytest.raises(RegistryError, match="unknown registry kind"):
@@ -89,6 +89,6 @@ def test_former_names_resolve_to_the_renamed_entries_with_a_deprecation_warning(
                ("task", "memo_games"): "memo", ("env", "agentic_proposer"): "agentic_proposing"}
     for (kind, old), new in renamed.items():
         with pytest.warns(FutureWarning, match=f"{kind} '{old}' is now called '{new}'"):
-            assert get(kind, old) is get(kind, new)
+            assert lookup(kind, old) is lookup(kind, new)
     with pytest.raises(RegistryError, match="unknown stage"):
-        get("stage", "select_blis")
+        lookup("stage", "select_blis")

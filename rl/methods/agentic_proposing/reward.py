@@ -30,7 +30,7 @@ from rl.methods.agentic_proposing.core import (
     sympy_check,
 )
 from rl.methods.agentic_proposing.mgpo import mgpo_trajectory_reward
-from rl.registry import get, register, register_alias
+from rl.registry import lookup, register, register_alias
 from rl.reward import uses_judges
 
 VERIFIER_TEMPLATE = ("Is this math problem well-posed, and is the stated answer its correct value? Work it out, "
@@ -71,7 +71,7 @@ def pass_rates(prober: Any, finals: dict[int, tuple[str, str]], k: int, solver_t
         if match == "exact":
             rho[i] = pass_rate([last_integer(a) for a in said], finals[i][1])
         else:  # the built-in `math` reward (math-verify), looked up by name: rewards/ lies above this layer
-            verify = get("reward", "math")
+            verify = lookup("reward", "math")
             rho[i] = sum(verify("", a, ground_truth=finals[i][1]) or 0.0 for a in said) / k
     return rho
 

@@ -62,9 +62,7 @@ class AgenticProposingStage(Stage):
         proposer = ctx.require("policy")
         start = ctx.artifact_before("policy", "checkpoint") if ctx.artifact("checkpoint") else proposer
         solver = self.solver or start
-        if rt.trainer is not None:  # its learners hold the learner bundles the SFT below needs
-            rt.trainer.close()
-            rt.trainer = None
+        rt.release_trainer()  # its learners hold the learner bundles the SFT below needs
         if not rt.judges:
             rt.judges = rt.serve_reward_judges(cfg, start, ctx.summary, ctx.require)
         if self.solutions not in rt.judges:

@@ -187,7 +187,7 @@ class BlissStage(Stage):
         scores = torch.zeros(len(pool))
         selected, history = [], []
         for rnd, shard in enumerate(shards):
-            rt.wait([w.reset.remote(str(ctx.stage_dir / "proxy"), seed + rnd) for w in workers])
+            rt.wait([rt.call(w, "reset", str(ctx.stage_dir / "proxy"), seed + rnd) for w in workers])
             for step in range(1, self.outer_steps + 1):
                 metrics = self._outer_step(rt, target, workers, pool, val, shard, rng, pad)
                 history.append({"round": rnd, "step": step, **metrics})
@@ -195,7 +195,7 @@ class BlissStage(Stage):
                     say(f"{ctx.name}: round {rnd} step {step}/{self.outer_steps} val CE {metrics['val_ce']:.4f}")
             for start in range(0, len(shard), 256):
                 chunk = shard[start:start + 256]
-                scores[chunk] = rt.wait(workers[0].scores.remote(batch_of_examples([pool[i] for i in chunk], pad)))
+                scores[chunk] = rt.wait(rt.call(workers[0], "scores", batch_of_examples([pool[i] for i in chunk], pad)))
             keep = max(1, int(len(shard) * self.ratio))
             selected.append(sorted(sorted(shard, key=lambda i: (-float(scores[i]), i))[:keep]))
         return scores, selected, history
@@ -207,7 +207,7 @@ class BlissStage(Stage):
         per_rank = self.batch_size // self.world_size
         idx = rng.sample(shard, min(self.batch_size, len(shard)))
         idx += rng.sample(shard, self.batch_size - len(idx))  # a shard smaller than a batch repeats rows
-        target_logp = (rt.wait(target.logprobs.remote(batch_of_examples([pool[i] for i in idx], pad)))
+        target_logp = (rt.wait(rt.call(target, "logprobs", batch_of_examples([pool[i] for i in idx], pad)))
                        if self.hyper["gamma"] else None)
         futures = []
         for r, w in enumerate(workers):
@@ -216,7 +216,7 @@ class BlissStage(Stage):
             tl = None
             if target_logp is not None:
                 tl = target_logp[r * per_rank:(r + 1) * per_rank, :part.response_ids.shape[1]]
-            futures.append(w.outer_step.remote(part, vb, tl))
+            futures.append(rt.call(w, "outer_step", part, vb, tl))
         return rt.wait(futures)[0]
 
     def _write(self, ctx: StageContext, rows: list[dict], pool: list, dropped: dict, shards: list[list[int]],

@@ -205,9 +205,9 @@ class ModelClient:
     the driver, so a move batch lost with a worker is generated again and no game is played twice."""
 
     def __init__(self, workers: list[Any] | None, judge: Any, tokenizer: Any, chat_template: bool,
-                 temperature: float, max_new_tokens: int, retries: int = 3, wait: Any = None):
+                 temperature: float, max_new_tokens: int, retries: int = 3, runtime: Any = None):
         self.workers, self.judge, self.tok, self.chat = workers, judge, tokenizer, chat_template
-        self.wait = wait  # the runtime's `wait` for the workers' results (`StageRuntime.wait`)
+        self.rt = runtime  # calls on the rollout workers and waits for them (`StageRuntime.call`, `wait`)
         self.temperature, self.max_new_tokens, self.retries = temperature, max_new_tokens, retries
         self.restarts = 0
 
@@ -225,16 +225,15 @@ class ModelClient:
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
 
         def submit(w: int) -> Any:
-            return self.workers[w].generate.remote(prompts[bounds[w]:bounds[w + 1]],
-                                                   {**sampling, "n": 1, "seed": seed * 131 + w},
-                                                   list(range(bounds[w], bounds[w + 1])))
+            return self.rt.call(self.workers[w], "generate", prompts[bounds[w]:bounds[w + 1]],
+                                {**sampling, "n": 1, "seed": seed * 131 + w}, list(range(bounds[w], bounds[w + 1])))
 
         refs = [submit(w) for w in range(k)]  # all workers generate at once
         out: list[list[str]] = [[] for _ in range(k)]
         for w in range(k):
             for attempt in range(self.retries + 1):
                 try:
-                    out[w] = self.wait(refs[w]).responses
+                    out[w] = self.rt.wait(refs[w]).responses
                     break
                 except Exception as exc:  # a dead or restarted worker: it serves the stage's model again
                     if attempt == self.retries:
@@ -251,7 +250,8 @@ class ModelClient:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
-                self.wait(self.workers[w].accept_initial_weights.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                self.rt.wait(self.rt.call(self.workers[w], "accept_initial_weights"),
+                             timeout=max(1.0, deadline - time.monotonic()))
                 return
             except Exception:
                 time.sleep(1.0)
@@ -325,11 +325,11 @@ class MemoStage(Stage):
         judges = self._start_judges(rt, cfg, policy)
         try:
             player = ModelClient(workers, None, tok, cfg.data.chat_template, self.temperature, self.max_new_tokens,
-                                 wait=rt.wait)
+                                 runtime=rt)
             analyzer = (ModelClient(None, judges[self.analyzer], tok, False, self.analyzer_temperature,
                                     self.analyzer_max_new_tokens) if self.analyzer else
                         ModelClient(workers, None, tok, cfg.data.chat_template, self.analyzer_temperature,
-                                    self.analyzer_max_new_tokens, wait=rt.wait))
+                                    self.analyzer_max_new_tokens, runtime=rt))
             opponents = {n: ModelClient(None, judges[n], tok, False, self.temperature, self.max_new_tokens)
                          for n in self.eval_opponents if n != BASELINE}
             return self._evolve(ctx, player, analyzer, opponents)

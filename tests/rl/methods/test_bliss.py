@@ -139,7 +139,7 @@ def _rank_main(rank, port, out_dir):
 def test_an_outer_step_over_two_ranks_equals_one_rank_on_the_whole_batch(tmp_path):
     """The softmax over the global batch, the losses, Hessian-vector products and both updates: two gloo ranks
     with half the batch each end with the weights one process reaches on the whole batch."""
-    from cluster.learner import free_port
+    from cluster.ray_utils import free_port
     ref_proxy, ref_score, ref_weights, ref_metrics = _one_rank_result()
     assert ref_weights.sum().item() == pytest.approx(1.0, abs=1e-6)
     mp.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -116,5 +116,5 @@ def test_a_game_is_a_multi_turn_episode_with_the_other_seat_played_by_a_model(en
 
 
 def test_the_game_env_is_a_builtin_by_name():
-    from rl.registry import get
-    assert get("env", "textarena") is TextArenaEnv
+    from rl.registry import lookup
+    assert lookup("env", "textarena") is TextArenaEnv

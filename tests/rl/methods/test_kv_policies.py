@@ -187,7 +187,7 @@ def test_the_recall_task_asks_every_key_in_alphabetical_order_and_scores_by_hand
 def test_recall_evaluation_counts_the_full_cache_as_a_policy_that_never_evicts_would():
     import random
 
-    from rl.registry import get
+    from rl.registry import lookup
     from rollout.kv_recall import evaluate_recall, recall_example
     tok = build_tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -198,8 +198,8 @@ def test_recall_evaluation_counts_the_full_cache_as_a_policy_that_never_evicts_w
     rng = random.Random(0)
     examples = [recall_example(rng, n_keys=6, filler=3) for _ in range(3)]
     full = evaluate_recall(model, tok, examples)
-    never = evaluate_recall(model, tok, examples, get("decoding", "kv_streaming")(budget=1000))
-    small = evaluate_recall(model, tok, examples, get("decoding", "kv_streaming")(budget=4, sink=2, recent=4))
+    never = evaluate_recall(model, tok, examples, lookup("decoding", "kv_streaming")(budget=1000))
+    small = evaluate_recall(model, tok, examples, lookup("decoding", "kv_streaming")(budget=4, sink=2, recent=4))
     assert never["peak_kv_bytes"] == full["peak_kv_bytes"]
     assert never["accuracy"] == full["accuracy"]  # nothing evicted: the same greedy answers
     assert small["peak_kv_bytes"] < full["peak_kv_bytes"]

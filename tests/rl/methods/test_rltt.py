@@ -7,7 +7,7 @@ from models.ouro import exit_pdf
 from rl.advantages import compute_grpo_advantages
 from rl.losses import kl_penalty
 from rl.methods.rltt.loss import compute_loop_weights, rltt_loss
-from rl.registry import get
+from rl.registry import lookup
 
 LOOP_LOGP = [[-2.0, -1.0, -0.5, -0.25], [-1.0, -1.0, -1.0, -1.0]]
 A = 0.866024
@@ -133,7 +133,7 @@ def test_gradients_by_loop_and_into_the_gate():
 
 
 def test_registered_and_declares_its_learned_loop_logits():
-    assert get("loss", "rltt") is rltt_loss
+    assert lookup("loss", "rltt") is rltt_loss
     outputs = {"loop_logp": torch.zeros(2, 3, 4)}
     assert rltt_loss.trainable_parameters(outputs, loop_weighting="exit_pdf") == {}
     declared = rltt_loss.trainable_parameters(outputs, loop_weighting="learned", learned_init="progressive",

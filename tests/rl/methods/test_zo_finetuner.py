@@ -132,8 +132,8 @@ def test_learn_to_learn_trains_a_bundle_that_saves_loads_and_drives_the_optimize
     bundle.save(tmp_path / "pert.pt")
     again = PertBundle.load(tmp_path / "pert.pt")
     assert all(torch.equal(a, b) for a, b in zip(bundle.state_dict().values(), again.state_dict().values()))
-    from rl.registry import get
-    opt = get("optimizer", "zo_finetuner")(model.parameters(), lr=1e-2, bundle=str(tmp_path / "pert.pt"))
+    from rl.registry import lookup
+    opt = lookup("optimizer", "zo_finetuner")(model.parameters(), lr=1e-2, bundle=str(tmp_path / "pert.pt"))
     assert opt.forward_only
     opt.step(lambda: _loss(model, batches[0]))
     assert {"sigma_mean", "norm_factor", "loss_plus", "loss_minus"} <= set(opt.last)

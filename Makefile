@@ -13,6 +13,10 @@ export OMP_NUM_THREADS ?= 1
 .PHONY: install quickstart test test-all lint bench docs clean
 
 $(VENV)/.installed: pyproject.toml
+	# bubblewrap: the sandbox of model-written code (rl/tools.py); installed when missing and we may (root + apt)
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || \
+		echo "looprl: install bubblewrap (bwrap) to run environments with a Python tool; see README, 'The sandbox'"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"

@@ -6,6 +6,10 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 def _quiet_env() -> None:
@@ -29,9 +33,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_recipe_here(cfg: DictConfig) -> None:
+    """What `looprl run` checks before Ray starts, for the commands that only read a recipe."""
+    from cluster.pipeline import check_recipe
+    check_recipe(cfg, cfg.model.path)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     from rl import config
     cfg = config.load(args.recipe, args.overrides)
+    check_recipe_here(cfg)
     if args.docs:
         docs = config.field_docs()
         for key, doc in docs.items():
@@ -43,7 +54,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from rl import config
-    config.load(args.recipe, args.overrides)  # a bad recipe fails here, not on the cluster
+    check_recipe_here(config.load(args.recipe, args.overrides))  # a bad recipe fails here, not on the cluster
     from cluster.launch import submit_job
     address = args.address or os.environ.get("RAY_DASHBOARD_ADDRESS") or "http://127.0.0.1:8265"
     return submit_job(args.recipe, args.overrides, address, working_dir=args.working_dir, follow=not args.no_follow)
@@ -51,7 +62,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_slurm(args: argparse.Namespace) -> int:
     from rl import config
-    config.load(args.recipe, args.overrides)
+    check_recipe_here(config.load(args.recipe, args.overrides))  # a bad recipe fails here, not on the cluster
     from cluster.launch import render_sbatch
     script = render_sbatch(args.recipe, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                            cpus_per_node=args.cpus_per_node, partition=args.partition, time_limit=args.time,

@@ -11,6 +11,7 @@ can load the exported policy; both read the same weights, so the order changes n
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -30,13 +31,15 @@ from cluster.stage_runner import make_stage, run_stages
 from cluster.tracking import MetricsLogger
 from cluster.trainer import RLTrainer
 from models.tokenizer import load_tokenizer
+from rewards.remote import check_health, is_remote
 from rewards.service import RewardService, RewardSpec
 from rl.config import ConfigError, as_container, to_yaml
 from rl.data import load_rows, prompt_row_columns
 from rl.recipe import model_family
 from rl.registry import lookup, register
 from rl.sft_data import load_sft_rows, sft_examples
-from rl.stages import Stage, StageContext, StageError, say, stage_cfg
+from rl.stages import Stage, StageContext, StageError, check_stage_order, say, stage_cfg
+from rl.tools import SANDBOX_ENV
 from rl.validation import check_components
 from rollout.weight_sync import pack_state
 
@@ -86,6 +89,7 @@ def seed_everything(seed: int) -> None:
 @register("stage", "model")
 class ModelStage(Stage):
     """The base model folder: `model.path`, or a tiny model and tokenizer built in code."""
+    reads, publishes = (), ("base_model", "policy")  # checked against the recipe's order
     config_keys = ("seed", "model.path", "model.tiny", "data.synthetic.task")  # the task's phrases may be tokens
     runs_in_driver = True
 
@@ -100,6 +104,7 @@ class ModelStage(Stage):
 @register("stage", "data")
 class DataStage(Stage):
     """The sft/train/eval data files; the embedded synthetic task fills what the recipe leaves null."""
+    reads, publishes = (), ("train", "eval", "sft", "sft_val")  # checked against the recipe's order
     config_keys = ("data", "sft.enabled")
     runs_in_driver = True
 
@@ -112,7 +117,7 @@ class DataStage(Stage):
         # read every split now: a missing file, column or empty set fails here, before any training
         for split, path in paths.items():
             if split in ("train", "eval"):
-                load_rows(path, prompt_row_columns(d), f"data.{split}_path")
+                load_rows(path, prompt_row_columns(d), f"data.{split}_path", bad_rows=d.bad_rows)
             elif split == "sft" and cfg.sft.enabled:
                 load_sft_rows(path, "data.sft_path", cfg.sft, d)
         return paths
@@ -124,6 +129,7 @@ class SFTStage(Stage):
     `data.sft_path` (prompt/response or chat rows, `rl.sft_data`) or the synthetic task's SFT split; held-out loss
     on `sft.eval_path` or an `sft.eval_fraction` of the rows; checkpoints every `sft.save_every` steps, from which
     `resume: auto` continues."""
+    reads, publishes = ("policy",), ("policy",)  # checked against the recipe's order
     config_keys = ("seed", "model", "sft", "data", "learner.world_size", "learner.zero_stage",
                    "learner.micro_batch_size", "learner.grad_clip", "learner.optimizer", "learner.pack_sequences",
                    "learner.max_tokens_per_micro_batch", "learner.share_prompts")
@@ -155,6 +161,7 @@ class SFTStage(Stage):
         ordered = s.sampler == "sequential" or (s.sampler == "auto" and ctx.artifact("sft_ordering") is not None)
         if ordered:
             say("sft: the rows are drawn in their order (sequential sampler)")
+        ctx.runtime.release_trainer()  # an RL stage before this one holds the learner bundles the fine-tune needs
         summary = ctx.runtime.fine_tune(cfg, base, out_path, tokenizer, examples, eval_examples=held_out,
                                          fingerprint=ctx.fingerprint, shuffle=not ordered)
         ctx.summary.update(summary, sft_rows=len(examples), sft_eval_rows=len(held_out), sft_dropped_rows=dropped,
@@ -177,6 +184,7 @@ def split_held_out(examples: list, fraction: float, seed: int) -> tuple[list, li
 class RLStage(Stage):
     """The RL loop (`cluster.trainer`): held-out evaluation before it, checkpoints, `resume`. The trainer stays
     alive for the stages after it (export, evaluate)."""
+    reads, publishes = ("train", "policy", "base_model"), ("checkpoint",)  # checked against the recipe's order
     runs_in_driver = True
 
     def run(self, ctx: StageContext) -> dict[str, str]:
@@ -212,7 +220,7 @@ def _start_trainer(ctx: StageContext, cfg: DictConfig) -> tuple[RLTrainer, Any, 
     recipe's judges serving the reward; its tokenizer and the held-out rows."""
     rt, out, d = ctx.runtime, ctx.output_dir, cfg.data
     train_path = ctx.require("train")
-    train_rows = load_rows(train_path, prompt_row_columns(d), "data.train_path")
+    train_rows = load_rows(train_path, prompt_row_columns(d), "data.train_path", bad_rows=d.bad_rows)
     ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
     eval_rows = ctx.rows("eval", prompt_row_columns(d))
     policy_path = ctx.require("policy")
@@ -318,6 +326,7 @@ def _learners_with_rl_weights(ctx: StageContext) -> Any:
 @register("stage", "export")
 class ExportStage(Stage):
     """`save_pretrained` export of the trained policy to `output_dir/hf_model` (when `trainer.save_hf`)."""
+    reads, publishes = ("base_model",), ("policy",)  # checked against the recipe's order
     config_keys = ("trainer.save_hf",)
     runs_in_driver = True
 
@@ -344,6 +353,7 @@ class EvaluateStage(Stage):
     sampled runs (`temperature`, `top_p`, seeds `seed + r`), with `compare_before` the same runs of the
     policy before RL and their paired comparison, with `loops` greedy accuracy after each loop (looped
     models). The report is `output_dir/eval_after.json`."""
+    reads, publishes = ("base_model", "policy"), ("report",)  # checked against the recipe's order
     config_keys = ("data", "rollout", "trainer.eval_max_prompts", "reward")
     runs_in_driver = True
 
@@ -402,12 +412,27 @@ class EvaluateStage(Stage):
         return out
 
 
-def check_recipe(cfg: DictConfig, model_path: str | None) -> None:
-    """Everything about the recipe that can fail before Ray starts: its components and their parameters
-    (`rl.validation.check_components`) and every stage built with its parameters."""
-    check_components(cfg, model_path)
-    for i, entry in enumerate(cfg.stages):  # a bad stage or stage param fails now, not after training
-        make_stage(entry.name, as_container(entry.params), f"stages[{i}]")
+def check_recipe(cfg: DictConfig, model_path: str | None, only_stage: str | None = None) -> None:
+    """Everything about the recipe that can fail before Ray starts, the same for `looprl run`, `config show`,
+    `submit` and `slurm`: its components and their parameters (`rl.validation.check_components`; where the model
+    is on this machine or built in code), the reward plug-ins, and the stages (`check_stages`)."""
+    if model_path is None or Path(model_path).exists():
+        check_components(cfg, model_path)
+    for f in cfg.reward.functions:  # a plug-in file that fails to import fails now, naming it
+        if not (f.remote or is_remote(f.name)):
+            lookup("reward", f.name)
+    check_stages(cfg, only_stage)
+
+
+def check_stages(cfg: DictConfig, only_stage: str | None = None) -> None:
+    """Every stage built with its parameters (a bad name or parameter names its `stages[i]`), their order against
+    the artifacts each reads and publishes, and `--stage`."""
+    built = [(entry.label or entry.name, make_stage(entry.name, as_container(entry.params), f"stages[{i}]"))
+             for i, entry in enumerate(cfg.stages)]
+    check_stage_order(built)
+    labels = [label for label, _ in built]
+    if only_stage is not None and only_stage not in labels:
+        raise StageError(f"--stage {only_stage!r}: the recipe's stages are {labels}")
 
 
 def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
@@ -417,11 +442,11 @@ def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     seed_everything(cfg.seed)
-    check_recipe(cfg, cfg.model.path)
+    os.environ[SANDBOX_ENV] = cfg.rollout.sandbox  # where model-written code runs, here and in every actor
+    check_recipe(cfg, cfg.model.path, only_stage)
     specs = [RewardSpec(f.remote or f.name, f.weight, as_container(f.params), f.label, f.eval_only)
              for f in cfg.reward.functions]
     RewardService(specs, num_workers=1).close()  # load plugins in the driver: a bad one fails here, early
-    from rewards.remote import check_health, is_remote
     for spec in specs:
         if is_remote(spec.name):
             check_health(spec.name)

@@ -50,6 +50,8 @@ def unfinished(refs: list, timeout_s: float) -> list[int]:
 def actor_env() -> dict[str, str]:
     env = {k: v for k, v in ACTOR_ENV.items() if v}
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")
+    if "LOOPRL_SANDBOX" in os.environ:  # the recipe's rollout.sandbox (rl.tools), for the tools the actors run
+        env["LOOPRL_SANDBOX"] = os.environ["LOOPRL_SANDBOX"]
     return env
 
 

@@ -40,12 +40,14 @@ class RewardModelStage(Stage):
     config_keys = ("seed", "model.dtype", "model.trust_remote_code", "data.chat_template", "learner.world_size",
                    "learner.zero_stage", "learner.grad_clip", "learner.optimizer", "learner.threads")
     runs_in_driver = True
+    publishes = ("reward_model",)  # checked against the recipe's order
 
     def __init__(self, data: str, eval_data: str | None = None, prompt_column: str = "prompt",
                  chosen_column: str = "chosen", rejected_column: str = "rejected", model_path: str | None = None,
                  steps: int = 200, batch_pairs: int = 32, lr: float = 1e-4, eval_fraction: float = 0.1,
                  margin: float = 0.0):
         self.data, self.eval_data, self.model_path = data, eval_data, model_path
+        self.reads = () if model_path else ("policy",)
         self.columns = (prompt_column, chosen_column, rejected_column)
         self.steps, self.batch_pairs, self.lr = steps, batch_pairs, lr
         self.eval_fraction, self.margin = eval_fraction, margin

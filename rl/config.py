@@ -74,6 +74,7 @@ class DataConfig:
     target_column: str = "target"  # SFT target column
     metadata_columns: list[str] = field(default_factory=list)  # train/eval columns copied into each sample's metadata, where reward functions and the prompt sampler read them (e.g. the skill category of trainer.prompt_sampler curriculum)
     chat_template: bool = False  # wrap prompts with the tokenizer's chat template
+    bad_rows: str = "error"  # train/eval rows that cannot be read (not UTF-8, not JSON, a column changing type, an empty prompt or answer): error (the first stops the run naming the file and the row, counted from 1) | drop (skipped and counted)
     prompt_prefix: str = ""  # text placed before every prompt; `artifact:NAME`: the text of an earlier stage's artifact file (e.g. artifact:memo_prompt, the prompt and memory MEMO found) and a blank line
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)  # the embedded task
 
@@ -118,6 +119,8 @@ class RolloutConfig:
     env_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment class
     max_turns: int = 4  # env: policy turns per episode
     max_episode_tokens: int = 256  # env: response tokens per episode, actions and observations together
+    env_step_timeout_s: float = 60.0  # env: wall time of one environment step; a step past it ends its episode as failed (0: none)
+    sandbox: str = "bwrap"  # where model-written code (the Python tool of calculator, agentic_proposing, monoscale) runs: bwrap (bubblewrap: own namespaces, unprivileged, read-only interpreter, no network, limits for the whole process tree; refused when bubblewrap is missing) | process (a plain child process with per-process limits: NOT a boundary, trusted code only)
     env_opponent_path: str | None = None  # env: model folder of a frozen engine playing the environment's 'frozen' seat
     decoding: str | None = None  # decoding method of RL rollouts (registry kind "decoding"; hf engine): null = plain (looprl's decode loop without hooks, which samples what transformers generate samples) | a method with hooks
     decoding_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the decoding method

@@ -132,7 +132,7 @@ def tokenize_sft_rows(tokenizer: Any, rows: list[dict], *, source: str, messages
                 raise BadRow("too_long", f"is {len(ex)} tokens after templating, over sft.max_length {max_length}")
         except BadRow as bad:
             if bad_rows != "drop":
-                raise ConfigError(f"{source} row {i}: {bad} (sft.bad_rows: drop skips such rows)") from None
+                raise ConfigError(f"{source} row {i + 1}: {bad} (sft.bad_rows: drop skips such rows)") from None
             dropped[bad.reason] += 1
             continue
         ex.row = i
@@ -142,27 +142,29 @@ def tokenize_sft_rows(tokenizer: Any, rows: list[dict], *, source: str, messages
     return examples, dict(dropped)
 
 
-def load_sft_rows(path: str, key: str, sft: Any, data: Any) -> tuple[list[dict], str | None]:
+def load_sft_rows(path: str, key: str, sft: Any, data: Any, dropped: Counter | None = None
+                  ) -> tuple[list[dict], str | None]:
     """The rows of an SFT file and the messages column when they are chat rows (`sft.format`; auto: chat rows
     when the file has `sft.messages_column`), else None (prompt/response rows: `data.prompt_column`,
-    `data.target_column`)."""
-    ds = open_dataset(path, key)
+    `data.target_column`). Unreadable rows raise, or are counted in `dropped` under `sft.bad_rows: drop`."""
+    ds = open_dataset(path, key, sft.bad_rows, dropped)
     chat = sft.format == "messages" or (sft.format == "auto" and sft.messages_column in ds.column_names)
-    if chat:
-        return load_rows(path, [sft.messages_column], key, dataset=ds), sft.messages_column
-    return load_rows(path, [data.prompt_column, data.target_column], key, dataset=ds), None
+    columns = [sft.messages_column] if chat else [data.prompt_column, data.target_column]
+    rows = load_rows(path, columns, key, dataset=ds, bad_rows=sft.bad_rows, dropped=dropped)
+    return rows, sft.messages_column if chat else None
 
 
 def sft_rows_and_examples(tokenizer: Any, path: str, key: str, sft: Any, data: Any
                           ) -> tuple[list[dict], list[SFTExample], dict[str, int]]:
     """The rows of an SFT file (`load_sft_rows`), read once, and their examples and dropped-row counts
     (`tokenize_sft_rows`) under the recipe's `sft` and `data` settings; `SFTExample.row` indexes `rows`."""
-    rows, messages_column = load_sft_rows(path, key, sft, data)
+    unreadable: Counter = Counter()
+    rows, messages_column = load_sft_rows(path, key, sft, data, unreadable)
     examples, dropped = tokenize_sft_rows(tokenizer, rows, source=f"{key} {path!r}", messages_column=messages_column,
                                           prompt_column=data.prompt_column, target_column=data.target_column,
                                           prompt_prefix=data.prompt_prefix, chat_template=data.chat_template,
                                           max_length=sft.max_length, bad_rows=sft.bad_rows)
-    return rows, examples, dropped
+    return rows, examples, {**unreadable, **dropped}
 
 
 def sft_examples(tokenizer: Any, path: str, key: str, sft: Any, data: Any) -> tuple[list[SFTExample], dict[str, int]]:

@@ -84,7 +84,7 @@ class StageContext:
     def rows(self, split: str, columns: list[str]) -> list[dict]:
         """The rows of the data split `split` (`train`, `eval`, ...) an earlier stage published, or none."""
         path = self.artifact(split)
-        return load_rows(path, columns, f"data.{split}_path") if path else []
+        return load_rows(path, columns, f"data.{split}_path", bad_rows=self.cfg.data.bad_rows) if path else []
 
     def require(self, key: str) -> str:
         value = self.artifact(key)
@@ -212,9 +212,29 @@ class Stage:
     # learner and rollout actors, whose placement holds their share of the cluster)
     resources: dict[str, float] = {"num_cpus": 0}
     runs_in_driver: bool = False  # drives actor groups through the driver's runtime
+    # The artifacts the stage needs from earlier stages (`ctx.require`) and those it may publish: the recipe's
+    # order is checked against them before any actor starts. None: not declared (a plug-in's stage), not checked.
+    reads: tuple[str, ...] | None = None
+    publishes: tuple[str, ...] | None = None
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         raise NotImplementedError
+
+
+def check_stage_order(stages: list[tuple[str, Any]]) -> None:
+    """Refuse an order in which a stage reads an artifact no earlier stage publishes, naming both stages where a
+    later one publishes it. `stages`: (label, stage object) in recipe order."""
+    published: dict[str, str] = {}
+    for i, (label, stage) in enumerate(stages):
+        for artifact in getattr(stage, "reads", None) or ():
+            if artifact in published:
+                continue
+            later = [other for other, st in stages[i + 1:] if artifact in (getattr(st, "publishes", None) or ())]
+            where = f"; stage {later[0]!r} publishes it, after it: move {later[0]!r} before {label!r}" if later else \
+                "; no stage of the recipe publishes it"
+            raise StageError(f"stages[{i}] ({label!r}) reads the artifact {artifact!r} before it is published{where}")
+        for artifact in getattr(stage, "publishes", None) or ():
+            published.setdefault(artifact, label)
 
 
 def files_identity(*paths: str | None) -> list:

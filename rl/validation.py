@@ -58,6 +58,8 @@ def _check_rollout_values(cfg: DictConfig) -> None:
              f"loop): set rollout.engine: hf")
     need(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
     need(r.max_episode_tokens >= 1, "rollout.max_episode_tokens", "must be >= 1")
+    need(r.env_step_timeout_s >= 0, "rollout.env_step_timeout_s", "must be >= 0 (0: no deadline)")
+    need(r.sandbox in ("bwrap", "process"), "rollout.sandbox", f"must be bwrap or process, got {r.sandbox!r}")
 
 
 def _check_learner_values(cfg: DictConfig) -> None:
@@ -104,6 +106,7 @@ def _check_trainer_values(cfg: DictConfig) -> None:
          f"must be auto, prompt_response or messages, got {s.format!r}")
     need(s.sampler in ("auto", "shuffle", "sequential"), "sft.sampler",
          f"must be auto, shuffle or sequential, got {s.sampler!r}")
+    need(cfg.data.bad_rows in ("error", "drop"), "data.bad_rows", f"must be error or drop, got {cfg.data.bad_rows!r}")
     need(s.bad_rows in ("error", "drop"), "sft.bad_rows", f"must be error or drop, got {s.bad_rows!r}")
     need(0.0 <= s.eval_fraction < 1.0, "sft.eval_fraction", f"must be in [0, 1), got {s.eval_fraction}")
     need(cfg.resume in ("no", "auto") or Path(cfg.resume).exists(), "resume",
@@ -250,6 +253,18 @@ def _check_adapter(cfg: DictConfig, family_name: str) -> None:
                           "not; the hf engine serves it unmerged (rollout.engine: hf)")
 
 
+def check_sandbox(env: str, mode: str) -> None:
+    """An environment that runs model-written code (`runs_model_code = True`, e.g. the Python tool) needs its
+    sandbox: refused before start-up when this host cannot provide it (checked where the run starts; a rollout
+    worker on another node refuses its first tool call the same way)."""
+    if getattr(lookup("env", env), "runs_model_code", False):
+        from rl.tools import SandboxUnavailable, require_sandbox
+        try:
+            require_sandbox(mode)
+        except SandboxUnavailable as exc:
+            raise ConfigError(f"rollout.env: {env!r} runs model-written code; {exc}") from exc
+
+
 def _check_plugins(cfg: DictConfig) -> None:
     lc = cfg.learner
     check_params("optimizer", lc.optimizer.name, as_container(lc.optimizer.params), "learner.optimizer.params",
@@ -268,6 +283,7 @@ def _check_plugins(cfg: DictConfig) -> None:
                  "trainer.prompt_sampler.params", supplied=("rows", "seed"))
     if cfg.rollout.env is not None:
         check_params("env", cfg.rollout.env, as_container(cfg.rollout.env_params), "rollout.env_params")
+        check_sandbox(cfg.rollout.env, cfg.rollout.sandbox)
     for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
         check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
                      supplied=("optimizer", "warmup_steps", "total_steps"))

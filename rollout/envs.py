@@ -20,6 +20,8 @@ class Calculator(Env):
 
     EXPRESSION = re.compile(r"^[0-9+\-*/() ]{1,40}$")
 
+    runs_model_code = True  # its Python tool runs model-written code: in the sandbox (rl.tools)
+
     def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256):
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
         self.calls = 0

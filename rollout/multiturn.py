@@ -11,6 +11,7 @@ episode; each turn at most `sampling.max_new_tokens` new tokens.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +63,40 @@ class Seats:
         return tok.decode(out.ids, skip_special_tokens=True)
 
 
+class EnvStepTimeout(RuntimeError):
+    """An environment's step did not return within its deadline (`rollout.env_step_timeout_s`)."""
+
+
+def step_within(env: Any, action: str, timeout_s: float) -> Any:
+    """`env.step(action)`, ended at `timeout_s` (0: no deadline) with `EnvStepTimeout`. The step runs in a thread
+    of its own; a step still running at the deadline is left behind (Python cannot stop a thread) and its episode
+    ends as failed, so one stuck environment never holds the rollout."""
+    if timeout_s <= 0:
+        return env.step(action)
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["result"] = env.step(action)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=call, name="looprl-env-step", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise EnvStepTimeout(f"the environment's step did not return within {timeout_s:g} s "
+                             f"(rollout.env_step_timeout_s)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[dict], sampling: SamplingParams, *,
                  max_turns: int, max_episode_tokens: int, seats: Seats, group_ids: list[int] | None = None,
-                 metadata: list[dict] | None = None) -> Batch:
-    """`sampling.n` episodes per prompt (prompt-major rows) of the environment `env_factory()`."""
+                 metadata: list[dict] | None = None, step_timeout_s: float = 60.0) -> Batch:
+    """`sampling.n` episodes per prompt (prompt-major rows) of the environment `env_factory()`; each step of an
+    environment ends at `step_timeout_s` (a step past it fails its episode)."""
     tok, n = engine.tokenizer, sampling.n
     padded = encode_prompts(tok, prompts)
     episodes: list[Episode] = []
@@ -92,7 +123,7 @@ def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[d
             e.observation += [0] * len(ids)
             e.step += [turn] * len(ids)
             try:
-                result = e.env.step(tok.decode(ids, skip_special_tokens=True))
+                result = step_within(e.env, tok.decode(ids, skip_special_tokens=True), step_timeout_s)
             except Exception as exc:  # a failed step ends the episode; the rollout goes on
                 e.error = f"{type(exc).__name__}: {exc}"
                 e.rewards.append(0.0)

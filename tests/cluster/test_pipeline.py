@@ -129,6 +129,14 @@ def test_sft_warm_up_stage_lowers_its_loss_and_is_reused(ray_cluster, tmp_path):
     assert changed["stages"]["model"]["reused"] and changed["sft_final_loss"] != summary["sft_final_loss"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400, method="thread")  # the learner bundles held by the RL stage's actors made the SFT stage wait forever
+def test_an_sft_stage_after_rl_gets_the_learner_bundles(ray_cluster, tmp_path):
+    summary = run(_cfg(tmp_path, "rl_then_sft", "sft.enabled=true", "sft.steps=3", "sft.batch_size=8", "trainer.steps=1",
+                       "stages=[{name: model}, {name: data}, {name: rl}, {name: sft}]"))
+    assert summary["steps"] == 1 and not summary["stages"]["sft"]["reused"] and summary["sft_steps"] == 3
+
+
 @pytest.mark.extended  # CI: one-step-off staleness and its correction on vLLM (test_vllm_rollout_engine_end_to_end)
 @pytest.mark.slow
 def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_path):
@@ -241,6 +249,46 @@ def test_bad_recipe_values_are_refused_at_start_up_with_one_clear_error(tmp_path
     assert main(["run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", *overrides]) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+BROKEN_STAGE = "class Broken:\n    def run(self, ctx)\n        return {}\n"  # a syntax error
+
+
+@pytest.mark.parametrize("command", ["config show", "slurm", "run"])
+@pytest.mark.parametrize("overrides,expected", [
+    (["stages=[{name: model}, {name: rl}, {name: data}]"],
+     "stages[1] ('rl') reads the artifact 'train' before it is published; stage 'data' publishes it, after it"),
+    (["stages=[{name: model}, {name: data}, {name: no_such_stage}]"], "unknown stage 'no_such_stage'"),
+    (["stages=[{name: model}, {name: data}, {name: sft, params: {stepz: 3}}]"],
+     "stages[2].params: stage 'sft' does not take ['stepz']"),
+    (["stages=[{name: model}, {name: 'BROKEN:Broken'}]"], "broken_stage.py"),
+])
+def test_a_bad_stage_list_is_refused_by_every_command_before_anything_starts(tmp_path, capsys, command, overrides,
+                                                                             expected):
+    """Stage names, stage params, a stage plug-in file that does not import, and an order that reads an artifact
+    before a stage publishes it: `config show`, `slurm` (no sbatch written) and `run` (before Ray) refuse them."""
+    import ray
+
+    from cluster.cli import main
+    broken = tmp_path / "broken_stage.py"
+    broken.write_text(BROKEN_STAGE)
+    overrides = [o.replace("BROKEN", str(broken)) for o in overrides]
+    out = [] if command != "slurm" else ["--nodes", "2", "--out", str(tmp_path / "job.sbatch")]
+    code = main([*command.split(), str(ROOT / "recipes/quickstart.yaml"), *out, f"output_dir={tmp_path}/o", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and "Traceback" not in err, err
+    assert not (tmp_path / "job.sbatch").exists() and not ray.is_initialized()
+
+
+def test_an_unknown_stage_to_run_alone_is_refused_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    from cluster.cli import main
+    code = main(["run", str(ROOT / "recipes/quickstart.yaml"), "--stage", "rll", f"output_dir={tmp_path}/o"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--stage 'rll': the recipe's stages are ['model', 'data', 'sft', 'rl', 'export', 'evaluate']" \
+        in err
+    assert not ray.is_initialized()
 
 
 def test_missing_column_is_named(tmp_path):

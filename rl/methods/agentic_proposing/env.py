@@ -41,6 +41,8 @@ class AgenticProposerEnv(Env):
     """One proposer episode; `timeout_s` / `memory_mb` bound each Python call, `max_output_chars` its output,
     `max_value` the values the check tool accepts."""
 
+    runs_model_code = True  # its Python tool runs model-written code: in the sandbox (rl.tools)
+
     def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, max_output_chars: int = 80,
                  max_value: int = 10**6, check: str = "arithmetic"):
         if check not in ("arithmetic", "sympy"):

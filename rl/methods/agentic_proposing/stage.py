@@ -36,6 +36,7 @@ from rl.stages import Stage, StageContext, StageError, StageRuntime, say, stage_
 class AgenticProposingStage(Stage):
     config_keys = ("seed", "model", "rollout", "reward", "data", "sft", "learner")
     runs_in_driver = True
+    publishes = ("proposals", "solver_sft_set", "solver")  # checked against the recipe's order
 
     def __init__(self, proposals: int = 256, seeds: str = "eval", solutions: str = "prober", k: int = 8,
                  solver: str | None = None, steps: int | None = None, batch_size: int = 32, lr: float = 1e-3,
@@ -44,6 +45,7 @@ class AgenticProposingStage(Stage):
                  seed: int = 0):
         if seeds not in ("eval", "train"):
             raise ValueError(f"seeds must be eval or train, got {seeds!r}")
+        self.reads = ("policy", "base_model", seeds)
         self.proposals, self.seeds, self.solutions, self.k = proposals, seeds, solutions, k
         self.solver, self.steps, self.batch_size, self.lr = solver, steps, batch_size, lr
         self.eval_data, self.eval_max, self.max_new_tokens = eval_data, eval_max, max_new_tokens

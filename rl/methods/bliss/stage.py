@@ -103,6 +103,7 @@ def make_proxy(base: str, out_dir: Path, spec: dict[str, Any], seed: int) -> str
 
 @register("stage", "bliss")
 class BlissStage(Stage):
+    reads, publishes = ("policy",), ("sft", "bliss_scores", "bliss_selection")  # checked against the recipe's order
     config_keys = ("seed", "model", "sft", "data", "learner")
     runs_in_driver = True
 

@@ -91,6 +91,7 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
 
 @register("stage", "decomper")
 class DecomperStage(Stage):
+    reads, publishes = ("policy",), ("policy", "compression_report")  # checked against the recipe's order
     config_keys = ("seed", "model", "data", "sft.max_length", "sft.format", "sft.messages_column", "sft.bad_rows")
     runs_in_driver = True
 

@@ -78,6 +78,7 @@ def extract_in_task(model_path: str, pairs: list[dict[str, str]], layers: list[i
 
 @register("stage", "densesteer")
 class DenseSteerStage(Stage):
+    reads, publishes = ("base_model", "policy"), ("steering_vectors", "steering_report")  # checked against the recipe's order
     config_keys = ("seed", "model", "data", "rollout", "reward")
     runs_in_driver = True
 

@@ -111,6 +111,7 @@ class LeanCompiler:
 
 @register("stage", "dsr")
 class DSRStage(Stage):
+    reads, publishes = ("policy",), ("autoformalize_report",)  # checked against the recipe's order
     config_keys = ("data", "reward", "trainer.eval_max_prompts")
     runs_in_driver = True
 

@@ -61,6 +61,7 @@ def embed_examples(model_path: str, examples: list, pad_id: int, batch_size: int
 
 @register("stage", "ep_order")
 class EPOrderStage(Stage):
+    reads, publishes = ("policy",), ("sft", "sft_ordering", "sft_embeddings")  # checked against the recipe's order
     config_keys = ("seed", "model", "sft", "data", "learner")
     runs_in_driver = True
 

@@ -75,6 +75,7 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
 
 @register("stage", "fair_calib")
 class FairCalibStage(Stage):
+    reads, publishes = ("policy",), ("policy", "quantization_report")  # checked against the recipe's order
     config_keys = ("seed", "model", "data", "rollout.max_new_tokens", "rollout.eval_decoding_params", "sft.max_length",
                    "sft.format", "sft.messages_column", "sft.bad_rows")
     runs_in_driver = True

@@ -35,6 +35,7 @@ ARMS = ("plain", "post_hoc", "guidance")
 
 @register("stage", "guidance")
 class GuidanceStage(Stage):
+    reads, publishes = ("base_model", "policy"), ("cite_report",)  # checked against the recipe's order
     config_keys = ("data", "rollout", "trainer.eval_max_prompts", "reward")
     runs_in_driver = True
 

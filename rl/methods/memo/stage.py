@@ -262,6 +262,7 @@ class MemoStage(Stage):
     """MEMO on one TextArena game with the run's policy as player and baseline (see the module docstring).
     Every parameter is a recipe knob (`stages: [{name: memo, params: {...}}]`); defaults are the released
     per-game settings where they exist."""
+    reads, publishes = ("base_model", "policy"), ("memo_prompt", "memo_context")  # checked against the recipe's order
 
     config_keys = ("seed", "model", "rollout", "data.chat_template", "reward.judges")
     runs_in_driver = True

@@ -59,6 +59,8 @@ def load_memory(path: str | Path | None) -> RouterMemory:
 
 @register("env", "monoscale")
 class AgentRouterEnv(Env):
+    runs_model_code = True  # its Python tool runs model-written code: in the sandbox (rl.tools)
+
     def __init__(self, pool: str, memory: str | None = None, judge: str = "exact", timeout_s: float = 5.0,
                  max_new_tokens: int = 64):
         if judge not in ("exact", "contains"):

@@ -35,6 +35,7 @@ from rl.stages import Stage, StageContext, StageError, say
 
 @register("stage", "monoscale")
 class MonoScaleStage(Stage):
+    reads, publishes = ("policy",), ("router_memory", "monoscale_report")  # checked against the recipe's order
     config_keys = ("seed", "model", "reward.judges")
     runs_in_driver = True
 

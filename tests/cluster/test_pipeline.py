@@ -263,13 +263,12 @@ BROKEN_STAGE = "class Broken:\n    def run(self, ctx)\n        return {}\n"  # a
      "stages[2].params: stage 'sft' does not take ['stepz']"),
     (["stages=[{name: model}, {name: 'BROKEN:Broken'}]"], "broken_stage.py"),
 ])
-def test_a_bad_stage_list_is_refused_by_every_command_before_anything_starts(tmp_path, capsys, command, overrides,
-                                                                             expected):
+def test_a_bad_stage_list_is_refused_by_every_command_before_anything_starts(tmp_path, capsys, monkeypatch, command,
+                                                                             overrides, expected):
     """Stage names, stage params, a stage plug-in file that does not import, and an order that reads an artifact
     before a stage publishes it: `config show`, `slurm` (no sbatch written) and `run` (before Ray) refuse them."""
-    import ray
-
     from cluster.cli import main
+    _refuse_to_start_ray(monkeypatch)
     broken = tmp_path / "broken_stage.py"
     broken.write_text(BROKEN_STAGE)
     overrides = [o.replace("BROKEN", str(broken)) for o in overrides]
@@ -277,18 +276,23 @@ def test_a_bad_stage_list_is_refused_by_every_command_before_anything_starts(tmp
     code = main([*command.split(), str(ROOT / "recipes/quickstart.yaml"), *out, f"output_dir={tmp_path}/o", *overrides])
     err = capsys.readouterr().err
     assert code == 2 and expected in err and "Traceback" not in err, err
-    assert not (tmp_path / "job.sbatch").exists() and not ray.is_initialized()
+    assert not (tmp_path / "job.sbatch").exists()
 
 
-def test_an_unknown_stage_to_run_alone_is_refused_before_ray_starts(tmp_path, capsys):
-    import ray
+def _refuse_to_start_ray(monkeypatch):
+    """The run's runtime (which starts or joins Ray) must not be made: the check comes first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the runtime (Ray) was started before the recipe was refused")
+    monkeypatch.setattr("cluster.pipeline.Runtime", refuse)
 
+
+def test_an_unknown_stage_to_run_alone_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch):
     from cluster.cli import main
+    _refuse_to_start_ray(monkeypatch)
     code = main(["run", str(ROOT / "recipes/quickstart.yaml"), "--stage", "rll", f"output_dir={tmp_path}/o"])
     err = capsys.readouterr().err
     assert code == 2 and "--stage 'rll': the recipe's stages are ['model', 'data', 'sft', 'rl', 'export', 'evaluate']" \
         in err
-    assert not ray.is_initialized()
 
 
 def test_missing_column_is_named(tmp_path):

@@ -249,8 +249,7 @@ def _plot(report: dict, path: Path) -> None:
     s = report["summary"]
     drawers = {"decomper": (1, _decomper), "fair": (2 if "fp_lag" in s.get("fair", {}) else 1, _fair),
                "core": (1, _core)}
-    method_figures(path, {name: (panels, lambda axes, draw=draw: draw(s, axes))
-                          for name, (panels, draw) in drawers.items() if name in s})
+    method_figures(path, s, {name: drawer for name, drawer in drawers.items() if name in s})
 
 
 def main() -> None:

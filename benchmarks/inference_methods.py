@@ -361,9 +361,8 @@ def _plot(report: dict, path: Path) -> None:
     """One figure per method: `inference_methods_{densesteer,beaconkv,guidance,dsr}.png`."""
     drawers = {"densesteer": (4, _densesteer), "beaconkv": (3 if "kv_recall" in report else 2, _beaconkv),
                "guidance": (1, _guidance), "dsr": (1, _dsr)}
-    present = {name: (panels, lambda axes, draw=draw: draw(report, axes)) for name, (panels, draw) in drawers.items()
-               if name in report and (name != "dsr" or "from_broken" in report["dsr"]["summary"])}
-    method_figures(path, present)
+    method_figures(path, report, {name: drawer for name, drawer in drawers.items()
+                                  if name in report and (name != "dsr" or "from_broken" in report["dsr"]["summary"])})
 
 
 def main() -> None:

@@ -65,9 +65,9 @@ def held_out_report(per_seed: list[dict], models: list[str], measures, pairs: li
 
 
 
-def method_figures(path: Path, drawers: dict) -> list[Path]:
+def method_figures(path: Path, data: dict, drawers: dict) -> list[Path]:
     """One PNG per method beside `path` (`<stem>_<method>.png`), at most three panels a row, so that each reads on
-    a page. `drawers` maps a method to `(panels, draw)`; `draw(axes)` fills its panels and titles them."""
+    a page. `drawers` maps a method to `(panels, draw)`; `draw(data, axes)` fills its panels and titles them."""
     import math
 
     import matplotlib
@@ -78,7 +78,7 @@ def method_figures(path: Path, drawers: dict) -> list[Path]:
         cols = 2 if panels == 4 else min(panels, 3)
         rows = math.ceil(panels / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 4.2 * rows), squeeze=False)
-        draw(list(axes.ravel()))
+        draw(data, list(axes.ravel()))
         for ax in list(axes.ravel())[panels:]:
             ax.set_visible(False)
         fig.tight_layout()

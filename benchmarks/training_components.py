@@ -404,8 +404,7 @@ def _plot(report: dict, path: Path) -> None:
     """One figure per component: `training_components_{simplenorm,zo,ulora,lora_rl}.png`."""
     from recipe_runs import method_figures
     drawers = {"simplenorm": (2, _simplenorm), "zo": (1, _zo), "ulora": (1, _ulora), "lora_rl": (1, _lora_rl)}
-    method_figures(path, {name: (panels, lambda axes, draw=draw: draw(report, axes))
-                          for name, (panels, draw) in drawers.items() if name in report})
+    method_figures(path, report, {name: drawer for name, drawer in drawers.items() if name in report})
 
 
 def _seed_section(report: dict, name: str, seeds: list[int], run_seed, arms: tuple[str, ...], measure: str,

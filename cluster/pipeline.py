@@ -27,7 +27,7 @@ from cluster.evaluation import evaluate, worker_protocol
 from cluster.learner import LearnerFailed
 from cluster.roles import make_learner_group
 from cluster.runtime import Runtime, truncate_metrics
-from cluster.stage_runner import make_stage, run_stages
+from cluster.stage_runner import check_only_stage, make_stage, run_stages
 from cluster.tracking import MetricsLogger
 from cluster.trainer import RLTrainer
 from models.tokenizer import load_tokenizer
@@ -430,9 +430,7 @@ def check_stages(cfg: DictConfig, only_stage: str | None = None) -> None:
     built = [(entry.label or entry.name, make_stage(entry.name, as_container(entry.params), f"stages[{i}]"))
              for i, entry in enumerate(cfg.stages)]
     check_stage_order(built)
-    labels = [label for label, _ in built]
-    if only_stage is not None and only_stage not in labels:
-        raise StageError(f"--stage {only_stage!r}: the recipe's stages are {labels}")
+    check_only_stage([label for label, _ in built], only_stage)
 
 
 def run(cfg: DictConfig, only_stage: str | None = None) -> dict[str, Any]:

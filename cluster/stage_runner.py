@@ -53,13 +53,18 @@ def make_stage(spec: str, params: dict[str, Any], key: str) -> Any:
         raise StageError(f"{key}.params: stage {spec!r} does not take {sorted(params)}: {exc}") from exc
 
 
+def check_only_stage(labels: list[str], only: str | None) -> None:
+    """`--stage NAME` names one of the recipe's stages."""
+    if only is not None and only not in labels:
+        raise StageError(f"--stage {only!r}: the recipe's stages are {labels}")
+
+
 def run_stages(cfg: DictConfig, runtime: Any, only: str | None = None) -> dict[str, Any]:
     """Run the recipe's stages in order (skipping those whose record matches), or only the stage `only`.
     Returns the merged summary, with `stages`: each stage's artifacts, wall time and whether it was reused."""
     entries = list(cfg.stages)
     names = [e.label or e.name for e in entries]
-    if only is not None and only not in names:
-        raise StageError(f"--stage {only!r}: the recipe's stages are {names}")
+    check_only_stage(names, only)
     summary: dict[str, Any] = {"stages": {}}
     artifacts: dict[str, dict[str, str]] = {}
     upstream: list[str] = []

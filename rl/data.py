@@ -50,12 +50,17 @@ def read_json_lines(path: str, key: str, bad_rows: str = "error", dropped: Count
     return rows
 
 
-def _parse_line(raw: bytes, types: dict[str, tuple[str, int]], number: int) -> dict | None:
-    """One JSONL line as a row (None for a blank line); `ValueError('reason: detail')` for a bad one."""
+def _decode(raw: bytes) -> str:
+    """A line of a text file; `ValueError` naming its first byte that is not UTF-8."""
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"not UTF-8: byte {exc.start + 1} is {raw[exc.start:exc.start + 1]!r}") from None
+
+
+def _parse_line(raw: bytes, types: dict[str, tuple[str, int]], number: int) -> dict | None:
+    """One JSONL line as a row (None for a blank line); `ValueError('reason: detail')` for a bad one."""
+    text = _decode(raw)
     if not text.strip():
         return None
     try:
@@ -80,10 +85,9 @@ def _check_utf8(path: Path, key: str) -> None:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ConfigError(f"{key}: dataset {str(path)!r} line {number}: not UTF-8: byte {exc.start + 1} is "
-                                  f"{raw[exc.start:exc.start + 1]!r}") from None
+                _decode(raw)
+            except ValueError as bad:
+                raise ConfigError(f"{key}: dataset {str(path)!r} line {number}: {bad}") from None
 
 
 def _check_json(path: Path, key: str) -> None:
@@ -143,7 +147,9 @@ def load_rows(path: str, columns: list[str], key: str, dataset: Any = None, bad_
               dropped: Counter | None = None) -> list[dict[str, Any]]:
     """Load `path` (or use its already opened `dataset`) and return rows restricted to `columns` (all must
     exist, the set must be non-empty). A row with an empty column is named (rows count from 1), or dropped and
-    counted with `bad_rows: drop`."""
+    counted with `bad_rows: drop`: into `dropped` when the caller collects the counts (and reports them), else
+    reported here."""
+    report, dropped = dropped is None, Counter() if dropped is None else dropped
     ds = dataset if dataset is not None else open_dataset(path, key, bad_rows, dropped)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
@@ -156,13 +162,12 @@ def load_rows(path: str, columns: list[str], key: str, dataset: Any = None, bad_
             raise ConfigError(f"{key}: dataset {path!r} row {i}: column {empty[0]!r} is empty (bad_rows: drop "
                               f"skips such rows)")
         if empty:
-            if dropped is not None:
-                dropped["empty_column"] += 1
+            dropped["empty_column"] += 1
             continue
         kept.append(row)
     if not kept:
         raise ConfigError(f"{key}: dataset {path!r} has no usable row")
-    if dropped:
+    if report and dropped:
         print(f"[looprl] {key}: {sum(dropped.values())} bad row(s) of {path!r} dropped ({dict(dropped)})", flush=True)
     return kept
 

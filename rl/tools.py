@@ -131,27 +131,23 @@ class TreeLimits:
     @classmethod
     def create(cls, memory_bytes: int, max_processes: int) -> TreeLimits | None:
         name = f"looprl-tool-{uuid.uuid4().hex[:12]}"
+        v2 = Path("/sys/fs/cgroup")
+        if {"memory", "pids"} <= set(_read(v2 / "cgroup.controllers").split()):
+            plan = [(v2 / _own_cgroup(""), {"memory.max": memory_bytes, "memory.swap.max": 0,
+                                            "pids.max": max_processes})]
+        else:
+            plan = [(_v1_parent(controller), settings) for controller, settings in (
+                ("memory", {"memory.limit_in_bytes": memory_bytes}), ("pids", {"pids.max": max_processes}))]
+        made = cls([], 2 if len(plan) == 1 else 1)
         try:
-            v2 = Path("/sys/fs/cgroup")
-            if {"memory", "pids"} <= set(_read(v2 / "cgroup.controllers").split()):
-                own = v2 / _own_cgroup("")
-                (own / name).mkdir()
-                _write(own / name / "memory.max", memory_bytes)
-                _write(own / name / "memory.swap.max", 0, missing_ok=True)
-                _write(own / name / "pids.max", max_processes)
-                return cls([own / name], 2)
-            dirs = []
-            for controller, settings in (("memory", {"memory.limit_in_bytes": memory_bytes}),
-                                         ("pids", {"pids.max": max_processes})):
-                root = v1_root = Path("/sys/fs/cgroup") / controller
-                own = v1_root / _own_cgroup(controller)
-                root = own if own.is_dir() else root
-                (root / name).mkdir()
-                dirs.append(root / name)
+            for parent, settings in plan:
+                (parent / name).mkdir()
+                made.dirs.append(parent / name)
                 for key, value in settings.items():
-                    _write(root / name / key, value)
-            return cls(dirs, 1)
-        except OSError:
+                    _write(parent / name / key, value, missing_ok=key == "memory.swap.max")
+            return made
+        except OSError:  # not ours to make, or a controller not enabled here: leave nothing behind
+            made.remove()
             return None
 
     def enter(self) -> None:
@@ -178,7 +174,8 @@ class TreeLimits:
                     pass
             try:
                 for d in self.dirs:
-                    d.rmdir()
+                    if d.exists():  # a retry after one hierarchy's directory went
+                        d.rmdir()
                 return
             except OSError:
                 time.sleep(0.01)
@@ -188,9 +185,17 @@ def _own_cgroup(controller: str) -> str:
     """This process's cgroup path in a hierarchy (`""`: the v2 one), relative to its root."""
     for line in _read(Path("/proc/self/cgroup")).splitlines():
         _, controllers, path = line.split(":", 2)
-        if controllers.split(",") == [controller] or (controller == "" and controllers == ""):
+        if controllers.split(",") == [controller]:
             return path.lstrip("/")
     return ""
+
+
+def _v1_parent(controller: str) -> Path:
+    """Where a cgroup v1 child of this process's cgroup goes in `controller`'s hierarchy (its root when this
+    process's own cgroup is not visible here)."""
+    root = Path("/sys/fs/cgroup") / controller
+    own = root / _own_cgroup(controller)
+    return own if own.is_dir() else root
 
 
 def _read(path: Path) -> str:

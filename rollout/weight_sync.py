@@ -27,6 +27,11 @@ def pack_state(state: dict[str, torch.Tensor]) -> PackedState:
     return out
 
 
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """The bytes of tensors in `state` (what one weight sync sends)."""
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
 def unpack_state(packed: PackedState) -> dict[str, torch.Tensor]:
     """Tensors viewing the (read-only) received buffers; copy them into the model, do not keep them."""
     out = {}

@@ -220,7 +220,6 @@ class LearnerWorker(ActorProbes):
         sums["grad_norm"] = float("nan")  # no gradient exists
         return sums
 
-
     # ------------------------------------------------------------------ weight sync (cluster.weight_sync)
     def sender_call(self, transport: str, method: str, *args: Any) -> Any:
         """`method(*args)` of this rank's sender for weight-sync `transport` (made on first use)."""

@@ -38,11 +38,11 @@ class CollectiveSender:
 
     def send(self, bucket_bytes: int) -> float:
         """Rank 0 broadcasts its weights to the rollout workers; returns the seconds it took."""
-        from rollout.weight_sync import broadcast_state
+        from rollout.weight_sync import broadcast_state, state_bytes
         t0 = time.perf_counter()
         sd = self.strategy.sync_state_dict(self.device)
         if self.strategy.rank == 0:
-            self.bytes_sent = sum(v.numel() * v.element_size() for v in sd.values())
+            self.bytes_sent = state_bytes(sd)
             broadcast_state(self.group, sd, self.meta, bucket_bytes, self.device)
         return time.perf_counter() - t0
 

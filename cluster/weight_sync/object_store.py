@@ -15,11 +15,11 @@ class ObjectStoreSender:
         self.bytes_sent = 0
 
     def send(self) -> Any:
-        from rollout.weight_sync import pack_state
+        from rollout.weight_sync import pack_state, state_bytes
         sd = self.strategy.sync_state_dict()  # collective under ZeRO-3: every rank calls
         if sd is None:
             return None
-        self.bytes_sent = sum(v.numel() * v.element_size() for v in sd.values())
+        self.bytes_sent = state_bytes(sd)
         return pack_state(sd)
 
 

@@ -61,6 +61,13 @@ def test_a_bad_jsonl_row_is_named_by_file_and_row_from_1_or_dropped(tmp_path, ba
     assert len(rows) == 3 and sum(dropped.values()) == 1
 
 
+def test_rows_dropped_without_a_collector_are_reported(tmp_path, capsys):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([GOOD, "not json", GOOD]) + "\n")
+    assert len(load_rows(str(path), ["prompt", "answer"], "data.train_path", bad_rows="drop")) == 2
+    assert "data.train_path: 1 bad row(s) of" in capsys.readouterr().out
+
+
 def test_csv_and_json_files_name_the_line_of_bad_text_or_syntax(tmp_path):
     (tmp_path / "d.csv").write_bytes(b"prompt,answer\n1+1=,2\ncaf\xe9,3\n")
     with pytest.raises(ConfigError, match=r"'.*d.csv' line 3: not UTF-8"):

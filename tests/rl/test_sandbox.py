@@ -160,6 +160,21 @@ def test_a_recipe_whose_environment_runs_model_code_is_refused_before_start_up_w
     check_sandbox("calculator", "bwrap")  # bubblewrap is here
 
 
+def test_a_cgroup_that_cannot_be_set_up_is_not_left_behind():
+    """A limit the kernel refuses (a negative process count) makes no cgroup, and leaves no directory behind."""
+    before = _tool_cgroups()
+    made = tools.TreeLimits.create(256 << 20, 8)
+    if made is None:
+        pytest.skip("no writable cgroup on this host")
+    made.remove()
+    assert tools.TreeLimits.create(256 << 20, -5) is None
+    assert _tool_cgroups() == before
+
+
+def _tool_cgroups() -> set[str]:
+    return {str(p) for p in Path("/sys/fs/cgroup").rglob("looprl-tool-*")}
+
+
 def _host_processes_with(marker: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.tiny.hidden_size=768", "model.tiny.num_layers=14", "model.tiny.num_heads=12",
          "model.tiny.intermediate_size=1536", "model.tiny.max_position_embeddings=256"]
-VLLM = ["rollout.engine=vllm", "rollout.engine_params={gpu_memory_utilization: 0.3}"]
+VLLM = ["rollout.engine=vllm", "rollout.engine_params={vllm: {gpu_memory_utilization: 0.3}}"]
 ASYNC = ["trainer.max_staleness=1", "algorithm.is_correction=token"]
 # colocated roles take turns: learner states to host while generating, engine asleep while training
 SWAP = ["learner.zero_stage=2", "learner.offload_between_phases=true", "rollout.sleep_between_phases=true"]

@@ -160,7 +160,7 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dt
 # matmuls are at their peak rate at 2048 already and gain nothing from it. The decoder layers' MLPs, norms and
 # rotary embedding run compiled (`learner.compile_position_wise`, `--compile` there): 1.17x on the bf16 learner
 # step; 1.06x on the packed fp32 one (12.83 -> 12.08 s, alternated in one process, AMX Xeon).
-ROLLOUT_EAGER = ["rollout.engine_params.attn_implementation=eager"]
+ROLLOUT_EAGER = ["rollout.engine_params.hf.attn_implementation=eager"]
 LEARNER_CPU_BUCKETS = ["learner.attn_implementation=eager", "learner.max_tokens_per_micro_batch=2048",
                        "learner.share_prompts=true"]
 LEARNER_CPU_EAGER = [*LEARNER_CPU_BUCKETS, "learner.pack_sequences=true"]

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from cluster.learner import LearnerGroup
 from cluster.ray_utils import Placement, actor_env
 from rl.config import as_container
-from rl.recipe import model_family
+from rl.recipe import engine_options, model_family
 from rollout.worker import RolloutWorker
 
 
@@ -82,7 +82,7 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement,
             cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
             batch_size=cfg.rollout.generation_batch_size,
             device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **adapter_kwargs(cfg),
-                                                                     **as_container(cfg.rollout.engine_params)}))
+                                                                     **engine_options(cfg.rollout.engine_params, cfg.rollout.engine, "rollout.engine_params")}))
     if wait:
         ray.get([w.pid.remote() for w in workers])
     return workers

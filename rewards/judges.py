@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from rl.recipe import engine_options
+
 
 class JudgeWorker:
     """One judge engine (a Ray actor): prompts in, completions out."""
@@ -123,7 +125,8 @@ def start_judges(judges: dict[str, Any], policy_path: str, env: dict[str, str] |
         device = "cuda" if jc["num_gpus"] else "cpu"
         actor = ray.remote(JudgeWorker).options(num_cpus=jc["num_cpus"], num_gpus=jc["num_gpus"],
                                                 runtime_env={"env_vars": env or {}})
-        workers = [actor.remote(path, jc["engine"], jc["engine_params"], jc["dtype"], device, jc["threads"],
+        options = engine_options(jc["engine_params"], jc["engine"], f"reward.judges.{name}.engine_params")
+        workers = [actor.remote(path, jc["engine"], options, jc["dtype"], device, jc["threads"],
                                 bool(jc["chat_template"]))
                    for _ in range(jc["num_workers"])]
         sampling = {"temperature": jc["temperature"], "top_p": jc["top_p"], "max_new_tokens": jc["max_new_tokens"]}

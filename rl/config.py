@@ -104,7 +104,7 @@ class SFTConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"  # generation engine (registry kind "engine"): hf | vllm
-    engine_params: dict[str, Any] = field(default_factory=dict)  # engine keyword arguments, e.g. vllm {kv_cache_gib: 1, max_model_len: 512}
+    engine_params: dict[str, Any] = field(default_factory=dict)  # engine options, one section per engine: {hf: {attn_implementation: eager}, vllm: {max_model_len: 512}}; the configured engine takes its own section (switching rollout.engine switches the options with it)
     num_workers: int = 1  # rollout worker actors
     n: int = 8  # samples per prompt (group size)
     temperature: float = 1.0  # sampling temperature
@@ -209,7 +209,7 @@ class RewardFnConfig:
 class JudgeConfig:
     model_path: str | None = None  # HF model folder; null: a frozen copy of the run's initial policy (after SFT); "artifact:NAME": the folder an earlier stage published (e.g. artifact:reward_model)
     engine: str = "hf"  # engine: hf | vllm (generation) | hf_classifier (a reward model that scores, for the reward_model reward)
-    engine_params: dict[str, Any] = field(default_factory=dict)  # engine options (as rollout.engine_params)
+    engine_params: dict[str, Any] = field(default_factory=dict)  # engine options, one section per engine (as rollout.engine_params)
     num_workers: int = 1  # engine actors; a batch of prompts is split across them
     num_cpus: float = 0.5  # CPUs per worker
     num_gpus: float = 0.0  # GPUs per worker (a fraction shares a device)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from models.families import family_for_model_type
-from rl.registry import lookup
+from rl.registry import known, lookup
 
 
 class ConfigError(ValueError):
@@ -65,3 +66,28 @@ def policy_loss_params(cfg: DictConfig, loss_fn: Any) -> dict[str, Any]:
     elif a.entropy_coef:
         raise ConfigError(f"algorithm.entropy_coef: loss {a.loss!r} takes no entropy_coef; set it to 0")
     return params
+
+
+def engine_options(engine_params: Any, engine: str, key: str) -> dict[str, Any]:
+    """The keyword options of `engine` from an `engine_params` mapping that holds one section per engine
+    (`{hf: {attn_implementation: eager}, vllm: {max_model_len: 512}}`): switching `rollout.engine` (or a judge's
+    engine) from the command line then takes that engine's own options, and an engine without a section gets
+    none. A mapping without engine sections is the older flat form: its options go to the configured engine,
+    with a deprecation warning. `key` names the recipe key in messages."""
+    params = dict(as_container(engine_params) or {})
+    engines = set(known("engine")) | {engine}
+    sections = [k for k in params if k in engines]
+    if not sections:
+        if params:
+            warnings.warn(f"{key}: options without an engine section are deprecated; write "
+                          f"{{{engine}: {json.dumps(params)}}} so that they follow the engine", FutureWarning,
+                          stacklevel=2)
+        return params
+    options = sorted(k for k in params if k not in engines)
+    if options:
+        raise ConfigError(f"{key}: {options} sit beside the engine sections {sorted(sections)}; put each option "
+                          "under the engine it belongs to")
+    bad = [k for k in sections if not isinstance(params[k], dict)]
+    if bad:
+        raise ConfigError(f"{key}.{bad[0]}: an engine section must be a mapping of options, got {params[bad[0]]!r}")
+    return dict(params.get(engine) or {})

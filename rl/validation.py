@@ -14,7 +14,15 @@ from omegaconf import DictConfig
 
 from rl.batch import NAMED_FIELDS
 from rl.losses import LOSS_INPUTS
-from rl.recipe import ConfigError, as_container, model_family, model_type_of, needs_critic, policy_loss_params
+from rl.recipe import (
+    ConfigError,
+    as_container,
+    engine_options,
+    model_family,
+    model_type_of,
+    needs_critic,
+    policy_loss_params,
+)
 from rl.registry import check_params, lookup, required_parameters
 
 
@@ -123,7 +131,8 @@ def _check_reward_and_stage_values(cfg: DictConfig) -> None:
     need(len(set(keys)) == len(keys), "reward.functions",
          f"{sorted({k for k in keys if keys.count(k) > 1})} appear more than once: give each a distinct label")
     for name, judge in rw.judges.items():
-        tp = int(judge.engine_params.get("tensor_parallel_size", 1))
+        tp = int(engine_options(judge.engine_params, judge.engine, f"reward.judges.{name}.engine_params")
+                 .get("tensor_parallel_size", 1))
         need(tp <= max(judge.num_gpus, 1) or judge.num_gpus == 0, f"reward.judges.{name}.num_gpus",
              f"must be >= engine_params.tensor_parallel_size ({tp}): one GPU per tensor-parallel rank")
     labels = [s.label or s.name for s in cfg.stages]
@@ -287,8 +296,17 @@ def _check_plugins(cfg: DictConfig) -> None:
     for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
         check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
                      supplied=("optimizer", "warmup_steps", "total_steps"))
-    check_params("engine", cfg.rollout.engine, as_container(cfg.rollout.engine_params), "rollout.engine_params",
+    check_params("engine", cfg.rollout.engine,
+                 engine_options(cfg.rollout.engine_params, cfg.rollout.engine, "rollout.engine_params"),
+                 _engine_key(cfg.rollout.engine_params, cfg.rollout.engine, "rollout.engine_params"),
                  supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
     for name, judge in cfg.reward.judges.items():
-        check_params("engine", judge.engine, as_container(judge.engine_params), f"reward.judges.{name}.engine_params",
+        key = f"reward.judges.{name}.engine_params"
+        check_params("engine", judge.engine, engine_options(judge.engine_params, judge.engine, key),
+                     _engine_key(judge.engine_params, judge.engine, key),
                      supplied=("model_path", "dtype", "device"))
+
+
+def _engine_key(engine_params: Any, engine: str, key: str) -> str:
+    """The recipe key of `engine`'s options in messages: its section when `engine_params` has one."""
+    return f"{key}.{engine}" if engine in (as_container(engine_params) or {}) else key

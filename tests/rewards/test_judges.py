@@ -151,7 +151,7 @@ def test_a_judge_stays_frozen_while_the_policy_trains(ray_cluster, tmp_path, eng
                       "def critic(prompts, responses, *, judges, **kw):\n"
                       "    said = judges['critic'].generate(responses)\n"
                       "    return [sum(c.isdigit() for c in r + s) / (1 + len(r + s)) for r, s in zip(responses, said)]\n")
-    judge_cfg = f"{{critic: {{engine: {engine}, engine_params: {{{'max_model_len: 96' if engine == 'vllm' else ''}}}, " \
+    judge_cfg = f"{{critic: {{engine: {engine}, engine_params: {{vllm: {{max_model_len: 96}}}}, " \
                 "max_new_tokens: 6, num_cpus: 0}}"
     cfg = _cfg(tmp_path, "run", "trainer.steps=2", "learner.lr=5e-3", f"reward.functions=[{{name: '{plugin}:critic'}}]",
                f"reward.judges={judge_cfg}", "trainer.save_hf=true", *extra)

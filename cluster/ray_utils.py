@@ -7,11 +7,14 @@ import importlib.util
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from rl.stages import say
 
 # Environment every looprl actor gets: one intra-op thread per rank avoids 10-100x slow-downs from
 # oversubscribed cores on CPU; quiet transformers/datasets progress bars; auth mode passed through.
@@ -104,29 +107,6 @@ def job_runtime_env() -> dict[str, Any]:
     return {"env_vars": actor_env(), "worker_process_setup_hook": f"{__name__}.skip_optional_imports"}
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
-    """Connect to `address`, else to a running cluster (RAY_ADDRESS or a local head), else start one.
-
-    Returns "connected" or "local". `RAY_AUTH_MODE` is set explicitly (default `disabled`) because a
-    mismatch between the driver and `ray job submit` makes the latter fail authentication.
-    """
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        return "connected"
-    runtime_env = job_runtime_env()
-    target = address or os.environ.get("RAY_ADDRESS")
-    if target:
-        ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
-        return "connected"
-    try:
-        ray.init(address="auto", runtime_env=runtime_env)
-        return "connected"
-    except (ConnectionError, RuntimeError, ValueError):
-        pass
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
-    return "local"
-
-
 @dataclass
 class Placement:
     """Where each role goes: bundle index per learner rank and per rollout worker."""
@@ -156,10 +136,46 @@ def bundle_options(placement: Placement | None, index: int, num_gpus: float = 0.
     return opts
 
 
+def wait_for_bundles(bundles: list[dict[str, float]], strategy: str, timeout_s: float, can_grow: bool = True,
+                     every_s: float = 30.0) -> PlacementGroup:
+    """Reserve `bundles` as one placement group. A need larger than the whole cluster is refused at once when the
+    cluster cannot grow (a private local instance); a need other jobs hold is waited for, saying so every
+    `every_s`, for at most `timeout_s`, and then refused naming what was needed, free and held."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+    total = ray.cluster_resources()
+    short = {k: v for k, v in need.items() if v > total.get(k, 0.0) + 1e-9}
+    if short and not can_grow:
+        raise RuntimeError(f"this run needs {_amounts(need)} and its Ray instance has {_amounts(total, need)} in all: "
+                           "lower learner.num_cpus / rollout.num_cpus / the actor counts, or raise cluster.num_cpus")
+    pg = placement_group(bundles, strategy=strategy)
+    start = time.monotonic()
+    while True:
+        ready, _ = ray.wait([pg.ready()], timeout=min(every_s, max(timeout_s - (time.monotonic() - start), 0.0)))
+        if ready:
+            return pg
+        waited = time.monotonic() - start
+        free = ray.available_resources()
+        if waited >= timeout_s:
+            remove_placement_group(pg)
+            raise RuntimeError(f"this run's actors ({_amounts(need)}, {strategy}) could not be placed within "
+                               f"{timeout_s:.0f}s (cluster.wait_for_resources_s): free {_amounts(free, need)} of "
+                               f"{_amounts(ray.cluster_resources(), need)}; other jobs hold the rest")
+        say(f"waiting {waited:.0f}s of {timeout_s:.0f}s for resources held by other jobs: this run needs "
+            f"{_amounts(need)}, free {_amounts(free, need)} of {_amounts(ray.cluster_resources(), need)}")
+
+
+def _amounts(resources: dict[str, float], keys: dict[str, float] | None = None) -> str:
+    return "{" + ", ".join(f"{k}: {resources.get(k, 0.0):g}" for k in sorted(keys or resources)) + "}"
+
+
 def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollout_cpus: float,
                    mode: str = "colocated", strategy: str = "PACK", use_gpu: bool = False,
                    timeout_s: float = 120.0, learner_resources: dict[str, float] | None = None,
-                   rollout_resources: dict[str, float] | None = None, learner_roles: int = 1) -> Placement:
+                   rollout_resources: dict[str, float] | None = None, learner_roles: int = 1,
+                   can_grow: bool = True) -> Placement:
     """One placement group for learners and rollout workers.
 
     colocated: bundle i holds learner rank i and rollout worker i (they take turns on the same
@@ -167,7 +183,8 @@ def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollo
     `learner_resources` / `rollout_resources` are extra Ray resources each role's bundles ask for
     (custom node resources such as `{"trainer_node": 1}` pin roles to the nodes that offer them).
     `learner_roles`: actors per learner bundle (2 with PPO's critic beside each policy rank); a GPU bundle's
-    device is shared evenly by the actors of its most crowded bundle.
+    device is shared evenly by the actors of its most crowded bundle. `timeout_s` and `can_grow`: see
+    `wait_for_bundles`.
     """
     gpu = {"GPU": 1} if use_gpu else {}
     extra_l, extra_r = dict(learner_resources or {}), dict(rollout_resources or {})
@@ -182,11 +199,6 @@ def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollo
         rollout = list(range(world_size, world_size + num_rollout))
     else:
         raise ValueError(f"cluster.placement must be colocated or split, got {mode!r}")
-    pg = placement_group(bundles, strategy=strategy)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise RuntimeError(f"placement group {bundles} ({strategy}) could not be scheduled within "
-                           f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+    pg = wait_for_bundles(bundles, strategy, timeout_s, can_grow)
     share = 1.0 / (learner_roles + 1) if mode == "colocated" else 1.0 / learner_roles
     return Placement(pg, learner, rollout, gpus_per_actor=share if use_gpu else 0.0)

@@ -19,7 +19,8 @@ import torch
 from omegaconf import DictConfig
 
 from cluster.checkpoints import latest_checkpoint
-from cluster.ray_utils import actor_env, bundle_options, free_port, init_ray, make_placement
+from cluster.local_ray import init_ray
+from cluster.ray_utils import actor_env, bundle_options, free_port, make_placement
 from cluster.roles import make_learner_group, make_rollout_workers
 from cluster.rollout_pipeline import generate
 from cluster.trainer import RLTrainer
@@ -38,8 +39,8 @@ class Runtime(StageRuntime):
 
     def __init__(self, cfg: DictConfig, specs: list[RewardSpec]):
         self.cfg = cfg
-        mode = init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
-        say(f"ray: {mode} cluster, resources {ray.cluster_resources()}")
+        self.ray = init_ray(cfg.cluster.address, cfg.cluster.num_cpus, cfg.cluster.join_running)
+        say(self.ray.note)
         self.reward_service = ray.remote(RewardService).options(
             num_cpus=0, runtime_env={"env_vars": actor_env()}).remote(
             specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
@@ -58,7 +59,8 @@ class Runtime(StageRuntime):
                 cfg.cluster.placement_strategy, use_gpu=use_gpu,
                 learner_resources=as_container(cfg.cluster.learner_resources),
                 rollout_resources=as_container(cfg.cluster.rollout_resources),
-                learner_roles=2 if needs_critic(cfg) else 1)
+                learner_roles=2 if needs_critic(cfg) else 1, timeout_s=cfg.cluster.wait_for_resources_s,
+                can_grow=self.ray.mode == "connected")
         return self._placement
 
     def close(self) -> None:

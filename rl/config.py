@@ -259,7 +259,9 @@ class TrainerConfig:
 
 @dataclass
 class ClusterConfig:
-    address: str | None = None  # Ray address; null: connect to a running cluster if any, else start one locally
+    address: str | None = None  # Ray address; null: RAY_ADDRESS, else the cluster `ray start --head` runs on this machine, else a private instance of this run's own (it ends with the driver, even a killed one)
+    join_running: bool = False  # with no address: join another run's private Ray instance running on this machine instead of starting one (the runs then share its resources)
+    wait_for_resources_s: float = 600.0  # how long the run waits, saying so every 30 s, while resources it needs are held by other jobs of the cluster it joined
     num_cpus: int | None = None  # CPUs for a locally started Ray (null: all)
     placement: str = "colocated"  # colocated (learner rank i shares a bundle with rollout worker i) | split
     placement_strategy: str = "PACK"  # Ray placement-group strategy: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD

@@ -102,10 +102,10 @@ def test_killed_learner_stops_the_run_with_a_resumable_checkpoint(ray_cluster, t
 def test_killed_driver_resumes_to_the_metrics_of_an_uninterrupted_run(ray_cluster, tmp_path):
     common = ["trainer.steps=4", "trainer.checkpoint_every=1", "learner.lr=5e-3", _digit_reward(tmp_path)]
     run(_cfg(tmp_path, "full", *common))
-    # the same run as a `looprl run` process (attached to the running cluster), SIGKILLed once its
+    # the same run as a `looprl run` process (joining the test session's Ray, as asked), SIGKILLed once its
     # step-2 checkpoint is complete
     cmd = [sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path / 'killed'}",
-           "sft.enabled=false", *TINY, *common]
+           "sft.enabled=false", "cluster.join_running=true", *TINY, *common]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = tmp_path / "killed" / "checkpoints" / "step_2" / "COMPLETE"
     deadline = time.monotonic() + 600

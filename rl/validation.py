@@ -265,7 +265,8 @@ def _check_adapter(cfg: DictConfig, family_name: str) -> None:
 def check_sandbox(env: str, mode: str) -> None:
     """An environment that runs model-written code (`runs_model_code = True`, e.g. the Python tool) needs its
     sandbox: refused before start-up when this host cannot provide it (checked where the run starts; a rollout
-    worker on another node refuses its first tool call the same way)."""
+    worker on another node checks its own host before its first episode, and a tool refused mid-run stops the
+    rollout rather than failing every step)."""
     if getattr(lookup("env", env), "runs_model_code", False):
         from rl.tools import SandboxUnavailable, require_sandbox
         try:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rl.batch import Batch
+from rl.tools import SandboxUnavailable
 from rollout.base import SamplingParams, attach_prompt_fields, encode_prompts
 
 
@@ -124,6 +125,8 @@ def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[d
             e.step += [turn] * len(ids)
             try:
                 result = step_within(e.env, tok.decode(ids, skip_special_tokens=True), step_timeout_s)
+            except SandboxUnavailable:  # the host, not the model: every step would fail the same way
+                raise
             except Exception as exc:  # a failed step ends the episode; the rollout goes on
                 e.error = f"{type(exc).__name__}: {exc}"
                 e.rewards.append(0.0)

@@ -120,6 +120,25 @@ def test_a_hanging_tool_or_a_crashing_env_is_a_failed_step_not_a_hung_rollout(en
     assert not crashed.truncated.any() and (crashed.observation_mask == 0).all()
 
 
+def test_a_host_without_the_sandbox_stops_the_rollout_instead_of_failing_every_tool_step(engine, monkeypatch, tmp_path):
+    """A rollout worker on a node without bubblewrap: the Python tool refuses to run, and the episode loop raises
+    that (naming rollout.sandbox) rather than training on episodes whose every step failed."""
+    from rl import tools
+
+    class RunsTheAction(Env):
+        def step(self, action):
+            return EnvStep(observation=tools.run_python(f"print({action!r})").output, done=True)
+    monkeypatch.setenv("PATH", str(tmp_path))  # a host without bwrap
+    monkeypatch.setenv(tools.SANDBOX_ENV, "bwrap")
+    tools.bwrap_problem.cache_clear()
+    try:
+        with pytest.raises(tools.SandboxUnavailable, match=r"rollout\.sandbox: process"):
+            _episodes(engine, RunsTheAction, max_turns=2)
+    finally:
+        monkeypatch.undo()
+        tools.bwrap_problem.cache_clear()
+
+
 @pytest.mark.timeout(120)  # without a deadline the rollout would hang for an hour
 def test_a_stuck_environment_step_ends_its_episode_as_failed_at_its_deadline(engine):
     b = _episodes(engine, StuckStep, max_turns=2, step_timeout_s=0.5)

@@ -47,17 +47,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, join_runni
     if ray.is_initialized():
         return RayConnection("connected", _gcs_address(), f"ray: this process's cluster; {free_resources()}")
     runtime_env = job_runtime_env()
-    target = address or os.environ.get("RAY_ADDRESS")
     started, others = _running_instances()
-    if not target and started:
-        target, how = started, "started with `ray start`"
-    elif not target and others and join_running:
-        if len(others) > 1:
-            raise RuntimeError(f"cluster.join_running: several Ray instances run on this machine ({', '.join(sorted(others))}); "
-                               "set cluster.address to the one to join")
-        target, how = next(iter(others)), "another run's instance (cluster.join_running)"
-    else:
-        how = "given by cluster.address / RAY_ADDRESS"
+    target, how = choose_cluster(address or os.environ.get("RAY_ADDRESS"), started, others, join_running)
     if target:
         ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
         return RayConnection("connected", _gcs_address(), f"ray: joined {_gcs_address()} ({how}); {free_resources()}")
@@ -69,6 +60,23 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, join_runni
         note += (f"; Ray instances of other runs are up on this machine ({', '.join(sorted(others))}): this run "
                  "shares none (cluster.join_running: true joins one)")
     return RayConnection("local", _gcs_address(), note)
+
+
+def choose_cluster(given: str | None, started: str | None, others: set[str], join_running: bool
+                   ) -> tuple[str | None, str]:
+    """The address to join and why, or (None, "") for a private instance of this run's own. `given`: the
+    recipe's or RAY_ADDRESS; `started`: a running `ray start` cluster of this machine; `others`: the other
+    Ray instances running here (other runs' private ones)."""
+    if given:
+        return given, "given by cluster.address / RAY_ADDRESS"
+    if started:
+        return started, "started with `ray start`"
+    if others and join_running:
+        if len(others) > 1:
+            raise RuntimeError(f"cluster.join_running: several Ray instances run on this machine "
+                               f"({', '.join(sorted(others))}); set cluster.address to the one to join")
+        return next(iter(others)), "another run's instance (cluster.join_running)"
+    return None, ""
 
 
 def _gcs_address() -> str:

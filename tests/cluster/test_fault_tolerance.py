@@ -98,22 +98,40 @@ def test_killed_learner_stops_the_run_with_a_resumable_checkpoint(ray_cluster, t
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
+def _private_instance(log) -> str:
+    """The session folder of the Ray instance a `looprl run` started for itself, from its log."""
+    line = next((x for x in log.read_text().splitlines() if "ray: started a private instance (" in x), "")
+    return line.split("private instance (", 1)[1].split(")", 1)[0] if line else ""
+
+
 @pytest.mark.slow
 def test_killed_driver_resumes_to_the_metrics_of_an_uninterrupted_run(ray_cluster, tmp_path):
+    """The driver is a `looprl run` process beside the test session's Ray, which it does not join: it starts a
+    private instance, and once it is SIGKILLed no process of that instance is left (Ray's own fate-sharing leaves
+    the agents its raylet started). The resumed run reproduces the uninterrupted one."""
+    from cluster.local_ray import _alive, session_processes
     common = ["trainer.steps=4", "trainer.checkpoint_every=1", "learner.lr=5e-3", _digit_reward(tmp_path)]
     run(_cfg(tmp_path, "full", *common))
-    # the same run as a `looprl run` process (joining the test session's Ray, as asked), SIGKILLed once its
-    # step-2 checkpoint is complete
     cmd = [sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path / 'killed'}",
-           "sft.enabled=false", "cluster.join_running=true", *TINY, *common]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "sft.enabled=false", *TINY, *common]
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     marker = tmp_path / "killed" / "checkpoints" / "step_2" / "COMPLETE"
     deadline = time.monotonic() + 600
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    session = _private_instance(log)
+    pids = session_processes(session) if session else []
     proc.kill()
     proc.wait()
     assert marker.exists() and not (tmp_path / "killed" / "summary.json").exists()  # it died mid-run
+    assert session and ray_cluster.get_runtime_context().gcs_address in log.read_text(), log.read_text()[-2000:]
+    names = {open(f"/proc/{p}/cmdline").read().split("\0")[0] for p in pids if _alive(p)}
+    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names, names
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline + 60:
+        time.sleep(0.2)
+    assert [p for p in pids if _alive(p)] == []
     resumed = run(_cfg(tmp_path, "killed", *common, "resume=auto"))
     assert resumed["steps"] == 4
     full, again = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "killed")

@@ -85,62 +85,17 @@ def test_a_need_larger_than_a_private_instance_is_refused_and_one_others_hold_is
     assert "for resources held by other jobs: this run needs {CPU: 0.5}, free {CPU: 0}" in capsys.readouterr().err
 
 
-_DRIVER = """
-import json, sys, time
-from cluster.local_ray import init_ray
-import ray
-try:
-    conn = init_ray(num_cpus=1, join_running=sys.argv[1] == "join")
-except RuntimeError as exc:
-    print(json.dumps({"error": str(exc)}), flush=True)
-    sys.exit(1)
-session = ray._private.worker.global_worker.node.get_session_dir_path()
-print(json.dumps({"mode": conn.mode, "address": conn.address, "note": conn.note, "session": session}), flush=True)
-time.sleep(600)
-"""
+def test_a_run_joins_what_it_is_given_or_a_ray_start_cluster_and_another_runs_instance_only_when_asked():
+    """Which cluster a run joins (the processes themselves: tests/cluster/test_fault_tolerance.py, the killed
+    driver, whose own instance ends with it)."""
+    import pytest
 
-
-def _driver(join: bool):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, "join" if join else "own"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env, cwd=Path(__file__).resolve().parents[2])
-    return proc, json.loads(proc.stdout.readline())
-
-
-def test_a_run_starts_its_own_instance_beside_another_runs_and_its_processes_end_with_its_killed_driver(ray_cluster):
-    """The test session's Ray is another run's private instance: a second driver starts its own instead of
-    joining it (unless asked), and once that driver is SIGKILLed no process of its instance is left, the agents
-    its raylet started included (Ray's own fate-sharing leaves those running)."""
-    import time
-
-    from ray._private.services import find_gcs_addresses
-
-    from cluster.local_ray import _alive, session_processes
-    ours = ray.get_runtime_context().gcs_address
-    proc, joined = _driver(join=True)
-    proc.kill()
-    proc.wait()
-    if len(set(find_gcs_addresses())) == 1:
-        assert joined["mode"] == "connected" and joined["address"] == ours, joined
-        assert "another run's instance (cluster.join_running)" in joined["note"]
-    else:  # another test session runs beside this one: which instance to join is the user's choice
-        assert "several Ray instances run on this machine" in joined["error"] and ours in joined["error"]
-    proc, own = _driver(join=False)
-    try:
-        assert own["mode"] == "local" and own["address"] != ours, own
-        assert "Ray instances of other runs are up on this machine (" in own["note"] and ours in own["note"]
-        assert "free CPU 1 of 1" in own["note"]
-        pids = session_processes(own["session"])
-        names = {open(f"/proc/{p}/cmdline").read().split("\0")[0] for p in pids}
-        assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names, names
-    finally:
-        proc.kill()
-        proc.wait()
-    deadline = time.monotonic() + 60
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [p for p in pids if _alive(p)] == []
+    from cluster.local_ray import choose_cluster
+    other = {"10.0.0.1:6379"}
+    assert choose_cluster("head:6379", "10.0.0.2:6379", other, False) == ("head:6379", "given by cluster.address / RAY_ADDRESS")
+    assert choose_cluster(None, "10.0.0.2:6379", other, False) == ("10.0.0.2:6379", "started with `ray start`")
+    assert choose_cluster(None, None, other, False) == (None, "")  # another run's private instance: not shared
+    assert choose_cluster(None, None, other, True) == ("10.0.0.1:6379", "another run's instance (cluster.join_running)")
+    assert choose_cluster(None, None, set(), True) == (None, "")
+    with pytest.raises(RuntimeError, match=r"several Ray instances run on this machine \(10.0.0.1:6379, 10.0.0.3:6379\)"):
+        choose_cluster(None, None, other | {"10.0.0.3:6379"}, True)

@@ -603,14 +603,18 @@ class SequenceScoreFamily:
 def masked_token_logp(model: torch.nn.Module, batch: Any, *, eps: float = 1e-3, chunk_tokens: int = 512
                       ) -> torch.Tensor:
     """`[N, L]` MDLM terms of a masked-diffusion `model` on `batch`: each row's response is noised
-    (`models.diffusion.mask_for_training`, seeded per row by the batch extra `noise_seed`, else by the row's
-    index), the prompt stays clean, and at every masked position the term is log p(clean token) / p; unmasked
+    (`models.diffusion.mask_for_training`, seeded per row by the batch extra `noise_seed`, which the caller must
+    set: seeds that repeat from step to step would train on one noise pattern), the prompt stays clean, and at every masked position the term is log p(clean token) / p; unmasked
     positions get 0. −Σ terms / (response tokens) is the MDLM (LLaDA SFT) loss; its expectation over the noise
     bounds the response's NLL from above."""
     module = _unwrap(model)
     device = _device(module)
     attn = batch.response_attn if batch.response_attn is not None else batch.response_mask
-    seeds = batch.extras["noise_seed"].value if "noise_seed" in batch.extras else torch.arange(len(batch))
+    if "noise_seed" not in batch.extras:
+        raise ValueError("a masked-diffusion batch needs its per-row noise seeds: set the batch extra `noise_seed` "
+                         "(rl.sft.noise_seeds gives a training step's); without them every step would draw the same "
+                         "masks")
+    seeds = batch.extras["noise_seed"].value
     masked, rate = mask_for_training(attn, seeds, eps)
     noisy = batch.response_ids.masked_fill(masked, module.config.mask_token_id)
     inputs = {"input_ids": torch.cat([batch.prompt_ids, noisy], 1).to(device),

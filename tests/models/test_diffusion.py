@@ -165,6 +165,9 @@ def test_the_mdlm_terms_are_log_probabilities_over_the_mask_rate_at_masked_posit
     assert family_for_model_type("llada") == "masked_diffusion"
     with pytest.raises(ValueError, match="entropy"):
         fam.forward(m, b, outputs={"logp", "entropy"})
+    del b.extras["noise_seed"]  # no seeds: refused, not the row index as seed (the same masks every step)
+    with pytest.raises(ValueError, match="needs its per-row noise seeds"):
+        masked_token_logp(m, b)
 
 
 def test_the_transfer_schedule_splits_evenly_with_the_remainder_first():

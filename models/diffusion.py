@@ -299,10 +299,24 @@ class Remasking:
             raise ValueError(f"remasking: probes >= 0, m >= 1, candidates >= 1, 0 <= perturb_frac < 1 "
                              f"(got {self.probes}, {self.m}, {self.candidates}, {self.perturb_frac})")
 
-    def probe_steps(self, steps: int) -> set[int]:
-        if self.policy == "none":
+    def probe_steps(self, steps: int, per_block: int | None = None) -> set[int]:
+        """The steps after which a probe runs: `probes` evenly spaced over `steps`. A probe needs steps left in its
+        block to refill what it remasks, so one that would fall on a block's last step (blocks of `per_block`
+        steps) runs a step earlier; with one step per block no probe can run, and that is refused."""
+        if self.policy == "none" or self.probes == 0:
             return set()
-        return {(i + 1) * steps // (self.probes + 1) - 1 for i in range(self.probes)}
+        per_block = per_block or steps
+        if per_block < 2:
+            raise ValueError(f"remasking: {self.probes} probes need at least 2 denoising steps per block to refill "
+                             f"what they remask; this schedule has {per_block}")
+        at = set()
+        for i in range(self.probes):
+            t = (i + 1) * steps // (self.probes + 1) - 1
+            at.add(t - 1 if t % per_block == per_block - 1 else t)
+        if len(at) < self.probes:
+            raise ValueError(f"remasking: {self.probes} probes do not fit on distinct steps of {steps} that leave "
+                             f"room in their blocks of {per_block}: use fewer probes or more steps")
+        return at
 
 
 def _margin(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -371,8 +385,8 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
     its probe steps (`Remasking`: CORE and its controls)."""
     blocks = _check_schedule(gen_length, block_length, steps, remasking)
     revise = revise or Remasking()
-    probe_at = revise.probe_steps(steps)
     per_block = steps // blocks
+    probe_at = revise.probe_steps(steps, per_block)
     device = prompt_ids.device
     B, P = prompt_ids.shape
     x = torch.cat([prompt_ids, torch.full((B, gen_length), mask_id, dtype=prompt_ids.dtype, device=device)], 1)
@@ -407,7 +421,7 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
                     committed += [[row, int(p) - P, int(x0[row, p]), float(confidence[row, p])] for p in pos]
             if commit_log:
                 log.append({"step": step, "block": blk, "committed": committed})
-            if step in probe_at and s < per_block - 1:  # a probe needs steps left in the block to refill
+            if step in probe_at:  # never a block's last step (`probe_steps`): steps are left to refill
                 events, used = _revise(model, x, attn, position_ids, P, (max(P, lo - block_length), hi), logp,
                                        margin, mask_id, revise, generator)
                 forwards += used

@@ -242,6 +242,14 @@ def test_core_spends_one_forward_per_probe_and_remasked_tokens_are_committed_aga
     for policy in ("random", "low_margin"):  # the controls spend no forward
         ctl = diffusion_generate(m, enc["input_ids"], enc["attention_mask"], revise=Remasking(policy, 2, 4, 2), **kw)
         assert ctl.forwards == 8 and ctl.remasked == 8 and (ctl.tokens != tok.mask_token_id).all()
+    # blocks of 4 steps: the probe due at step 3, a block's last, runs at step 2 (it used to be skipped silently)
+    blocked = diffusion_generate(m, enc["input_ids"], enc["attention_mask"], revise=Remasking("core", 1, 4, 2),
+                                 **{**kw, "block_length": 4})
+    assert [e["step"] for e in blocked.log if "probe" in e] == [2] and blocked.forwards == 8 + 1
+    with pytest.raises(ValueError, match="need at least 2 denoising steps per block"):
+        Remasking("core", 1, 4, 2).probe_steps(8, per_block=1)
+    with pytest.raises(ValueError, match="3 probes do not fit on distinct steps"):
+        Remasking("core", 3, 4, 2).probe_steps(4, per_block=2)
     with pytest.raises(ValueError, match="policy"):
         Remasking("remdm")
 

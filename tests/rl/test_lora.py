@@ -21,7 +21,18 @@ def _adapter_bytes(hidden: int = 32, intermediate: int = 64, layers: int = 1, r:
 
 
 def test_the_lora_sync_sends_the_adapter_alone():
-    assert _adapter_bytes() == 4 * 4 * (128 + 96)  # hand count for the tiny model below
+    """What the learner's `sync_state_dict` sends with an adapter (`adapter_state_dict`) on the tiny model of the
+    runs below: the A and B tensors of the three target modules, nothing of the base, as many bytes as counted by
+    hand."""
+    from models.adapters import adapter_state_dict, make_adapter
+    from models.tiny import build_tiny_model, build_tiny_tokenizer
+    from rollout.weight_sync import state_bytes
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    spec = {"name": "lora", "params": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
+    sent = adapter_state_dict(make_adapter(model, spec))
+    assert sorted(k.split("layers.0.")[1] for k in sent) == sorted(
+        f"{m}.lora_{ab}.weight" for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj") for ab in "AB")
+    assert state_bytes(sent) == _adapter_bytes() == 4 * 4 * (128 + 96)
 
 
 @pytest.mark.slow

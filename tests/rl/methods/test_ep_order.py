@@ -34,9 +34,11 @@ def test_spherical_kmeans_recovers_the_domains_and_k_is_chosen():
     x, truth = _blobs()
     labels, centroids = spherical_kmeans(x, 6, seed=0, restarts=3)
     assert purity(labels, truth) > 0.9 and np.allclose(np.linalg.norm(centroids, axis=1), 1.0)
-    # assignment is by cosine: scaling a row does not move it
+    # assignment is by cosine: scaling rows moves none of them
     scaled = x.copy()
     scaled[0] *= 10
+    scaled[1::2] *= 0.1
+    assert (spherical_kmeans(scaled, 6, seed=0, restarts=3)[0] == labels).all()
     assert (x / np.linalg.norm(x, axis=1, keepdims=True) @ centroids.T).argmax(1)[0] == labels[0]
     assert default_k(100) == 8 and default_k(50 * 20 ** 2) == 20 and default_k(10 ** 7) == 64
     assert choose_k(x, 0, candidates=[3, 6, 12], restarts=2) == 6

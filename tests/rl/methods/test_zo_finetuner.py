@@ -65,6 +65,28 @@ def test_with_every_sigma_one_and_normalisation_the_step_is_mezos_bit_for_bit(bu
     assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(c.parameters(), d.parameters()))
 
 
+def test_each_tensor_steps_along_mezos_direction_scaled_by_its_learned_sigma():
+    """One step from the same weights and seed as MeZO: tensor i moves along MeZO's ξ_i (the same generator),
+    by an amount proportional to its σ_i from the bundle, so the per-tensor step sizes relate as the σ's do
+    (ignoring the learned scales would give every tensor the same factor)."""
+    a, b = _model(), _model()
+    batch = _task()
+    bundle = PertBundle.for_model(b, seed=3)
+    sigma = bundle.sigmas(list(b.parameters()), 0.0, 0.0, [1.0] * 4)
+    assert float(sigma.max() / sigma.min()) > 1.2  # a shape worth telling apart from MeZO's
+    before = [p.detach().clone() for p in a.parameters()]
+    MeZO(a.parameters(), lr=1e-2, eps=1e-3, seed=7).step(lambda: _loss(a, batch))
+    ZOFinetuner(b.parameters(), lr=1e-2, eps=1e-3, seed=7, bundle=bundle).step(lambda: _loss(b, batch))
+    factors = []
+    for p0, pa, pb in zip(before, a.parameters(), b.parameters()):
+        da, db = pa.detach() - p0, pb.detach() - p0
+        c = float((da * db).sum() / (da * da).sum())
+        assert torch.allclose(db, c * da, atol=1e-7)  # MeZO's direction ξ_i, rescaled
+        factors.append(c)
+    ratios = torch.tensor(factors) / factors[0]
+    assert torch.allclose(ratios, (sigma / sigma[0]).float(), rtol=1e-3)
+
+
 def test_parameters_are_restored_after_plus_minus_two_plus():
     model = _model()
     opt = ZOFinetuner(model.parameters(), eps=1e-3, bundle=PertBundle.for_model(model, seed=3))

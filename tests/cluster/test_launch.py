@@ -35,16 +35,17 @@ def test_rendered_script_is_valid_bash_with_the_requested_allocation(tmp_path):
         render_sbatch("r.yaml", [], nodes=0)
 
 
-def test_cli_writes_the_script_and_rejects_a_bad_recipe(tmp_path):
+def test_cli_writes_the_script_and_rejects_a_bad_recipe(tmp_path, capsys):
+    """The CLI's entry point in process (`python -m cluster.cli` exits with what `main` returns)."""
+    from cluster.cli import main
     out = tmp_path / "j.sbatch"
-    ok = subprocess.run([sys.executable, "-m", "cluster.cli", "slurm", "recipes/quickstart.yaml", "--nodes", "2",
-                         "--out", str(out), "trainer.steps=3"], cwd=ROOT, capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
+    assert main(["slurm", str(ROOT / "recipes/quickstart.yaml"), "--nodes", "2", "--out", str(out),
+                 "trainer.steps=3"]) == 0, capsys.readouterr().err
     assert "#SBATCH --nodes=2" in out.read_text() and "trainer.steps=3" in out.read_text()
-    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "slurm", "recipes/quickstart.yaml", "--nodes", "2",
-                          "--out", str(tmp_path / "x.sbatch"), "trainer.stepz=3"], cwd=ROOT, capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and "trainer.stepz" in bad.stderr and not (tmp_path / "x.sbatch").exists()
+    capsys.readouterr()
+    assert main(["slurm", str(ROOT / "recipes/quickstart.yaml"), "--nodes", "2", "--out", str(tmp_path / "x.sbatch"),
+                 "trainer.stepz=3"]) == 2
+    assert "trainer.stepz" in capsys.readouterr().err and not (tmp_path / "x.sbatch").exists()
 
 
 def _fake_slurm(bindir: Path) -> None:

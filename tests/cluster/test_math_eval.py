@@ -75,7 +75,10 @@ def test_per_loop_readout_is_the_models_exit_at_step(looped_model):
         ev.close()
 
 
-def test_cli_reports_mean_at_k_and_paired_comparison(looped_model, tmp_path):
+def test_cli_reports_mean_at_k_and_paired_comparison(looped_model, tmp_path, capsys):
+    """`looprl eval` as a process, and its error exit through the CLI's entry point in process (the process exits
+    with what `main` returns)."""
+    from cluster.cli import main
     model = str(looped_model / "model")
     out = tmp_path / "report.json"
     proc = subprocess.run(
@@ -90,6 +93,7 @@ def test_cli_reports_mean_at_k_and_paired_comparison(looped_model, tmp_path):
     assert report["model_mean_at_k"] == report["compare_mean_at_k"]
     assert report["paired"]["mean_diff"] == 0.0 and report["paired"]["p_value"] == 1.0
     assert set(report["model_per_loop_accuracy"]) == {"1", "3"}
-    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", model, "--data", str(tmp_path / "missing.jsonl")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "missing.jsonl" in bad.stderr and "--data" in bad.stderr
+    capsys.readouterr()
+    assert main(["eval", model, "--data", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.jsonl" in err and "--data" in err

@@ -221,10 +221,11 @@ def _cli(*args, timeout=300):
                           timeout=timeout)
 
 
-def test_bad_input_exits_nonzero_with_one_clear_error(tmp_path):
-    """The `looprl` process itself: exit status 2, the error on stderr, no traceback (a check that needs Ray)."""
+def test_bad_input_exits_nonzero_with_one_clear_error(ray_cluster, tmp_path):
+    """The `looprl` process itself: exit status 2, the error on stderr, no traceback (a check that needs Ray; it
+    joins the test session's instance instead of starting one)."""
     res = _cli("run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o",
-               "data.train_path=/nonexistent/train.jsonl")
+               "data.train_path=/nonexistent/train.jsonl", "cluster.join_running=true")
     assert res.returncode == 2, res.stderr[-2000:]
     assert "data.train_path: dataset '/nonexistent/train.jsonl' does not exist" in res.stderr
     assert "Traceback" not in res.stderr
@@ -295,13 +296,15 @@ def test_an_unknown_stage_to_run_alone_is_refused_before_ray_starts(tmp_path, ca
         in err
 
 
-def test_missing_column_is_named(tmp_path):
+def test_missing_column_is_named(ray_cluster, tmp_path, capsys):
+    """The CLI's entry point in process (the process's exit status is what `main` returns)."""
+    from cluster.cli import main
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
-    res = _cli("run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", f"data.train_path={data}",
-               "sft.enabled=false")
-    assert res.returncode == 2
-    assert "no column(s) ['prompt']" in res.stderr and "question" in res.stderr
+    assert main(["run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o", f"data.train_path={data}",
+                 "sft.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "no column(s) ['prompt']" in err and "question" in err
 
 
 @pytest.mark.slow

@@ -158,9 +158,10 @@ def test_a_run_scores_through_a_remote_reward(ray_cluster, plugin, tmp_path):
     assert summary["steps"] == 1 and summary["reward/failures"] == 0
 
 
-def test_an_unreachable_server_stops_the_run_at_start(tmp_path):
+def test_an_unreachable_server_stops_the_run_at_start(tmp_path, capsys):
+    """The CLI's entry point in process (the process exits with what `main` returns)."""
+    from cluster.cli import main
     port = free_port()
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", f"output_dir={tmp_path}",
-                           f"reward.functions=[{{remote: 'http://127.0.0.1:{port}'}}]", "sft.enabled=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and f"reward server http://127.0.0.1:{port} is not reachable" in proc.stderr
+    assert main(["run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}", "sft.enabled=false",
+                 f"reward.functions=[{{remote: 'http://127.0.0.1:{port}'}}]"]) == 2
+    assert f"reward server http://127.0.0.1:{port} is not reachable" in capsys.readouterr().err

@@ -1,5 +1,3 @@
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -205,15 +203,15 @@ def test_a_tensor_parallel_judge_needs_as_many_gpus(tmp_path):
         config.load(ROOT / "recipes/quickstart.yaml", [bad])
 
 
-def test_cli_config_show_and_error_exit(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
-                          "trainer.steps=7"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "steps: 7" in out.stdout and "zero_stage: 0" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "config", "show", str(ROOT / "recipes/quickstart.yaml"),
-                          "trainer.stepz=7"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2
-    assert "trainer.stepz" in bad.stderr and "did you mean 'trainer.steps'" in bad.stderr
+def test_cli_config_show_and_error_exit(tmp_path, capsys):
+    """The CLI's entry point in process (`python -m cluster.cli` exits with what `main` returns)."""
+    from cluster.cli import main
+    assert main(["config", "show", str(ROOT / "recipes/quickstart.yaml"), "trainer.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 7" in out and "zero_stage: 0" in out
+    assert main(["config", "show", str(ROOT / "recipes/quickstart.yaml"), "trainer.stepz=7"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.stepz" in err and "did you mean 'trainer.steps'" in err
 
 
 def test_base_recipe_is_merged_first(tmp_path):

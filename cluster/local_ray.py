@@ -66,7 +66,10 @@ def choose_cluster(given: str | None, started: str | None, others: set[str], joi
                    ) -> tuple[str | None, str]:
     """The address to join and why, or (None, "") for a private instance of this run's own. `given`: the
     recipe's or RAY_ADDRESS; `started`: a running `ray start` cluster of this machine; `others`: the other
-    Ray instances running here (other runs' private ones)."""
+    Ray instances running here (other runs' private ones). `given` "local" (Ray's word for a new instance) asks
+    for a private instance as well."""
+    if given == "local":
+        return None, ""
     if given:
         return given, "given by cluster.address / RAY_ADDRESS"
     if started:

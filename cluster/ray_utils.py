@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from rl.stages import say
+from rl.progress import say  # standard library only: every worker imports this module at start-up
 
 # Environment every looprl actor gets: one intra-op thread per rank avoids 10-100x slow-downs from
 # oversubscribed cores on CPU; quiet transformers/datasets progress bars; auth mode passed through.

@@ -259,7 +259,7 @@ class TrainerConfig:
 
 @dataclass
 class ClusterConfig:
-    address: str | None = None  # Ray address; null: RAY_ADDRESS, else the cluster `ray start --head` runs on this machine, else a private instance of this run's own (it ends with the driver, even a killed one)
+    address: str | None = None  # Ray address; local: a private instance of this run's own (it ends with the driver, even a killed one); null: RAY_ADDRESS, else the cluster `ray start --head` runs on this machine, else a private instance
     join_running: bool = False  # with no address: join another run's private Ray instance running on this machine instead of starting one (the runs then share its resources)
     wait_for_resources_s: float = 600.0  # how long the run waits, saying so every 30 s, while resources it needs are held by other jobs of the cluster it joined
     num_cpus: int | None = None  # CPUs for a locally started Ray (null: all)

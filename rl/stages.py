@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from models.tokenizer import load_tokenizer
 from rl.config import as_container
 from rl.data import load_rows
+from rl.progress import say  # noqa: F401  (the stages' progress lines; imported from here by the stages)
 from rl.sft_data import sft_rows_and_examples
 
 
@@ -269,6 +269,3 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def say(msg: str) -> None:
-    """A progress line of the run on stderr."""
-    print(f"[looprl] {msg}", file=sys.stderr, flush=True)

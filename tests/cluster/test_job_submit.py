@@ -61,7 +61,7 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
         assert submit.returncode == 0, (submit.stdout[-3000:], submit.stderr[-3000:])
         assert "succeeded" in submit.stdout + submit.stderr
         # the job attached to the running head instead of starting its own Ray
-        assert "connected cluster" in submit.stdout + submit.stderr
+        assert "ray: joined" in submit.stdout + submit.stderr
         summary = json.loads((out_dir / "summary.json").read_text())
         assert summary["steps"] == 2
         assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 2

@@ -98,7 +98,7 @@ def test_script_starts_ray_runs_the_recipe_and_tears_down(tmp_path):
         ok = launch("ok", *TINY)
         log = ok.stdout + ok.stderr
         assert ok.returncode == 0, log[-3000:]
-        assert "1 node(s) joined" in log and "connected cluster" in log and "ray stopped on all nodes" in log
+        assert "1 node(s) joined" in log and "ray: joined" in log and "ray stopped on all nodes" in log
         assert json.loads((tmp_path / "ok" / "summary.json").read_text())["steps"] == 1
         psutil.wait_procs(leftovers(), timeout=30)
         assert not leftovers()

@@ -97,5 +97,6 @@ def test_a_run_joins_what_it_is_given_or_a_ray_start_cluster_and_another_runs_in
     assert choose_cluster(None, None, other, False) == (None, "")  # another run's private instance: not shared
     assert choose_cluster(None, None, other, True) == ("10.0.0.1:6379", "another run's instance (cluster.join_running)")
     assert choose_cluster(None, None, set(), True) == (None, "")
+    assert choose_cluster("local", "10.0.0.2:6379", other, True) == (None, "")  # Ray's word for a new instance
     with pytest.raises(RuntimeError, match=r"several Ray instances run on this machine \(10.0.0.1:6379, 10.0.0.3:6379\)"):
         choose_cluster(None, None, other | {"10.0.0.3:6379"}, True)

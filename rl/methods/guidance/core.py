@@ -196,6 +196,25 @@ def score_citations(answer: str, context: str, judge: CitationJudge, max_stateme
             "citations": len(precisions)}
 
 
+LONGBENCH_CITE_EXCLUDED = ("multifieldqa_en", "multifieldqa_zh")  # left out of LongBench-Cite's headline average
+
+
+def dataset_means(scores: Sequence[dict[str, float]], datasets: Sequence[str],
+                  exclude: Sequence[str] = LONGBENCH_CITE_EXCLUDED) -> dict[str, Any]:
+    """LongBench-Cite's averaging: recall, precision and F1 are averaged over the answers of each dataset, and the
+    headline is the mean over the datasets not in `exclude` (each dataset weighs the same, whatever its size)."""
+    keys = ("recall", "precision", "f1")
+    per: dict[str, dict[str, float]] = {}
+    for name in dict.fromkeys(datasets):
+        rows = [s for s, d in zip(scores, datasets) if d == name]
+        per[name] = {k: sum(s[k] for s in rows) / len(rows) for k in keys} | {"answers": len(rows)}
+    kept = [d for d in per if d not in exclude]
+    if not kept:
+        raise ValueError(f"every dataset of the answers ({sorted(per)}) is excluded from the average ({list(exclude)})")
+    return {**{k: sum(per[d][k] for d in kept) / len(kept) for k in keys}, "datasets": per,
+            "excluded": sorted(d for d in per if d in exclude)}
+
+
 def post_hoc_cite(answer: str, context: str) -> str:
     """The post-hoc baseline: each sentence of a plain answer cited with its best-overlapping chunk (most shared
     normalised words; uncited when it shares none)."""

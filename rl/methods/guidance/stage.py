@@ -5,7 +5,9 @@
 * `post_hoc`: the plain answers with citations removed, each sentence then cited with its best-overlapping chunk;
 * `guidance`: greedy decoding with `guidance` (`rl.methods.guidance.core`, `rl.methods.guidance.decoding`; `guidance_params`).
 
-Scores (`rl.methods.guidance.core.score_citations`, LongBench-Cite): citation recall, precision and F1 per answer, averaged;
+Scores (`rl.methods.guidance.core.score_citations`, LongBench-Cite): citation recall, precision and F1 per answer,
+averaged per dataset (the row's `dataset_column`; one dataset without it) and then over the datasets that are not
+excluded (LongBench-Cite leaves out MultiFieldQA-en/zh, `dataset_means`);
 correctness = the recipe's training reward on the answer with citations stripped (e.g. `fact_numbers`, or a
 judge-based reward at real scale). The judge: `containment` (deterministic; CPU tests and the synthetic task) or
 the name of a `reward.judges` entry (a frozen engine asked LongBench-Cite's questions). The report is
@@ -21,8 +23,10 @@ from typing import Any
 from rl.config import as_container
 from rl.data import prompt_row_columns
 from rl.methods.guidance.core import (
+    LONGBENCH_CITE_EXCLUDED,
     ContainmentJudge,
     LLMCitationJudge,
+    dataset_means,
     post_hoc_cite,
     score_citations,
     strip_citations,
@@ -40,19 +44,25 @@ class GuidanceStage(Stage):
     runs_in_driver = True
 
     def __init__(self, arms: list[str] = ARMS, guidance_params: dict[str, Any] | None = None,
-                 judge: str = "containment", max_statements: int = 40, examples: int = 3):
+                 judge: str = "containment", max_statements: int = 40, examples: int = 3,
+                 dataset_column: str | None = None, exclude_datasets: list[str] = LONGBENCH_CITE_EXCLUDED):
         """`arms`: of plain, post_hoc, guidance; `guidance_params`: of the guidance decoding method;
-        `judge`: containment | a name in `reward.judges`; `max_statements` scored per answer (LongBench-Cite: 40)."""
+        `judge`: containment | a name in `reward.judges`; `max_statements` scored per answer (LongBench-Cite: 40);
+        `dataset_column`: the held-out rows' column naming their dataset (null: one dataset); `exclude_datasets`:
+        left out of the headline average (LongBench-Cite's: multifieldqa_en, multifieldqa_zh)."""
         bad = [a for a in arms if a not in ARMS]
         if bad or not arms:
             raise ValueError(f"guidance: arms must be among {list(ARMS)}, got {list(arms)}")
         self.arms, self.guidance_params = list(arms), dict(guidance_params or {})
         self.judge, self.max_statements, self.examples = judge, max_statements, examples
+        self.dataset_column, self.exclude_datasets = dataset_column, list(exclude_datasets)
 
     def run(self, ctx: StageContext) -> dict[str, str]:
         from models.tokenizer import load_tokenizer
         cfg, rt = stage_cfg(ctx), ctx.runtime
-        rows = ctx.rows("eval", prompt_row_columns(cfg.data))[:cfg.trainer.eval_max_prompts]
+        columns = prompt_row_columns(cfg.data)
+        rows = ctx.rows("eval", columns + [c for c in [self.dataset_column] if c and c not in columns])
+        rows = rows[:cfg.trainer.eval_max_prompts]
         if not rows:
             raise StageError(f"{ctx.name}: no held-out prompts (data.eval_path or a synthetic task's eval split)")
         if cfg.rollout.engine != "hf" and "guidance" in self.arms:
@@ -114,7 +124,8 @@ class GuidanceStage(Stage):
                   "ground_truth": r.get(cfg.data.answer_column), "metadata": {}, "truncated": False}
                  for a, r in zip(answers, rows)]
         correct = [s["score"] for s in rt.score_items(items, evaluation=True) if not s["failed"]]
-        return {**{k: statistics.mean(s[k] for s in scores) for k in ("recall", "precision", "f1")},
+        datasets = [str(r[self.dataset_column]) if self.dataset_column else "all" for r in rows]
+        return {**dataset_means(scores, datasets, self.exclude_datasets),
                 "correctness": statistics.mean(correct) if correct else None, "examples": answers[:self.examples]}
 
 

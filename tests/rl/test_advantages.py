@@ -234,22 +234,30 @@ def test_gae_with_gamma_and_lambda_one_is_returns_minus_values_and_skips_masked_
     from rl.advantages import gae_advantages_and_returns
     g = torch.Generator().manual_seed(0)
     r, v = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
-    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    # holes of one and two masked tokens (an odd one tells a carried value from its negation)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0], [1, 0, 0, 1, 0, 0]], dtype=torch.float32)
     adv, ret = gae_advantages_and_returns(r, v, mask, gamma=1.0, lam=1.0)
     to_go = (r * mask).flip(-1).cumsum(-1).flip(-1)  # sum of the counted rewards from t on
     assert torch.allclose(adv, (to_go - v) * mask, atol=1e-5)
     assert torch.allclose(ret, to_go * mask, atol=1e-5)
-    # a masked hole (row 1, tokens 2-3) is skipped: token 1 bootstraps from token 4, discounted once
+    # a masked hole (row 1, token 2) is skipped: token 1 bootstraps from token 3, discounted once
     adv_d, _ = gae_advantages_and_returns(r, v, mask, gamma=0.5, lam=0.0)
-    assert adv_d[1, 1] == pytest.approx(float(r[1, 1] + 0.5 * v[1, 4] - v[1, 1]), abs=1e-6)
+    assert adv_d[1, 1] == pytest.approx(float(r[1, 1] + 0.5 * v[1, 3] - v[1, 1]), abs=1e-6)
     assert adv_d[1, 4] == pytest.approx(float(r[1, 4] - v[1, 4]), abs=1e-6)  # last counted token: terminal
+    # the defaults are gamma 1 and lam 0.95
+    assert torch.equal(gae_advantages_and_returns(r, v, mask)[0],
+                       gae_advantages_and_returns(r, v, mask, gamma=1.0, lam=0.95)[0])
+    assert not torch.allclose(gae_advantages_and_returns(r, v, mask)[0], adv)
 
 
 def test_gae_estimator_puts_the_outcome_on_the_last_token_and_whitens():
-    from rl.advantages import compute_gae_advantages, outcome_token_rewards
+    from rl.advantages import compute_gae_advantages, masked_whiten, outcome_token_rewards
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)
     tr = outcome_token_rewards(torch.tensor([2.0, -1.0]), mask)
     assert tr.tolist() == [[0, 0, 2.0, 0], [0, 0, 0, -1.0]]
+    # a one-token response gets its reward on that token; one whitened value is 0 (its own mean)
+    assert outcome_token_rewards(torch.tensor([3.0]), torch.tensor([[1.0, 0.0, 0.0]])).tolist() == [[3.0, 0, 0]]
+    assert masked_whiten(torch.tensor([[3.0, 5.0]]), torch.tensor([[1.0, 0.0]])).tolist() == [[0.0, 0.0]]
     values = torch.zeros(2, 4)
     raw = compute_gae_advantages(torch.tensor([2.0, -1.0]), torch.arange(2), mask, values=values, gamma=1.0,
                                  lam=1.0, whiten=False)

@@ -1,0 +1,105 @@
+"""Mutation testing: do the tests catch a broken mechanism? mutmut mutates the defining functions of the RL core's
+estimators and losses and of the methods, one change at a time (an operator, a constant, a dropped argument), and
+runs the fast tests that cover each mutant; a mutant the tests do not fail on survived.
+
+    python benchmarks/mutation.py [--only advantages losses zo_finetuner] [--out benchmarks/results/mutation.json]
+    make mutation
+
+The modules and the tests mutmut may run are `[tool.mutmut]` in pyproject.toml; mutmut keeps its work in
+`mutants/` and resumes where it stopped. Per target: mutants killed, survived (listed), timed out, and the
+kill rate over the mutants that are not equivalent (`EQUIVALENT`: mutants that cannot change a result, each with
+the reason). The tests assert on behaviour (values by hand, invariances, effects); none names a mutant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# target -> mutmut's names of its functions' mutants (`module.x_function__mutmut_N`)
+TARGETS = {
+    "advantages": "rl.advantages.",
+    "losses": "rl.losses.",
+    "zo_finetuner": "rl.methods.zo_finetuner.optimizer.",
+}
+
+# mutants that compute the same results as the code (checked by reading them: `mutmut show NAME`)
+_DIM = "dim -1 -> +1 on a 2-D [N, L] tensor (or unsqueeze of a 1-D one): the same dimension"
+_PRECISION = ("an intermediate's dtype (float64 -> the input's): the same values to float32 rounding; the float64 "
+              "guards accumulation over long responses, beyond what a test can tell apart at its sizes")
+_CAST = "a dtype the next operation casts to anyway (assignment into a float32 tensor, a bool or int mask times floats)"
+EQUIVALENT: dict[str, str] = {
+    **{f"rl.advantages.x_discounted_outcome_returns__mutmut_{i}": _DIM for i in (8, 10, 12, 20)},
+    "rl.advantages.x_outcome_token_rewards__mutmut_14": _DIM,
+    **{f"rl.advantages.x_discounted_outcome_returns__mutmut_{i}": _PRECISION for i in (2, 19)},
+    **{f"rl.advantages.x_gae_advantages_and_returns__mutmut_{i}": _PRECISION
+       for i in (4, 7, 9, 14, 17, 20, 22, 25, 27)},
+    **{f"rl.advantages.x_masked_whiten__mutmut_{i}": _PRECISION for i in (3, 5)},
+    **{f"rl.advantages.x_outcome_token_rewards__mutmut_{i}": _CAST for i in (2, 5, 7, 20)},
+    "rl.advantages.x_outcome_token_rewards__mutmut_13": "idx + 1 -> idx + 2: still positive at every counted "
+                                                        "position, so the argmax (the last one) is the same",
+    "rl.advantages.x_group_stats__mutmut_58": "count > 1 -> count >= 1: a group of one has a squared deviation of "
+                                              "0, so both branches give a variance of 0",
+}
+
+
+def mutmut(*args: str) -> str:
+    done = subprocess.run([str(Path(sys.executable).parent / "mutmut"), *args], cwd=ROOT, capture_output=True,
+                          text=True)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"mutmut {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def statuses() -> dict[str, str]:
+    """Every mutant's status from `mutmut results --all true` (lines `    name: status`)."""
+    out = {}
+    for line in mutmut("results", "--all", "true").splitlines():
+        name, _, status = line.strip().partition(": ")
+        if status:
+            out[name] = status
+    return out
+
+
+def summarise(prefix: str, status: dict[str, str]) -> dict:
+    mine = {k: v for k, v in status.items() if k.startswith(prefix)}
+    equivalent = sorted(k for k in mine if k in EQUIVALENT)
+    counted = {k: v for k, v in mine.items() if k not in EQUIVALENT}
+    killed = sum(v in ("killed", "timeout") for v in counted.values())
+    survived = sorted(k for k, v in counted.items() if v == "survived")
+    untested = sorted(k for k, v in counted.items() if v in ("no tests", "not checked", "skipped"))
+    return {"mutants": len(mine), "killed": killed, "survived": len(survived), "untested": len(untested),
+            "equivalent": len(equivalent), "kill_rate": killed / len(counted) if counted else None,
+            "survivors": survived, "untested_mutants": untested,
+            "equivalent_mutants": {k: EQUIVALENT[k] for k in equivalent}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(TARGETS), default=sorted(TARGETS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/mutation.json"))
+    parser.add_argument("--max-children", type=int, default=2)
+    args = parser.parse_args(argv)
+    for target in args.only:
+        print(f"mutation: {target} ({TARGETS[target]}*)", flush=True)
+        mutmut("run", "--max-children", str(args.max_children), TARGETS[target] + "*")
+    status = statuses()
+    report = {"cpu": platform.processor() or platform.machine(),
+              "targets": {t: summarise(TARGETS[t], status) for t in args.only}}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print("| target | mutants | killed | survived | untested | equivalent | kill rate |\n|---|---|---|---|---|---|---|")
+    for t, r in report["targets"].items():
+        rate = "-" if r["kill_rate"] is None else f"{r['kill_rate']:.1%}"
+        print(f"| {t} | {r['mutants']} | {r['killed']} | {r['survived']} | {r['untested']} | {r['equivalent']} | "
+              f"{rate} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

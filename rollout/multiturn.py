@@ -118,42 +118,48 @@ def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[d
         outs = engine.generate_ids([e.prompt_ids + e.ids for e in active], sp,
                                    seeds=[base_seed * 1_000_003 + turn * 7919 + k for k in range(len(active))])
         for e, out, budget in zip(active, outs, budgets):
-            ids, logp = out.ids[:budget], out.logprobs[:budget]
-            e.ids += ids
-            e.logp += logp
-            e.observation += [0] * len(ids)
-            e.step += [turn] * len(ids)
-            try:
-                result = step_within(e.env, tok.decode(ids, skip_special_tokens=True), step_timeout_s)
-            except SandboxUnavailable:  # the host, not the model: every step would fail the same way
-                raise
-            except Exception as exc:  # a failed step ends the episode; the rollout goes on
-                e.error = f"{type(exc).__name__}: {exc}"
-                e.rewards.append(0.0)
-                e.types.append("failed")
-                e.failed += 1
-                e.done = True
-                continue
-            e.rewards.append(float(result.reward))
-            e.types.append(result.step_type or ("failed" if result.failed else "action"))
-            e.failed += int(result.failed)
-            if result.done:
-                e.done = e.ended = True
-                continue
-            room = max_episode_tokens - len(e.ids)
-            obs = tok(result.observation, add_special_tokens=False)["input_ids"][:room] if result.observation else []
-            e.ids += obs
-            e.logp += [0.0] * len(obs)
-            e.observation += [1] * len(obs)
-            e.step += [-1] * len(obs)
-            if len(e.ids) >= max_episode_tokens:
-                e.done = True
+            _take_turn(e, out.ids[:budget], out.logprobs[:budget], turn, tok, step_timeout_s, max_episode_tokens)
     for e in episodes:
         finish = getattr(e.env, "finish", None)
         restated = finish() if finish is not None else None
         if restated is not None:  # the env restates its turns' rewards now that the episode is over
             e.rewards[:len(restated)] = [float(r) for r in restated][:len(e.rewards)]
     return _to_batch(episodes, tok, prompts, padded, n, group_ids, rows, metadata)
+
+
+def _take_turn(e: Episode, ids: list[int], logp: list[float], turn: int, tok: Any, step_timeout_s: float,
+               max_episode_tokens: int) -> None:
+    """Append the policy's action `ids` to episode `e`, step its environment and append the observation it
+    answers with (masked out of the loss); a step that fails ends the episode."""
+    e.ids += ids
+    e.logp += logp
+    e.observation += [0] * len(ids)
+    e.step += [turn] * len(ids)
+    try:
+        result = step_within(e.env, tok.decode(ids, skip_special_tokens=True), step_timeout_s)
+    except SandboxUnavailable:  # the host, not the model: every step would fail the same way
+        raise
+    except Exception as exc:  # a failed step ends the episode; the rollout goes on
+        e.error = f"{type(exc).__name__}: {exc}"
+        e.rewards.append(0.0)
+        e.types.append("failed")
+        e.failed += 1
+        e.done = True
+        return
+    e.rewards.append(float(result.reward))
+    e.types.append(result.step_type or ("failed" if result.failed else "action"))
+    e.failed += int(result.failed)
+    if result.done:
+        e.done = e.ended = True
+        return
+    room = max_episode_tokens - len(e.ids)
+    obs = tok(result.observation, add_special_tokens=False)["input_ids"][:room] if result.observation else []
+    e.ids += obs
+    e.logp += [0.0] * len(obs)
+    e.observation += [1] * len(obs)
+    e.step += [-1] * len(obs)
+    if len(e.ids) >= max_episode_tokens:
+        e.done = True
 
 
 def _to_batch(episodes: list[Episode], tok: Any, prompts: list[str], padded: dict, n: int,

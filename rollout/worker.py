@@ -11,6 +11,7 @@ import torch
 
 from rl.batch import Batch
 from rl.registry import lookup
+from rl.tools import require_sandbox
 from rollout.base import ActorProbes, SamplingParams
 from rollout.weight_sync import PackedState, unpack_state
 
@@ -55,7 +56,6 @@ class RolloutWorker(ActorProbes):
             raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
         env_cls, params = lookup("env", env["name"]), dict(env.get("params") or {})
         if getattr(env_cls, "runs_model_code", False):  # checked on this worker's node, not only the driver's
-            from rl.tools import require_sandbox
             require_sandbox()
         if env.get("opponent_path") and getattr(self, "frozen_engine", None) is None:
             from rollout.hf_engine import HFEngine

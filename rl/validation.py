@@ -297,17 +297,16 @@ def _check_plugins(cfg: DictConfig) -> None:
     for key, sched in (("learner.scheduler", lc.scheduler), ("sft.scheduler", cfg.sft.scheduler)):
         check_params("scheduler", sched.name, as_container(sched.params), f"{key}.params",
                      supplied=("optimizer", "warmup_steps", "total_steps"))
-    check_params("engine", cfg.rollout.engine,
-                 engine_options(cfg.rollout.engine_params, cfg.rollout.engine, "rollout.engine_params"),
-                 _engine_key(cfg.rollout.engine_params, cfg.rollout.engine, "rollout.engine_params"),
-                 supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
+    _check_engine(cfg.rollout.engine, cfg.rollout.engine_params, "rollout.engine_params",
+                  supplied=("model_path", "dtype", "device", "trust_remote_code", "batch_size"))
     for name, judge in cfg.reward.judges.items():
-        key = f"reward.judges.{name}.engine_params"
-        check_params("engine", judge.engine, engine_options(judge.engine_params, judge.engine, key),
-                     _engine_key(judge.engine_params, judge.engine, key),
-                     supplied=("model_path", "dtype", "device"))
+        _check_engine(judge.engine, judge.engine_params, f"reward.judges.{name}.engine_params",
+                      supplied=("model_path", "dtype", "device"))
 
 
-def _engine_key(engine_params: Any, engine: str, key: str) -> str:
-    """The recipe key of `engine`'s options in messages: its section when `engine_params` has one."""
-    return f"{key}.{engine}" if engine in (as_container(engine_params) or {}) else key
+def _check_engine(engine: str, engine_params: Any, key: str, supplied: tuple[str, ...]) -> None:
+    """`engine`'s options from `engine_params` (`engine_options`) are parameters it takes; messages name its
+    section (`key.<engine>`) when `engine_params` has one."""
+    options = engine_options(engine_params, engine, key)
+    sectioned = engine in (as_container(engine_params) or {})
+    check_params("engine", engine, options, f"{key}.{engine}" if sectioned else key, supplied=supplied)

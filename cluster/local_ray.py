@@ -10,7 +10,7 @@ to the process that started them, but the agents the raylet starts (dashboard ag
 left running. `start_reaper` starts a small process that waits for the driver to go (the end of a pipe only the
 driver holds) and then ends every process that still has a file open in the instance's session directory.
 
-Run as `python -m cluster.local_ray SESSION_DIR`: the reaper itself (standard library only)."""
+Run as `python -m cluster.local_ray SESSION_DIR DRIVER_PID`: the reaper itself (standard library only)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ _REAPERS: list[subprocess.Popen] = []  # held for the driver's lifetime: their s
 @dataclass
 class RayConnection:
     mode: str  # "connected" (a cluster someone else started) | "local" (this run's private instance)
-    address: str  # the GCS address
     note: str  # one line for the run's log: which cluster and what is free there
 
 
@@ -45,13 +44,13 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, join_runni
     from cluster.ray_utils import job_runtime_env
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
-        return RayConnection("connected", _gcs_address(), f"ray: this process's cluster; {free_resources()}")
+        return RayConnection("connected", f"ray: this process's cluster; {free_resources()}")
     runtime_env = job_runtime_env()
     started, others = _running_instances()
     target, how = choose_cluster(address or os.environ.get("RAY_ADDRESS"), started, others, join_running)
     if target:
         ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
-        return RayConnection("connected", _gcs_address(), f"ray: joined {_gcs_address()} ({how}); {free_resources()}")
+        return RayConnection("connected", f"ray: joined {_gcs_address()} ({how}); {free_resources()}")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
     session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
     start_reaper(session_dir)
@@ -59,7 +58,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, join_runni
     if others:
         note += (f"; Ray instances of other runs are up on this machine ({', '.join(sorted(others))}): this run "
                  "shares none (cluster.join_running: true joins one)")
-    return RayConnection("local", _gcs_address(), note)
+    return RayConnection("local", note)
 
 
 def choose_cluster(given: str | None, started: str | None, others: set[str], join_running: bool
@@ -117,12 +116,12 @@ def start_reaper(session_dir: str) -> subprocess.Popen:
     return proc
 
 
-def session_processes(session_dir: str, exclude: int | None = None) -> list[int]:
+def session_processes(session_dir: str) -> list[int]:
     """Processes with a file (a log, a socket path) open under `session_dir`: every process of that Ray instance."""
     prefix = os.path.realpath(session_dir) + os.sep
     pids = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), exclude):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             fds = os.listdir(f"/proc/{entry.name}/fd")

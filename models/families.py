@@ -604,9 +604,9 @@ def masked_token_logp(model: torch.nn.Module, batch: Any, *, eps: float = 1e-3, 
                       ) -> torch.Tensor:
     """`[N, L]` MDLM terms of a masked-diffusion `model` on `batch`: each row's response is noised
     (`models.diffusion.mask_for_training`, seeded per row by the batch extra `noise_seed`, which the caller must
-    set: seeds that repeat from step to step would train on one noise pattern), the prompt stays clean, and at every masked position the term is log p(clean token) / p; unmasked
-    positions get 0. −Σ terms / (response tokens) is the MDLM (LLaDA SFT) loss; its expectation over the noise
-    bounds the response's NLL from above."""
+    set: seeds that repeat from step to step would train on one noise pattern), the prompt stays clean, and at
+    every masked position the term is log p(clean token) / p; unmasked positions get 0. −Σ terms / (response
+    tokens) is the MDLM (LLaDA SFT) loss; its expectation over the noise bounds the response's NLL from above."""
     module = _unwrap(model)
     device = _device(module)
     attn = batch.response_attn if batch.response_attn is not None else batch.response_mask

@@ -3,6 +3,8 @@
     python benchmarks/diffusion_compression.py [--seeds 0 1 2] [--out benchmarks/results/diffusion_compression.json]
         [--runs-dir runs/diffusion_compression] [--only decomper|fair|core] [key=value ...]
 
+`--only` reruns one method and keeps the other methods' recorded figures in `--out`.
+
 A labelled synthetic harness, per seed:
 
 Decomper (causal): a 4-block tiny Llama fitted in-process to arithmetic text (`a+b*c=` worked solutions), every
@@ -282,8 +284,18 @@ def main() -> None:
         partial = Path(args.out).with_suffix(".partial.json")
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(report, indent=2))
+    if args.only and Path(args.out).exists():  # one method rerun: the others' recorded figures stay
+        report = _merge(json.loads(Path(args.out).read_text()), report)
     report["summary"] = summarize(report)
     write_report(report, args.out, _plot)
+
+
+def _merge(recorded: dict, rerun: dict) -> dict:
+    """`recorded` with each seed's rows of `rerun` written over it (a method rerun with `--only`)."""
+    by_seed = {row["seed"]: row for row in recorded["per_seed"]}
+    for row in rerun["per_seed"]:
+        by_seed.setdefault(row["seed"], {}).update(row)
+    return {**recorded, "seeds": sorted(by_seed), "per_seed": [by_seed[s] for s in sorted(by_seed)]}
 
 
 if __name__ == "__main__":

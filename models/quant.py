@@ -99,11 +99,13 @@ class FakeQuantLinear(nn.Module):
         return fake_quant(w, self.w_clip.clamp(0.05, 1.0) * w.abs().amax(1, keepdim=True), self.w_bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
         if self.transform == "kron":
-            x = flatten_input(x.float(), self.p1, self.p2).to(x.dtype)
+            x = flatten_input(x.float(), self.p1, self.p2).to(dtype)
         if self.a_bits < 16:
             x = fake_quant(x, self.a_clip.clamp(0.05, 1.0) * x.abs().amax(-1, keepdim=True).detach(), self.a_bits)
-        return F.linear(x, self.quantized_weight(), self.linear.bias)
+        # the ratios and transforms stay fp32 (what AdamW trains well); a bf16 model computes the product in bf16
+        return F.linear(x.to(dtype), self.quantized_weight().to(dtype), self.linear.bias)
 
 
 def block_linear_names(model: nn.Module) -> list[tuple[int, str]]:

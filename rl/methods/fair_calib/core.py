@@ -56,9 +56,15 @@ def window_prior(w: torch.Tensor, window: int, floor_frac: float = 0.01) -> torc
     w = w.double().clone()
     k = min(window, len(w))
     inside = w[-k:] / w[-k:].sum().clamp(min=1e-30)
-    out = torch.full_like(w, floor_frac * float(inside.mean()))
+    out = torch.full_like(w, window_floor(inside, window, floor_frac))
     out[-k:] = inside
     return out
+
+
+def window_floor(prior: torch.Tensor, window: int, floor_frac: float) -> float:
+    """The floor weight outside the window, `floor_frac`·mean of the window's weights: what earlier generation
+    positions get from `window_prior` and prompt tokens from `position_weights`, whatever the generation length."""
+    return floor_frac * float(prior[-min(window, len(prior)):].double().mean())
 
 
 @torch.no_grad()
@@ -69,15 +75,18 @@ def probe_prior(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.T
     (LLaDA's linear schedule of tokens per step, the positions drawn at random among the masked ones, filled with the
     teacher's top-1), each accumulated by `accumulate_prior`; returns the mean `[gen_length]` weights."""
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     total = torch.zeros(gen_length, dtype=torch.float64)
     done = 0
     B, P = prompt_ids.shape
     while done < probes:
         n = min(B, probes - done)
-        x = torch.cat([prompt_ids[:n], torch.full((n, gen_length), mask_id, dtype=torch.long)], 1)
-        attn = torch.cat([prompt_mask[:n].long(), torch.ones(n, gen_length, dtype=torch.long)], 1)
+        x = torch.cat([prompt_ids[:n], torch.full((n, gen_length), mask_id, dtype=torch.long, device=device)], 1)
+        attn = torch.cat([prompt_mask[:n].long(), torch.ones(n, gen_length, dtype=torch.long, device=device)], 1)
         pos_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         schedule = num_transfer_tokens(torch.full((n,), gen_length), steps)
+        # the rollout's bookkeeping stays on the host; only the model's inputs live on its device
         commits = torch.zeros(steps, n, gen_length, dtype=torch.bool)
         masked_at = torch.zeros(steps, n, gen_length, dtype=torch.bool)
         rel = torch.zeros(steps, n, gen_length)
@@ -86,13 +95,13 @@ def probe_prior(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.T
             probs = torch.softmax(model(input_ids=x, attention_mask=attn, position_ids=pos_ids).logits[:, P:].float(), -1)
             top, arg = probs.max(-1)
             row_max = torch.where(masked, top, torch.zeros_like(top)).amax(-1, keepdim=True).clamp(min=1e-12)
-            rel[t] = torch.where(masked, top / row_max, torch.zeros_like(top))
-            masked_at[t] = masked
+            rel[t] = torch.where(masked, top / row_max, torch.zeros_like(top)).cpu()
+            masked_at[t] = masked.cpu()
             for r in range(n):
-                open_ = masked[r].nonzero().squeeze(-1)
+                open_ = masked_at[t, r].nonzero().squeeze(-1)
                 pick = open_[torch.randperm(len(open_), generator=g)[:int(schedule[r, t])]]
                 commits[t, r, pick] = True
-                x[r, P + pick] = arg[r, pick]
+                x[r, P + pick.to(device)] = arg[r, pick.to(device)]
         for r in range(n):
             total += accumulate_prior(commits[:, r], masked_at[:, r], rel[:, r], beta=beta, lambda1=lambda1,
                                       frontier=frontier, masked_stage=masked_stage)
@@ -100,18 +109,20 @@ def probe_prior(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.T
     return total / probes
 
 
-def position_weights(attention_mask: torch.Tensor, answer_start: torch.Tensor, prior: torch.Tensor | None
-                     ) -> torch.Tensor:
+def position_weights(attention_mask: torch.Tensor, answer_start: torch.Tensor, prior: torch.Tensor | None,
+                     floor: float | None = None) -> torch.Tensor:
     """`[B, S]` calibration weights of right-padded teacher-forced sequences: answer position j of a row gets
-    `prior[j]` (the prior's last value past its end), its prompt tokens the prior's floor (its first value's
-    level: `prior.min()`), padding 0. `prior` None: 1 at every real token (the uniform block MSE)."""
+    `prior[j]` (the prior's last value past its end), its prompt tokens `floor` (`window_floor`: the same floor as
+    generation positions before the window), padding 0. `prior` None: 1 at every real token (the uniform block MSE)."""
     real = attention_mask.bool()
     if prior is None:
         return real.float()
-    floor = float(prior.min())
-    S = attention_mask.shape[1]
-    j = torch.arange(S)[None] - answer_start[:, None]
-    w = torch.where(j >= 0, prior.float()[j.clamp(0, len(prior) - 1)], torch.full((1, S), floor))
+    if floor is None:
+        raise ValueError("position_weights: a prior needs its floor (window_floor) for the prompt tokens")
+    S, device = attention_mask.shape[1], attention_mask.device
+    j = torch.arange(S, device=device)[None] - answer_start.to(device)[:, None]
+    w = torch.where(j >= 0, prior.float().to(device)[j.clamp(0, len(prior) - 1)],
+                    torch.full((1, S), float(floor), device=device))
     return w * real
 
 
@@ -169,12 +180,14 @@ def trajectory_diagnostics(fp: nn.Module, quant: nn.Module, prompt_ids: torch.Te
     committed positions (the trajectory KL), and the quantized model's own greedy decode against the teacher's
     (the share of response tokens that differ: the post-commit mismatch)."""
     from models.diffusion import diffusion_generate
+    device = next(fp.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     teacher = diffusion_generate(fp, prompt_ids, prompt_mask, gen_length=gen_length, block_length=block_length,
                                  steps=steps, mask_id=mask_id)
     own = diffusion_generate(quant, prompt_ids, prompt_mask, gen_length=gen_length, block_length=block_length,
                              steps=steps, mask_id=mask_id)
     B, P = prompt_ids.shape
-    attn = torch.cat([prompt_mask.long(), torch.ones(B, gen_length, dtype=torch.long)], 1)
+    attn = torch.cat([prompt_mask.long(), torch.ones(B, gen_length, dtype=torch.long, device=prompt_ids.device)], 1)
     pos_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     flips = kl = 0.0
     count = 0
@@ -203,7 +216,7 @@ def lags_from_agreement(agree: torch.Tensor, commit_step: torch.Tensor) -> tuple
     T = agree.shape[0]
     # agrees_from[t] = agree[t] & agree[t+1] & ... & agree[T-1]: a reversed cumulative AND
     agrees_from = agree.flip(0).long().cumprod(0).flip(0).bool()
-    steps = torch.arange(T).view(T, 1, 1)
+    steps = torch.arange(T, device=agree.device).view(T, 1, 1)
     after_commit = steps >= commit_step.unsqueeze(0)
     first = torch.where(agrees_from & after_commit, steps, torch.full_like(steps.expand_as(agree), T)).amin(0)
     censored = first >= T
@@ -235,16 +248,16 @@ def stability_lags(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     G = tokens.shape[1]
     if bool((commit_step < 0).any()):
         raise ValueError("stability_lags: every response position must be committed (a finished trajectory)")
-    attn = torch.cat([prompt_mask.long(), torch.ones(B, G, dtype=torch.long)], 1)
+    attn = torch.cat([prompt_mask.long(), torch.ones(B, G, dtype=torch.long, device=prompt_ids.device)], 1)
     pos_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    agree = torch.zeros(steps, B, G, dtype=torch.bool)
+    agree = torch.zeros(steps, B, G, dtype=torch.bool, device=prompt_ids.device)
     for t in range(steps):
         state = torch.cat([prompt_ids, torch.where(commit_step <= t, tokens, torch.full_like(tokens, mask_id))], 1)
         rows, cols = (commit_step <= t).nonzero(as_tuple=True)
         for s in range(0, len(rows), rows_per_forward):
             r, c = rows[s:s + rows_per_forward], cols[s:s + rows_per_forward]
             probe = state[r].clone()
-            probe[torch.arange(len(r)), P + c] = mask_id
+            probe[torch.arange(len(r), device=r.device), P + c] = mask_id
             logits = model(input_ids=probe, attention_mask=attn[r], position_ids=pos_ids[r]).logits
-            agree[t, r, c] = logits[torch.arange(len(r)), P + c].argmax(-1) == tokens[r, c]
+            agree[t, r, c] = logits[torch.arange(len(r), device=r.device), P + c].argmax(-1) == tokens[r, c]
     return lags_from_agreement(agree, commit_step)

@@ -27,8 +27,10 @@ from rl.stages import Stage, StageContext, StageError, policy_sft_data, say
 def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], list[int]]], diag: list[list[int]],
                    pad_id: int, mask_id: int, *, w_bits: int, a_bits: int, weighting: str, probes: int, window: int,
                    floor_frac: float, beta: float, lambda1: float, gen_length: int, block_length: int, steps: int,
-                   epochs: int, lr: float, batch_size: int, seed: int, transform: str = "none") -> dict[str, Any]:
-    """Build the prior, quantize, calibrate and save the model at `model_path` into `out_dir`; returns the report."""
+                   epochs: int, lr: float, batch_size: int, seed: int, transform: str = "none", device: str = "cpu",
+                   dtype: str = "float32") -> dict[str, Any]:
+    """Build the prior, quantize, calibrate and save the model at `model_path` into `out_dir` on `device`, the
+    model's weights in `dtype` (the quantizers' ratios and transforms stay fp32); returns the report."""
     import copy
 
     import torch
@@ -41,25 +43,28 @@ def quantize_model(model_path: str, out_dir: str, calib: list[tuple[list[int], l
         position_weights,
         probe_prior,
         trajectory_diagnostics,
+        window_floor,
         window_prior,
     )
     torch.manual_seed(seed)
-    fp = AutoModel.from_pretrained(model_path).eval()
-    report: dict[str, Any] = {"w_bits": w_bits, "a_bits": a_bits, "weighting": weighting, "transform": transform}
-    prior = None
+    fp = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    report: dict[str, Any] = {"w_bits": w_bits, "a_bits": a_bits, "weighting": weighting, "transform": transform,
+                              "device": str(device), "dtype": dtype}
+    prior = floor = None
     if weighting != "uniform":
         prompts, pmask = pad_token_rows([p for p, _ in calib], pad_id, "left")
         raw = probe_prior(fp, prompts, pmask, mask_id=mask_id, gen_length=gen_length, steps=steps, probes=probes,
                           seed=seed, beta=beta, lambda1=lambda1, frontier=weighting in ("fair", "frontier"),
                           masked_stage=weighting in ("fair", "reliability"))
         prior = window_prior(raw, window, floor_frac)
-        report["prior"] = prior.tolist()
+        floor = window_floor(prior, window, floor_frac)
+        report["prior"], report["prior_floor"] = prior.tolist(), floor
     batches, weights = [], []
     for i in range(0, len(calib), batch_size):
         chunk = calib[i:i + batch_size]
         ids, mask = pad_token_rows([p + a for p, a in chunk], pad_id, "right")
-        batches.append({"input_ids": ids, "attention_mask": mask})
-        weights.append(position_weights(mask, torch.tensor([len(p) for p, _ in chunk]), prior))
+        batches.append({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
+        weights.append(position_weights(mask, torch.tensor([len(p) for p, _ in chunk]), prior, floor).to(device))
     quant = copy.deepcopy(fp)
     quantize_blocks(quant, w_bits, a_bits, transform)
     dprompts, dmask = pad_token_rows(diag, pad_id, "left")
@@ -126,7 +131,7 @@ class FairCalibStage(Stage):
             f"{self.calib_sequences} calibration sequences")
         report = ctx.runtime.run_task(
             quantize_model, base, str(out / "model"), calib, diag, tokenizer.pad_token_id, tokenizer.mask_token_id,
-            num_gpus=self.num_gpus,
+            num_gpus=self.num_gpus, device="cuda" if self.num_gpus > 0 else "cpu", dtype=cfg.model.dtype,
             w_bits=self.w_bits, a_bits=self.a_bits, weighting=self.weighting, probes=self.probes,
             window=self.window, floor_frac=self.floor_frac, beta=self.beta, lambda1=self.lambda1, gen_length=gen,
             block_length=int(dp.get("block_length") or gen), steps=int(dp.get("steps") or gen), epochs=self.epochs,

@@ -28,6 +28,7 @@ from rl.methods.fair_calib.core import (
     probe_prior,
     stability_lags,
     trajectory_diagnostics,
+    window_floor,
     window_prior,
 )
 
@@ -52,6 +53,67 @@ def test_the_window_sums_to_one_and_the_floor_holds_outside_it():
     assert w[-3:].tolist() == pytest.approx([2 / 9, 3 / 9, 4 / 9])
     full = window_prior(torch.tensor([1.0, 3.0]), window=8)
     assert full.tolist() == pytest.approx([0.25, 0.75])
+
+
+def test_prompt_tokens_take_the_floor_that_floor_frac_sets_when_the_generation_fits_the_window():
+    # a 4-token generation inside a 256-position window: no generation position lies outside the window, so only
+    # the floor argument can carry floor_frac to the prompt tokens
+    raw = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    start = torch.tensor([2, 3])
+    rows = {}
+    for frac in (0.01, 0.5):
+        prior = window_prior(raw, 256, frac)
+        assert prior.tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])  # the window holds every position
+        rows[frac] = position_weights(mask, start, prior, window_floor(prior, 256, frac))
+    # floor = floor_frac x mean of the window's weights = floor_frac / 4
+    assert rows[0.01][0].tolist() == pytest.approx([0.0025, 0.0025, 0.1, 0.2, 0.3, 0.4, 0.0])
+    assert rows[0.5][1].tolist() == pytest.approx([0.125, 0.125, 0.125, 0.1, 0.2, 0.3, 0.4])
+    assert window_floor(window_prior(torch.ones(6), 4, 0.5), 4, 0.5) == pytest.approx(0.125)  # window of the last 4
+    with pytest.raises(ValueError, match="needs its floor"):
+        position_weights(mask, start, window_prior(raw, 256))
+
+
+def test_stage_two_minimises_the_prior_weighted_hidden_state_error_by_hand():
+    """The loss calibrate_blocks reports before training equals Σ_i w_i ‖h^q_i − h*_i‖² / Σ_i w_i computed here from
+    the two models' block outputs: a uniform (or unweighted) block MSE gives another number with these weights."""
+    import copy
+
+    from models.blocks import block_outputs
+    tok, fp = _tiny()
+    quant = copy.deepcopy(fp)
+    quantize_blocks(quant, 4, 4)
+    enc = tok(["12+34=0046", "51+6=0057"], return_tensors="pt", padding=True, padding_side="right")
+    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    with torch.no_grad():
+        err = (block_outputs(quant, batch, 0)[0].float() - block_outputs(fp, batch, 0)[0].float()).pow(2).sum(-1)
+    real = enc["attention_mask"].bool()
+    worst, best = int(torch.where(real, err, -1.0).argmax()), int(torch.where(real, err, torch.inf).argmin())
+    w = torch.zeros(err.shape)
+    w.view(-1)[worst], w.view(-1)[best] = 3.0, 1.0  # the positions quantized worst and best
+    by_hand = float((3.0 * err.view(-1)[worst] + err.view(-1)[best]) / 4.0)
+    uniform = float(err[real].mean())
+    assert abs(by_hand - uniform) > 0.05 * by_hand  # the weights matter for this check
+    history = calibrate_blocks(fp, quant, [batch], [w], epochs=0)
+    assert history[0]["loss_before"] == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_the_stage_quantizes_a_bfloat16_model_on_its_device(tmp_path):
+    from rl.methods.fair_calib.stage import quantize_model
+    tok, fp = _tiny()
+    fp.save_pretrained(tmp_path / "fp")
+    tok.save_pretrained(tmp_path / "fp")
+    calib = [(tok(q)["input_ids"], tok(a)["input_ids"]) for q, a in [("12+34=", "046"), ("5+6=", "011")] * 2]
+    report = quantize_model(str(tmp_path / "fp"), str(tmp_path / "q"), calib, [c[0] for c in calib[:2]],
+                            tok.pad_token_id, tok.mask_token_id, w_bits=4, a_bits=4, weighting="fair", probes=2,
+                            window=256, floor_frac=0.5, beta=1.0, lambda1=1.0, gen_length=3, block_length=3, steps=3,
+                            epochs=2, lr=1e-2, batch_size=2, seed=0, dtype="bfloat16")
+    assert report["dtype"] == "bfloat16" and report["device"] == "cpu"
+    assert report["prior_floor"] == pytest.approx(0.5 / 3)  # floor_frac x the mean of a 3-position window
+    assert all(b["loss_after"] <= b["loss_before"] for b in report["blocks"])
+    import json
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["dtype"] == "bfloat16"  # saved as it ran
+    assert set(report["calibrated"]) >= {"frontier_flip_rate", "trajectory_kl"}
 
 
 def test_the_quantizer_rounds_as_compressed_tensors_does():
@@ -167,7 +229,8 @@ def test_block_calibration_lowers_the_weighted_error_and_the_model_saves_and_rel
     assert len(mods) == 2 * 7
     enc = tok(["12+34=0046", "51+6=0057", "7+80=0087"], return_tensors="pt", padding=True, padding_side="right")
     batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    weights = [position_weights(enc["attention_mask"], torch.tensor([6, 5, 5]), window_prior(torch.rand(4), 4))]
+    prior = window_prior(torch.rand(4), 4)
+    weights = [position_weights(enc["attention_mask"], torch.tensor([6, 5, 5]), prior, window_floor(prior, 4, 0.01))]
     assert weights[0][0, 6:10].sum() == pytest.approx(1.0, abs=1e-5)
     history = calibrate_blocks(fp, quant, [batch], weights, epochs=5, lr=2e-2)
     assert all(h["loss_after"] <= h["loss_before"] for h in history) and history[0]["loss_after"] < history[0]["loss_before"]

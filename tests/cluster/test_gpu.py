@@ -99,3 +99,27 @@ def test_colocated_roles_take_turns_on_the_gpu(ray_cluster, tmp_path, engine, ze
     for a, b in zip(plain, swapped):  # taking turns changes where the states wait, not the run
         assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-4, abs=1e-6)
         assert a["actor/loss"] == pytest.approx(b["actor/loss"], rel=1e-3, abs=1e-5)
+
+
+def test_fair_calib_quantizes_a_bfloat16_model_on_the_gpu(tmp_path):
+    """The FAIR-Calib stage's task on the device its recipe names: the teacher, the prior's probes and the block
+    calibration run on the GPU with the weights in bf16."""
+    import json
+
+    from models.diffusion import build_tiny_llada
+    from models.tiny import build_tiny_tokenizer
+    from rl.methods.fair_calib.stage import quantize_model
+    tok = build_tiny_tokenizer(mask_token=True)
+    build_tiny_llada(tok, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128).save_pretrained(
+        tmp_path / "fp")
+    tok.save_pretrained(tmp_path / "fp")
+    calib = [(tok(q)["input_ids"], tok(a)["input_ids"]) for q, a in [("12+34=", "046"), ("5+6=", "011")] * 4]
+    torch.cuda.reset_peak_memory_stats()
+    report = quantize_model(str(tmp_path / "fp"), str(tmp_path / "q"), calib, [c[0] for c in calib[:4]],
+                            tok.pad_token_id, tok.mask_token_id, w_bits=4, a_bits=4, weighting="fair", probes=8,
+                            window=256, floor_frac=0.01, beta=1.0, lambda1=1.0, gen_length=3, block_length=3,
+                            steps=3, epochs=3, lr=1e-2, batch_size=4, seed=0, transform="kron", device="cuda",
+                            dtype="bfloat16")
+    assert report["device"] == "cuda" and torch.cuda.max_memory_allocated() > 0
+    assert all(b["loss_after"] <= b["loss_before"] for b in report["blocks"])
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["dtype"] == "bfloat16"

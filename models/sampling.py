@@ -11,6 +11,16 @@ from __future__ import annotations
 import torch
 
 
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty of transformers and vLLM (CTRL's rule): the logit of every token already in the row
+    (`seen [B, V]`, prompt and response) is divided by `penalty` when positive and multiplied by it when negative,
+    so `penalty > 1` makes repeats less likely; 1 leaves the logits as they are."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) filtering over the last dimension; removed tokens get
     `-inf`. `temperature <= 0` leaves the scale alone (greedy decoding takes the argmax of any scale)."""

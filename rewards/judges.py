@@ -129,6 +129,6 @@ def start_judges(judges: dict[str, Any], policy_path: str, env: dict[str, str] |
         workers = [actor.remote(path, jc["engine"], options, jc["dtype"], device, jc["threads"],
                                 bool(jc["chat_template"]))
                    for _ in range(jc["num_workers"])]
-        sampling = {"temperature": jc["temperature"], "top_p": jc["top_p"], "max_new_tokens": jc["max_new_tokens"]}
+        sampling = {k: jc[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")}
         clients[name] = JudgeClient(name, workers, sampling, model=f"{path}|{jc['engine']}|{jc['dtype']}")
     return clients

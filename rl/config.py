@@ -217,6 +217,8 @@ class JudgeConfig:
     threads: int = 1  # torch intra-op threads per worker
     temperature: float = 0.0  # judge sampling (0: greedy)
     top_p: float = 1.0  # nucleus sampling
+    top_k: int = 0  # sample among the k most likely tokens (0: all)
+    repetition_penalty: float = 1.0  # > 1: tokens already in the prompt or completion are less likely (transformers' and vLLM's rule)
     max_new_tokens: int = 256  # completion cap
     chat_template: bool | None = None  # wrap judge prompts in the judge tokenizer's chat template (null: as data.chat_template)
 

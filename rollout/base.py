@@ -21,6 +21,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0  # > 1: tokens already in the prompt or response are less likely (CTRL's rule)
     max_new_tokens: int = 32
     seed: int | None = None
     stop: list[str] | None = None  # stop strings: a response ends after the first one it produces

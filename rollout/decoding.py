@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from models.blocks import decoder_layers
 from models.common import distinct_prompts
-from models.sampling import warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
+from models.sampling import penalize_repeats, warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
 from rl.batch import pad_token_rows
 from rl.registry import register
 from rollout.fused_attention import applies as fused_attention_applies
@@ -320,7 +320,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int,
            method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
            forward_kwargs: dict | None = None, fused_attention: bool = False, packed_weights: bool = False,
-           kv_buffers: KVBuffers | None = None
+           kv_buffers: KVBuffers | None = None, repetition_penalty: float = 1.0
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
     `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
@@ -334,10 +334,14 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     `packed_weights`: on CPU, the model's linear layers multiply with their weights packed once for the whole loop
     (`rollout.packed_linear`; fp32 and bf16). The plain loop drops the rows that ended from the batch it runs
     (`compaction`); they sample the same tokens as if they had stayed (`sample_rows`). `kv_buffers`: the KV
-    cache's storage, reused from the caller's earlier generates (`KVBuffers`, claimed by the caller)."""
+    cache's storage, reused from the caller's earlier generates (`KVBuffers`, claimed by the caller).
+    `repetition_penalty`: `models.sampling.penalize_repeats` over each row's prompt and response tokens, before
+    temperature and truncation (as transformers and vLLM order them); the recorded logprobs are the penalised
+    distribution's, the one the tokens were drawn from."""
     loop = DecodeLoop(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
-                      forward_kwargs=forward_kwargs, fused_attention=fused_attention, kv_buffers=kv_buffers)
+                      forward_kwargs=forward_kwargs, fused_attention=fused_attention, kv_buffers=kv_buffers,
+                      repetition_penalty=repetition_penalty)
     try:
         with (fused_decode_attention(model, enabled=loop.fused, rows=loop.batch_size),
               packed_linear_weights(model, enabled=packed_weights, rows=loop.batch_size)):
@@ -361,8 +365,10 @@ class DecodeLoop:
     def __init__(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                  max_new_tokens: int, eos_token_id: int, pad_token_id: int, method: Any, tokenizer: Any,
                  stop: list[str] | None, forward_kwargs: dict | None, fused_attention: bool,
-                 kv_buffers: KVBuffers | None):
+                 kv_buffers: KVBuffers | None, repetition_penalty: float = 1.0):
         method = method if method is not None else Plain()
+        self.repetition_penalty = float(repetition_penalty)
+        self.seen: torch.Tensor | None = None  # [B, V] tokens in each row so far, made at the first step
         self.model, self.prompt_ids, self.prompt_mask = model, prompt_ids, prompt_mask.long()
         self.max_new_tokens, self.eos, self.pad, self.stop = max_new_tokens, eos_token_id, pad_token_id, stop
         self.tokenizer, self.forward_kwargs = tokenizer, forward_kwargs or {}
@@ -451,7 +457,19 @@ class DecodeLoop:
         has = torch.tensor([bool(x) for x in first], device=self.device)
         return torch.where(has[:, None], fed, logits)
 
+    def _seen(self, vocab: int) -> torch.Tensor:
+        """`[B, V]`: which tokens each row holds (its prompt's, then each appended one: `_append` marks them)."""
+        if self.seen is None:
+            self.seen = torch.zeros(self.batch_size, vocab, dtype=torch.bool, device=self.device)
+            rows, cols = self.prompt_mask.bool().nonzero(as_tuple=True)
+            self.seen[rows, self.prompt_ids[rows, cols]] = True
+            for i, resp in enumerate(self.state.responses):  # inserted before the first step
+                self.seen[i, resp] = True
+        return self.seen
+
     def _append(self, i: int, tokens: list[int], inserted: bool, logps: list[float] | None = None) -> None:
+        if self.seen is not None and tokens:
+            self.seen[i, tokens] = True
         self.state.responses[i].extend(tokens)
         self.state.inserted[i].extend([inserted] * len(tokens))
         self.logps[i].extend(logps if logps is not None else [0.0] * len(tokens))
@@ -467,6 +485,8 @@ class DecodeLoop:
         state, live = self.state, self.live
         if self.process is not None:
             logits = self.process(logits, state).float()
+        if self.repetition_penalty != 1.0:
+            logits = penalize_repeats(logits, self._seen(logits.shape[-1])[live], self.repetition_penalty)
         greedy = temperature <= 0
         scores = logits if greedy else warp_logits(logits, temperature, top_k, top_p)
         tokens = scores.argmax(-1) if greedy else sample_rows(scores.softmax(-1), live, self.batch_size)

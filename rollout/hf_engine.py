@@ -142,15 +142,15 @@ class HFEngine:
                           top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                           method=method, tokenizer=tok, stop=sp.stop, forward_kwargs=self._exit_kwargs(sp),
                           fused_attention=self.fused_decode_attention, packed_weights=self.packed_linear_weights,
-                          kv_buffers=buffers)
+                          kv_buffers=buffers, repetition_penalty=sp.repetition_penalty)
 
     def _diffuse(self, method: Any, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams
                  ) -> tuple[torch.Tensor, ...]:
         """`_decode`'s outputs for a masked-diffusion model: the response ends after its first EOS (LLaDA fills
         the rest of the canvas with EOS); stop strings and top-k/top-p do not apply to parallel unmasking."""
-        if sp.top_k > 0 or sp.top_p < 1.0 or sp.stop:
-            raise ValueError("masked-diffusion sampling takes temperature only: set rollout top_k 0, top_p 1.0 and "
-                             "no stop strings")
+        if sp.top_k > 0 or sp.top_p < 1.0 or sp.stop or sp.repetition_penalty != 1.0:
+            raise ValueError("masked-diffusion sampling takes temperature only: set rollout top_k 0, top_p 1.0, "
+                             "repetition_penalty 1.0 and no stop strings")
         out = method.sample(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
                             mask_id=self.model.config.mask_token_id)
         resp = out.tokens.cpu()

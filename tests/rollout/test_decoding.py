@@ -35,7 +35,8 @@ def _gen(engine, decoding=None, params=None, **kw):
 
 
 @torch.no_grad()
-def _transformers_generate(engine, n=1, temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=16, seed=0, stop=None):
+def _transformers_generate(engine, n=1, temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=16, seed=0, stop=None,
+                           repetition_penalty=1.0):
     """The reference: transformers' `generate` with its processed scores stacked, rows ended as the engine
     ends them (EOS, or a stop string followed by generate's pad fill)."""
     from rl.batch import Batch
@@ -44,7 +45,8 @@ def _transformers_generate(engine, n=1, temperature=0.0, top_k=0, top_p=1.0, max
     rows = [p for p in PROMPTS for _ in range(n)]
     enc = encode_prompts(tok, rows)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, output_scores=True,
-                  return_dict_in_generate=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                  return_dict_in_generate=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                  repetition_penalty=repetition_penalty)
     if temperature > 0:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
     if stop:
@@ -89,6 +91,25 @@ def test_plain_loop_equals_generate_greedy(which, request):
 def test_plain_loop_equals_generate_when_sampling_with_top_k_and_top_p(engine):
     kw = dict(n=4, temperature=0.8, top_k=6, top_p=0.9, seed=11)
     assert_same_generation(_transformers_generate(engine, **kw), _gen(engine, "plain", **kw))
+
+
+def test_the_repetition_penalty_is_transformers_own_greedy_and_sampling(engine, monkeypatch):
+    """Prompt by prompt (transformers counts a left-padded row's pad tokens as seen; the loop, as vLLM, counts the
+    prompt's and the response's tokens only), the penalised loop decodes what `generate` decodes."""
+    import sys
+
+    from models.sampling import penalize_repeats
+    logits, seen = torch.tensor([[2.0, -1.0, 0.5]]), torch.tensor([[True, True, False]])
+    assert penalize_repeats(logits, seen, 2.0).tolist() == [[1.0, -2.0, 0.5]]  # by hand: 2 / 2, -1 x 2, unseen
+    batched = _gen(engine, repetition_penalty=1.6, max_new_tokens=24)
+    assert not torch.equal(batched.response_ids, _gen(engine, max_new_tokens=24).response_ids)  # it changes greedy
+    for i, prompt in enumerate(PROMPTS):
+        monkeypatch.setattr(sys.modules[__name__], "PROMPTS", [prompt])
+        for kw in (dict(max_new_tokens=24), dict(n=3, temperature=0.9, top_k=8, seed=5, max_new_tokens=24)):
+            alone = _gen(engine, repetition_penalty=1.6, **kw)
+            assert_same_generation(_transformers_generate(engine, repetition_penalty=1.6, **kw), alone)
+            if "n" not in kw:  # padding beside a longer prompt changes nothing
+                assert torch.equal(batched.response_ids[i], alone.response_ids[0])
 
 
 def test_plain_loop_honours_stop_strings_like_generate(engine):

@@ -88,6 +88,14 @@ def test_greedy_decoding_matches_the_hf_engine(engine, hf):
     assert torch.equal(engine.generate(PROMPTS, sp).response_ids, hf.generate(PROMPTS, sp).response_ids)
 
 
+def test_the_repetition_penalty_matches_the_hf_engine_greedy(engine, hf):
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=24, repetition_penalty=1.6)
+    got = engine.generate(PROMPTS, sp).response_ids
+    assert torch.equal(got, hf.generate(PROMPTS, sp).response_ids)
+    assert not torch.equal(got, engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=24))
+                           .response_ids)
+
+
 def test_stop_strings(engine):
     b = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=30, seed=3, stop=list("0123456789")))
     stopped = 0

@@ -512,10 +512,10 @@ def drive_batched(procedures: list[RepairSteps], repair_batch: Callable[[list[Re
 
 def tree_guided_repair(conditions: list[str], conclusion: str, trees: list[dict[str, Any] | None],
                        nl_components: list[str], nl_statement: str, repair: Any, budget: int = 4,
-                       rng: Any = None) -> RepairTrace:
+                       rng: Any = None, local_calls: int = 1) -> RepairTrace:
     """`tree_guided_repair_steps` run with `repair(RepairRequest) -> str`."""
-    return drive(tree_guided_repair_steps(conditions, conclusion, trees, nl_components, nl_statement, budget, rng),
-                 repair)
+    return drive(tree_guided_repair_steps(conditions, conclusion, trees, nl_components, nl_statement, budget, rng,
+                                          local_calls=local_calls), repair)
 
 
 
@@ -560,15 +560,20 @@ def _local_request(conditions: list[str], conclusion: str, tree: dict[str, Any] 
 
 def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list[dict[str, Any] | None],
                              nl_components: list[str], nl_statement: str, budget: int = 4,
-                             rng: Any = None, check: Checker = check) -> RepairSteps:
+                             rng: Any = None, check: Checker = check, local_calls: int = 1) -> RepairSteps:
     """DSR's repair within `budget` model calls (a generator: it yields each `RepairRequest` and is sent the
     model's fixed code; `drive`, `drive_batched`): map the first error's column to
     its component, find the smallest operator-tree node containing it, and repair from its parent up the ladder
     (`repair_ladder`; a failed node is marked exhausted and the next rung is tried), then the component with its
-    NL; one call stays reserved for the statement-level global repair, which runs after a local success (the
-    semantic re-check) or when errors remain. A local attempt succeeds when the statement then compiles or its
-    first error lies outside the edited span (partial success); a global attempt is kept when it has fewer errors
-    (as many: kept with probability 0.5, `rng`). `trees[i]` None: component i has no valid tree (component repair)."""
+    NL, for at most `local_calls` calls (and never the last one); the rest go to statement-level global repair,
+    which runs after a local success (the semantic re-check, once) or while errors remain. The released code's
+    split of a 4-call budget is 1 local and 3 global (its `local_repair_turns=1`, `global_repair_turns=3`); a
+    larger `local_calls` climbs the ladder further. A local attempt succeeds when the statement then compiles or
+    its first error lies outside the edited span (partial success); a global attempt is kept when it has fewer
+    errors (as many: kept with probability 0.5, `rng`). [RECONSTRUCTION]: the released global repair is one
+    conversation of up to 3 turns judged by its last candidate; here each global call is judged and kept on its
+    own, so a later call starts from the best statement so far. `trees[i]` None: component i has no valid tree
+    (component repair)."""
     import random
     rng = rng or random.Random(0)
     conditions, trees = list(conditions), list(trees)
@@ -580,7 +585,7 @@ def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list
     local_success = False
     calls = 0
 
-    while errors and calls < budget - 1:
+    while errors and calls < min(local_calls, budget - 1):
         err = errors[0]
         comp = component_of_column(conditions, conclusion, err.column, name)
         if comp < 0:

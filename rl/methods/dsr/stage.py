@@ -118,12 +118,13 @@ class DSRStage(Stage):
     def __init__(self, roles: dict[str, str] | None = None, prompt_style: str = "tiny",
                  compiler: str = "leanlite", lean_project: str | None = None, inputs: list[str] = ("from_nl",),
                  modes: list[str] = MODES, budget: int = 4, prime_path: str | None = None, seed: int = 0,
-                 examples: int = 3):
+                 examples: int = 3, local_calls: int = 1):
         """`roles`: {decomposer, formalizer, repairer, judge} → a `reward.judges` entry each; `prompt_style`:
         tiny (the formats the CPU model is taught) | llm (instructions for instruction-tuned models); `compiler`:
         leanlite | lean (with `lean_project`); `inputs`: of from_nl, from_broken; `modes`: repair arms, of tree
-        (DSR) and global (the control); `budget`: repair-model calls per statement (DSR: 4); `seed`: the global
-        repair's accept-on-tie coin."""
+        (DSR) and global (the control); `budget`: repair-model calls per statement (DSR: 4); `local_calls`: how
+        many of them tree-guided repair may spend on local (subtree and component) repairs before the global ones
+        (the released code: 1 of 4); `seed`: the global repair's accept-on-tie coin."""
         roles = dict(roles or {})
         missing = [r for r in ROLES if r not in roles]
         if missing:
@@ -141,6 +142,10 @@ class DSRStage(Stage):
                              f"['from_nl', 'from_broken'], got {list(modes)} and {list(inputs)}")
         if budget < 1:
             raise ValueError(f"dsr: budget must be ≥ 1 repair call, got {budget}")
+        if not 0 <= local_calls < budget:
+            raise ValueError(f"dsr: local_calls must be in 0..budget-1 (one call stays for the global repair), "
+                             f"got {local_calls} with budget {budget}")
+        self.local_calls = local_calls
         self.roles, self.style, self.compiler, self.lean_project = roles, prompt_style, compiler, lean_project
         self.inputs, self.modes, self.budget = list(inputs), list(modes), budget
         self.prime_path, self.seed, self.examples = prime_path, seed, examples
@@ -199,7 +204,8 @@ class DSRStage(Stage):
         for it in items:
             if mode == "tree" and it["conditions"] is not None:
                 procs.append(dsr.tree_guided_repair_steps(it["conditions"], it["conclusion"], it["trees"],
-                                                          it["nl_components"], it["nl"], self.budget, rng, check))
+                                                          it["nl_components"], it["nl"], self.budget, rng, check,
+                                                          local_calls=self.local_calls))
             else:
                 procs.append(dsr.global_repair_steps(it["statement"], it["nl"], self.budget, rng, check))
         return dsr.drive_batched(procs, lambda reqs: [s.strip() for s in ask["repairer"](
@@ -232,6 +238,7 @@ class DSRStage(Stage):
         clients = ctx.runtime.start_judges(judges, ctx.require("policy"))
         ask = {role: clients[name].generate for role, name in self.roles.items()}
         report: dict[str, Any] = {"statements": len(rows), "compiler": self.compiler, "budget": self.budget,
+                                  "local_calls": self.local_calls,
                                   "roles": self.roles, "inputs": {}}
         try:
             if "from_nl" in self.inputs:

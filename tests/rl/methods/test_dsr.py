@@ -123,18 +123,35 @@ class Recorder:
         return self.answers(request)
 
 
-def test_failed_repairs_climb_node_parent_grandparent_component_statement_within_4_calls():
+def test_the_released_split_spends_one_call_locally_and_three_globally():
     from rl.methods.dsr.core import tree_guided_repair
     rec = Recorder()
     trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=4)
-    # y is at (0, 1, 0, 0): its parent abs(y), then (wrapper skipped) the sum, then the reserved global call
-    assert [(r.kind, r.code) for r in rec.requests] == [
-        ("subtree", "abs(y)"), ("subtree", "x ^ 2 + (abs(y))"), ("subtree", LINEAR), ("statement", splice(CONDITIONS, LINEAR))]
-    assert all(r.nl == "" for r in rec.requests[:3]) and rec.requests[3].nl  # local repair sees no NL
+    # y is at (0, 1, 0, 0): one subtree repair at its parent abs(y) fails, then three statement-level rewrites
+    assert [(r.kind, r.code) for r in rec.requests] == [("subtree", "abs(y)")] + [
+        ("statement", splice(CONDITIONS, LINEAR))] * 3
+    assert rec.requests[0].nl == "" and all(r.nl for r in rec.requests[1:])  # local repair sees no NL
     assert rec.requests[0].declared == "(x : Real) (h1 : x > 0)"
     assert len(trace.calls) == 4 and trace.errors == 1
+    # a global rewrite that fixes the statement on the second global call ends the repair there
+    fix = Recorder(lambda r: r.code.replace("abs(y)", "abs(x)") if r.kind == "statement" and len(fix.requests) > 2
+                   else r.code)
+    trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), fix, budget=4)
+    assert [r.kind for r in fix.requests] == ["subtree", "statement", "statement"] and trace.errors == 0
+
+
+def test_failed_repairs_climb_node_parent_grandparent_component_statement_when_local_calls_allow():
+    from rl.methods.dsr.core import tree_guided_repair
     rec = Recorder()
-    tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=8)
+    trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=4,
+                               local_calls=3)
+    # its parent abs(y), then (wrapper skipped) the sum, then the global call kept for last
+    assert [(r.kind, r.code) for r in rec.requests] == [
+        ("subtree", "abs(y)"), ("subtree", "x ^ 2 + (abs(y))"), ("subtree", LINEAR), ("statement", splice(CONDITIONS, LINEAR))]
+    assert all(r.nl == "" for r in rec.requests[:3]) and rec.requests[3].nl
+    assert len(trace.calls) == 4 and trace.errors == 1
+    rec = Recorder()
+    tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=8, local_calls=7)
     # with room: the root, then the component with its NL, then global rewrites until the budget is spent
     assert [r.kind for r in rec.requests] == ["subtree"] * 3 + ["component"] + ["statement"] * 4
     assert rec.requests[3].nl == NL[2]

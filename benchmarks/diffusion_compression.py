@@ -46,6 +46,7 @@ FAIR_ARMS = (*WEIGHTINGS, "uniform+kron", "fair+kron")
 
 
 def decomper_seed(seed: int) -> dict:
+    from models.lowrank import save_low_rank
     from rl.methods.decomper.core import (
         compress,
         input_stats,
@@ -56,7 +57,8 @@ def decomper_seed(seed: int) -> dict:
     model, batch = tiny_arithmetic_lm(seed, steps=400)
     calib, held = [batch(16) for _ in range(2)], [batch(16) for _ in range(4)]
     stats = input_stats(model, calib)
-    out: dict = {"nll_original": token_kl_and_nll(model, model, held)["nll_original"], "arms": {}}
+    out: dict = {"nll_original": token_kl_and_nll(model, model, held)["nll_original"], "arms": {},
+                 "size_original": _size(model, save=model.save_pretrained)}
     for method in ("plain", "whitened"):
         for ratio in RATIOS:
             for comp in ("none", "closed_form", "learned"):
@@ -65,9 +67,18 @@ def decomper_seed(seed: int) -> dict:
                 if comp == "learned":
                     learn_biases(model, m, calib, lr=1e-3, epochs=3)
                 res = token_kl_and_nll(model, m, held)
-                out["arms"][f"{method}/{ratio}/{comp}"] = {"token_kl": res["token_kl"],
-                                                           "nll": res["nll_compressed"]}
+                out["arms"][f"{method}/{ratio}/{comp}"] = {"token_kl": res["token_kl"], "nll": res["nll_compressed"],
+                                                           **_size(m, save=lambda d, m=m: save_low_rank(m, d))}
     return out
+
+
+def _size(model, save) -> dict:
+    """The model's parameter count and the bytes of its weight files as `save(folder)` writes them."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        save(d)
+        disk = sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+    return {"params": sum(p.numel() for p in model.parameters()), "bytes": disk}
 
 
 def _eval_prompts(run_dir: Path, n: int) -> tuple[list[str], list[str]]:
@@ -174,6 +185,12 @@ def summarize(report: dict) -> dict:
                                "ppl_gap": mean(2.718281828 ** r["decomper"]["arms"][a]["nll"]
                                                - 2.718281828 ** r["decomper"]["nll_original"] for r in rows)}
                            for a in arms}
+        if all("size_original" in r["decomper"] for r in rows):  # parameters and bytes against the original
+            for a in arms:
+                arm, orig = rows[0]["decomper"]["arms"][a], rows[0]["decomper"]["size_original"]
+                out["decomper"][a].update(params_share=arm["params"] / orig["params"],
+                                          bytes_share=arm["bytes"] / orig["bytes"])
+            out["decomper_original_size"] = rows[0]["decomper"]["size_original"]
     if rows and "fair" in rows[0]:
         out["fair"] = {"fp_accuracy": mean(mean(r["fair"]["fp"]["accuracy"]) for r in rows)}
         lag_keys = ("stability_lag_mean", "stability_lag_censored")

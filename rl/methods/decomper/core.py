@@ -8,10 +8,10 @@ whitening (Cholesky factor S of XXᵀ + εI, SVD of W·S, B = Σ^½Vᵀ S⁻¹),
 block objective (MSE between the compensated compressed block's output, fed by the compensated compressed prefix, and
 the original block's output), Adam and its defaults.
 
-The functions here are pure torch; `rl.methods.decomper.stage` runs them as the `decomper` stage. The compressed
-model stays an ordinary transformers model: each projection's weight becomes the product A·B (the report records the
-factor ranks and the parameters the factorized form would keep) and every projection gets a bias, so the `hf` and
-`vllm` engines load it as they load the original.
+The functions here are pure torch; `rl.methods.decomper.stage` runs them as the `decomper` stage. Each compressed
+projection becomes a `models.lowrank.LowRankLinear`: its factors A and B and the compensating bias are what the model
+stores and multiplies with (k·(m + n) + m parameters for an m×n projection), saved with `models.lowrank.save_low_rank`
+and read back by the learner and the `hf` engine.
 """
 
 from __future__ import annotations
@@ -24,14 +24,21 @@ import torch
 from torch import nn
 
 from models.blocks import block_outputs, decoder_layers
+from models.lowrank import LowRankLinear, set_module
 
 
-def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every attention and MLP projection (each `nn.Linear` inside a decoder layer), by its name in the model;
-    embeddings and the output head are outside the layers and stay untouched."""
-    prefix = "model.layers"
-    return {f"{prefix}.{i}.{name}": mod for i, layer in enumerate(decoder_layers(model))
-            for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)}
+def target_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """Every attention and MLP projection (each `nn.Linear` inside a decoder layer, or the `LowRankLinear` that
+    replaced it), by its name in the model; embeddings and the output head are outside the layers and stay
+    untouched."""
+    prefix, out = "model.layers", {}
+    for i, layer in enumerate(decoder_layers(model)):
+        factored = [name for name, mod in layer.named_modules() if isinstance(mod, LowRankLinear)]
+        for name, mod in layer.named_modules():
+            inside = any(name.startswith(f + ".") for f in factored)
+            if isinstance(mod, LowRankLinear) or (isinstance(mod, nn.Linear) and not inside):
+                out[f"{prefix}.{i}.{name}"] = mod
+    return out
 
 
 @dataclass
@@ -119,35 +126,20 @@ def closed_form_bias(w: torch.Tensor, w_low: torch.Tensor, mean_x: torch.Tensor)
     return (w.double() - w_low.double()) @ mean_x.double()
 
 
-def enable_projection_biases(model: nn.Module) -> None:
-    """Give every target projection a bias (zeros where it had none) and set the config flags that make the saved
-    model reload with them. Llama-style configs name them (`attention_bias`, `mlp_bias`); others are refused."""
-    cfg = model.config
-    if not (hasattr(cfg, "attention_bias") and hasattr(cfg, "mlp_bias")):
-        raise ValueError(f"decomper fuses a bias into every projection, which model_type "
-                         f"{cfg.model_type!r} cannot store (its config has no attention_bias and mlp_bias flags; "
-                         f"Llama-style models have them)")
-    cfg.attention_bias, cfg.mlp_bias = True, True
-    for mod in target_linears(model).values():
-        if mod.bias is None:
-            mod.bias = nn.Parameter(torch.zeros(mod.out_features, dtype=mod.weight.dtype, device=mod.weight.device))
-
-
 @torch.no_grad()
 def compress(model: nn.Module, stats: dict[str, InputStats], ratio: float, method: str = "whitened",
              compensation: str = "closed_form", eps: float = 1e-6) -> dict[str, dict]:
-    """Replace the weight W of every target projection `stats` has by A·B (`method` whitened or plain, rank from
-    `ratio`) in place, give it a bias, and add b* to it with `compensation: closed_form` (also the start of the
-    learned bias). Returns per layer: shape, rank, the factorized parameter count, ‖b*‖ and the relative weight
-    error."""
+    """Replace every target projection `stats` has by a `LowRankLinear` of its factors A, B (`method` whitened or
+    plain, rank from `ratio`) in place, with the layer's bias (zeros where it had none) plus b* under
+    `compensation: closed_form` (also the start of the learned bias). Returns per layer: shape, rank, the
+    factorized parameter count, ‖b*‖ and the relative weight error."""
     if method not in ("whitened", "plain"):
         raise ValueError(f"method must be whitened or plain, got {method!r}")
     if compensation not in ("none", "closed_form"):
         raise ValueError(f"compensation must be none or closed_form here, got {compensation!r}")
-    enable_projection_biases(model)
     report = {}
     for name, mod in target_linears(model).items():
-        if name not in stats:  # another block's (compressed block by block)
+        if name not in stats or isinstance(mod, LowRankLinear):  # another block's (compressed block by block)
             continue
         w = mod.weight.data
         m, n = w.shape
@@ -155,12 +147,13 @@ def compress(model: nn.Module, stats: dict[str, InputStats], ratio: float, metho
         a, b = whitened_factors(w, stats[name].xtx, k, eps) if method == "whitened" else plain_factors(w, k)
         low = a @ b
         b_star = closed_form_bias(w, low, stats[name].mean.to(w.device))
+        bias = mod.bias.detach().double() if mod.bias is not None else torch.zeros_like(b_star)
         if compensation == "closed_form":
-            mod.bias.add_(b_star.to(mod.bias.dtype))
+            bias = bias + b_star
+        set_module(model, name, LowRankLinear.from_factors(a.to(w.device), b.to(w.device), bias, w.dtype))
         report[name] = {"shape": [m, n], "rank": k, "factor_params": k * (m + n), "dense_params": m * n,
                         "weight_rel_error": float((w.double() - low).norm() / w.double().norm().clamp(min=1e-30)),
                         "closed_form_bias_norm": float(b_star.norm())}
-        mod.weight.copy_(low.to(w.dtype))
     return report
 
 
@@ -203,7 +196,7 @@ def learn_biases(original: nn.Module, compressed: nn.Module, batches: list[dict[
     history = []
     layers = decoder_layers(compressed)
     for j, layer in enumerate(layers):
-        biases = [m.bias for m in layer.modules() if isinstance(m, nn.Linear)]
+        biases = [m.bias for m in layer.modules() if isinstance(m, LowRankLinear)]
         for b in biases:
             b.requires_grad_(True)
         opt = torch.optim.Adam(biases, lr=lr)

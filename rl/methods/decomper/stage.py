@@ -6,7 +6,8 @@ tokens): `calib_sequences` of them, seeded, and `heldout_sequences` others. A Ra
 bundle loads the policy, collects each projection's input statistics, factorizes every projection at `ratio`
 (`method`: whitened or plain SVD), measures the per-block drift uncompensated, then applies `compensation` (none,
 closed_form b* = (W − W′)E[x], or learned: started at b* or zero and fitted block by block), measures the drift again,
-and saves an ordinary transformers model with the biases fused.
+and saves the model with every projection stored as its factors and bias (`models.lowrank`: the learner and the `hf`
+engine load such a folder; vLLM refuses it, naming why).
 
 Artifacts: `policy` (the compressed model, which the stages after it train or serve) and `compression_report`
 (JSON: per layer rank and parameters, per block drift before and after compensation, held-out token KL to the
@@ -44,6 +45,7 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
     from transformers import AutoModelForCausalLM
 
     from models.blocks import decoder_layers
+    from models.lowrank import save_low_rank
     from models.tokenizer import load_tokenizer
     from rl.methods.decomper.core import (
         block_drift,
@@ -84,9 +86,17 @@ def compress_model(model_path: str, out_dir: str, calib: list[list[int]], held: 
     report["heldout"] = token_kl_and_nll(original, model, held_batches)
     for p in model.parameters():
         p.requires_grad_(True)
-    model.cpu().save_pretrained(out_dir)
+    save_low_rank(model.cpu(), out_dir)
     load_tokenizer(model_path).save_pretrained(out_dir)
+    report["size"] = {"params_original": sum(p.numel() for p in original.parameters()),
+                      "params_compressed": sum(p.numel() for p in model.parameters()),
+                      "bytes_original": safetensors_bytes(model_path), "bytes_compressed": safetensors_bytes(out_dir)}
     return report
+
+
+def safetensors_bytes(folder: str) -> int:
+    """Bytes of a model folder's weight files on disk."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
 @register("stage", "decomper")
@@ -135,6 +145,8 @@ class DecomperStage(Stage):
         report_path.write_text(json.dumps(report, indent=1))
         summary = {"ratio": self.ratio, "method": self.method, "compensation": self.compensation,
                    "kept_params_share": report["factor_params"] / report["dense_params"],
+                   "model_params": {k: report["size"][f"params_{k}"] for k in ("original", "compressed")},
+                   "bytes_on_disk": {k: report["size"][f"bytes_{k}"] for k in ("original", "compressed")},
                    "drift_last_block": {"uncompensated": report["drift_uncompensated"][-1],
                                         "compensated": report["drift"][-1]},
                    "heldout_token_kl": {"uncompensated": report["heldout_uncompensated"]["token_kl"],

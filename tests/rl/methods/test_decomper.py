@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from rl.methods.decomper.core import (
     block_drift,
@@ -62,37 +61,58 @@ def test_the_closed_form_bias_zeroes_the_mean_output_error():
     assert error.mean(0).abs().max() < 1e-10 and error.abs().mean() > 0.1
 
 
-def test_the_fused_layer_computes_what_the_factors_and_bias_compute():
+def test_the_low_rank_layer_computes_a_times_b_x_plus_the_bias_with_its_factors_alone():
+    from models.lowrank import LowRankLinear
     torch.manual_seed(2)
     w, x = torch.randn(32, 48), torch.randn(7, 48)
     a, b = whitened_factors(w, (x.T @ x).double() + torch.eye(48, dtype=torch.float64), 9)
     bias = torch.randn(32)
-    fused = nn.Linear(48, 32)
+    layer = LowRankLinear.from_factors(a, b, bias, torch.float32)
+    dense = x @ (a @ b).float().T + bias
     with torch.no_grad():
-        fused.weight.copy_((a @ b).float())
-        fused.bias.copy_(bias)
-    unfused = x @ b.float().T @ a.float().T + bias  # A(Bx) + b: two thin matmuls
-    assert torch.allclose(fused(x), unfused, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(layer(x), dense, atol=1e-5, rtol=1e-5)
+    assert sorted((k, tuple(v.shape)) for k, v in layer.state_dict().items()) == [
+        ("down.weight", (9, 48)), ("up.bias", (32,)), ("up.weight", (32, 9))]  # 9 x (32 + 48) + 32 numbers
 
 
-def test_compression_keeps_module_types_and_adds_only_biases(trained, tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_compression_stores_the_factors_and_saves_and_loads_them_smaller(trained, tmp_path):
+    from models.families import CausalFamily
+    from models.lowrank import LowRankLinear, load_low_rank, save_low_rank
+    from rollout.hf_engine import HFEngine
     model, calib, held = trained
     comp = copy.deepcopy(model)
     report = compress(comp, input_stats(model, calib), 0.4, "whitened", "closed_form")
-    linears = target_linears(comp)
-    assert set(report) == set(linears) and len(linears) == 4 * 7
-    assert [type(m) for m in comp.modules()] == [type(m) for m in model.modules()]
-    n_orig = sum(p.numel() for p in model.parameters())
-    assert sum(p.numel() for p in comp.parameters()) == n_orig + sum(m.out_features for m in linears.values())
-    for name, r in report.items():
-        sv = torch.linalg.svdvals(linears[name].weight.detach().double())
-        assert sv[r["rank"]] < 1e-5 * sv[0]  # rank k up to float32 rounding
-    comp.save_pretrained(tmp_path / "c")
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "c").eval()
-    assert again.config.attention_bias and again.config.mlp_bias
-    with torch.no_grad():
-        assert torch.allclose(again(**held[0]).logits, comp(**held[0]).logits, atol=1e-6)
+    layers = target_linears(comp)
+    assert set(report) == set(layers) and len(layers) == 4 * 7
+    assert all(isinstance(m, LowRankLinear) and m.rank == report[n]["rank"] for n, m in layers.items())
+    n_orig, n_comp = (sum(p.numel() for p in m.parameters()) for m in (model, comp))
+    dense = sum(r["dense_params"] for r in report.values())
+    # every projection's m x n weight became k (m + n) factor numbers and an m-vector bias
+    assert n_comp == n_orig - dense + sum(r["factor_params"] + r["shape"][0] for r in report.values())
+    assert n_comp < n_orig - 0.35 * dense
+    from models.tiny import build_tiny_tokenizer
+    model.save_pretrained(tmp_path / "orig")
+    save_low_rank(comp, tmp_path / "c")
+    build_tiny_tokenizer().save_pretrained(tmp_path / "c")  # the tokenizer tiny_arithmetic_lm's model reads
+    size = {k: (tmp_path / k / "model.safetensors").stat().st_size for k in ("orig", "c")}
+    assert size["c"] < size["orig"] - 0.35 * 4 * dense  # fp32: the removed projection numbers are off the disk
+    for again in (load_low_rank(tmp_path / "c"), CausalFamily().load(str(tmp_path / "c")),
+                  HFEngine(str(tmp_path / "c")).model):
+        assert sum(p.numel() for p in again.parameters()) == n_comp
+        with torch.no_grad():
+            assert torch.allclose(again(**held[0]).logits, comp(**held[0]).logits, atol=1e-5)
+
+
+def test_vllm_refuses_a_low_rank_folder_naming_why(trained, tmp_path):
+    pytest.importorskip("vllm")
+    from models.lowrank import save_low_rank
+    from rollout.vllm_engine import VLLMEngine
+    model, calib, _ = trained
+    comp = copy.deepcopy(model)
+    compress(comp, input_stats(model, calib), 0.4, "plain", "none")
+    save_low_rank(comp, tmp_path / "c")
+    with pytest.raises(ValueError, match="low-rank factors.*rollout.engine hf"):
+        VLLMEngine(str(tmp_path / "c"))
 
 
 def test_at_full_rank_the_biases_stay_near_zero(trained):
@@ -126,19 +146,19 @@ def test_the_learned_bias_brings_held_out_outputs_closer_than_no_or_closed_form_
 
 
 @pytest.mark.slow
-def test_the_compressed_policy_is_served_by_vllm_and_trained_by_rl(ray_cluster, tmp_path):
-    """recipes/decomper_tiny.yaml at test size, with the vllm engine: SFT, decomper (whitened SVD, learned
-    biases), one GRPO step on the compressed model (learner and vLLM both load it), evaluation."""
+def test_the_compressed_policy_is_served_and_trained_by_rl_as_factors(ray_cluster, tmp_path):
+    """recipes/decomper_tiny.yaml at test size: SFT, decomper (whitened SVD, learned biases), one GRPO step on the
+    compressed model (the learner and the hf engine both load its factors), evaluation."""
     import json
 
     from cluster.pipeline import run
     from rl import config
-    from tests.cluster.test_pipeline import ROOT, TINY, vllm_model
+    from tests.cluster.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     stages = ("stages=[{name: model}, {name: data}, {name: sft}, {name: decomper, params: {ratio: 0.5, "
               "calib_sequences: 8, heldout_sequences: 8, calib_length: 32, epochs: 1}}, {name: rl}, {name: evaluate}]")
     summary = run(config.load(ROOT / "recipes/decomper_tiny.yaml", [
-        f"output_dir={out}", *TINY, *vllm_model("vllm"), "rollout.engine=vllm", "rollout.engine_params={}",
+        f"output_dir={out}", *TINY,
         "sft.steps=10", "sft.batch_size=16", "trainer.steps=1", "data.synthetic.num_train=200", stages]))
     assert summary["steps"] == 1 and "accuracy_after_rl" in summary
     report = json.loads((out / "stages" / "decomper" / "compression_report.json").read_text())
@@ -147,9 +167,12 @@ def test_the_compressed_policy_is_served_by_vllm_and_trained_by_rl(ray_cluster, 
     assert report["learned"][0]["mse_after"] <= report["learned"][0]["mse_before"]  # on the calibration sequences
     assert set(summary["decomper"]["heldout_token_kl"]) == {"uncompensated", "compensated"}
     policy = summary["stages"]["decomper"]["artifacts"]["policy"]
-    assert json.loads((Path(policy) / "config.json").read_text())["mlp_bias"] is True
+    assert (Path(policy) / "low_rank.json").exists()
+    sizes = summary["decomper"]["model_params"]
+    assert sizes["compressed"] < sizes["original"]  # the factors are what was saved, served and trained
+    assert summary["decomper"]["bytes_on_disk"]["compressed"] < summary["decomper"]["bytes_on_disk"]["original"]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[0]["actor/mismatch_abs_diff"] < 1e-3  # vLLM samples from the compressed weights the learner holds
+    assert metrics[0]["actor/mismatch_abs_diff"] < 1e-3  # the engine samples from the factors the learner holds
 
 
 def test_block_by_block_statistics_equal_those_of_a_whole_model_pass(trained):

@@ -228,7 +228,7 @@ def ulora_seed(seed: int, steps: int = 1500) -> dict:
     from sklearn.cluster import KMeans
     from torch import nn
 
-    from models.adapters import lora, ulora
+    from models.adapters import finish_optimizer_step, lora, ulora
     d, T, K, r = 32, 8, 4, 4
     g = torch.Generator().manual_seed(seed)
     w1, w2 = torch.randn(64, d, generator=g) / d ** 0.5, torch.randn(d, 64, generator=g) / 8
@@ -273,6 +273,7 @@ def ulora_seed(seed: int, steps: int = 1500) -> dict:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            finish_optimizer_step(model)  # U-LoRA's EMA prior: one step per optimizer step
             if getattr(layer, "last_gate", None) is not None:
                 batch_gates.append(layer.last_gate.reshape(-1, r).mean(0))
         model.eval()

@@ -158,10 +158,92 @@ def ema_prior(m: torch.Tensor, k: int, g_mean: torch.Tensor, beta: float) -> tup
     return m, k, m / (1 - beta ** k)
 
 
+class SequenceContext:
+    """What every U-LoRA layer of one model reads about the forward in progress, set by a forward pre-hook on the
+    model: which tokens are real (`mask [B, T]`, from the attention mask's last T columns), where sequences start
+    (`starts [B, T]`: position id 0, so packed rows keep their sequences apart), whether the forward continues the
+    previous one through a KV cache (`continuing`), and whether it is the model's own forward (`recording`: false
+    again by the time gradient checkpointing recomputes a layer in the backward)."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+        self.starts: torch.Tensor | None = None
+        self.continuing = False
+        self.recording = False
+
+    def before(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not ids.is_floating_point():
+            tokens = ids.shape[-1]
+        else:
+            tokens = embeds.shape[-2] if isinstance(embeds, torch.Tensor) else None
+        mask, pos, past = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("past_key_values")
+        past_len = int(past.get_seq_length()) if past is not None and hasattr(past, "get_seq_length") else 0
+        self.continuing = past_len > 0
+        self.mask = mask[:, -tokens:] if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens else None
+        self.starts = (pos == 0) if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
+        self.recording = True
+
+    def after(self, *_: Any) -> None:
+        self.recording = False
+
+
+def context_sums(z: torch.Tensor, mask: torch.Tensor | None, starts: torch.Tensor | None,
+                 carried: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position t of `z [B, T, r]`, the sum of z over the real positions ≤ t of its sequence and their count
+    (`[B, T, r]`, `[B, T, 1]`): padding (`mask` 0) left out, a sequence start (`starts`) resetting both, and
+    `carried` (the sums and counts a KV-cached forward's previous tokens left, `[B, r]`, `[B]`) added before the
+    first start."""
+    m = (mask.to(z.dtype) if mask is not None else z.new_ones(z.shape[:-1]))[..., None]
+    sums, counts = (z * m).cumsum(-2), m.cumsum(-2)
+    if starts is not None and bool(starts.any()):
+        B, T = starts.shape
+        idx = torch.arange(T, device=z.device).expand(B, T)
+        first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values  # the latest start at or before t
+        before_sums = torch.cat([torch.zeros_like(sums[:, :1]), sums[:, :-1]], 1)
+        before_counts = torch.cat([torch.zeros_like(counts[:, :1]), counts[:, :-1]], 1)
+        sums = sums - before_sums.gather(1, first[..., None].expand_as(sums))
+        counts = counts - before_counts.gather(1, first[..., None])
+        open_ = ~starts.cumsum(-1).bool()  # no start yet in this chunk: the carried sums still apply
+    else:
+        open_ = None
+    if carried is not None:
+        keep = open_[..., None].to(z.dtype) if open_ is not None else 1.0
+        sums = sums + keep * carried[0][:, None]
+        counts = counts + keep * carried[1][:, None, None]
+    return sums, counts
+
+
 def causal_mean(z: torch.Tensor) -> torch.Tensor:
-    """The running mean over the sequence (dim −2): position t averages positions ≤ t (valid for generation)."""
-    t = torch.arange(1, z.shape[-2] + 1, device=z.device, dtype=z.dtype)
-    return z.cumsum(-2) / t[:, None]
+    """The running mean over the sequence (dim −2): position t averages positions ≤ t (every position real)."""
+    sums, counts = context_sums(z, None, None, None)
+    return sums / counts
+
+
+def finish_optimizer_step(model: nn.Module) -> None:
+    """Advance what modules keep once per optimizer step (U-LoRA's EMA prior, with the gates of every training
+    forward since the last step, summed over data-parallel ranks): the learner calls it after each optimizer
+    step, a hand-written loop after its `opt.step()`."""
+    for mod in model.modules():
+        if hasattr(mod, "finish_step"):
+            mod.finish_step()
+
+
+def sequence_state(model: nn.Module) -> list[dict]:
+    """A copy of every layer's per-row KV-cached state (to put back with `restore_sequence_state`)."""
+    return [dict(mod.carried) for mod in model.modules() if hasattr(mod, "lora_context")]
+
+
+def restore_sequence_state(model: nn.Module, saved: list[dict]) -> None:
+    for mod, carried in zip((m for m in model.modules() if hasattr(m, "lora_context")), saved):
+        mod.carried = carried
+
+
+def has_sequence_state(model: nn.Module) -> bool:
+    """Whether layers of `model` carry per-row state from one KV-cached forward to the next (U-LoRA's context
+    sums): a decode loop must then run every row in every forward, as prefilled."""
+    return any(hasattr(mod, "lora_context") for mod in model.modules())
 
 
 def _ulora_linear_class():
@@ -171,10 +253,12 @@ def _ulora_linear_class():
 
     class ULoraLinear(LoraLinear):
         """A peft LoRA linear whose r directions are gated per token: z = A x, g = r·softmax(W_u z + b_u +
-        W_c c + b_c) with c the causal running mean of z over the sequence, calibrated by the bias-corrected EMA
-        prior of the batch-mean gate, g̃ = (1 − λ) g + λ m̂; h = W0 x + s·B(g̃ ⊙ z). The gate weights start at 0,
-        so g = 1 and the layer starts as LoRA. The EMA advances on every training forward with gradients (one per
-        micro-batch) and is frozen in eval. Not mergeable: the update depends on the input."""
+        W_c c + b_c) with c the mean of z over the sequence's real tokens so far (`context_sums`: padding left
+        out, carried through the KV cache by per-row sums), calibrated by the bias-corrected EMA prior of the
+        mean gate, g̃ = (1 − λ) g + λ m̂; h = W0 x + s·B(g̃ ⊙ z). The gate weights start at 0, so g = 1 and the
+        layer starts as LoRA. The EMA advances once per optimizer step (`finish_step`) with the mean gate of that
+        step's training forwards (a gradient-checkpointing recompute is not counted again); every forward of a
+        step uses the prior of the steps before it. Not mergeable: the update depends on the input."""
 
         def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
             super().__init__(base_layer, adapter_name, config, r=r, lora_alpha=lora_alpha, **kwargs)
@@ -188,26 +272,53 @@ def _ulora_linear_class():
             # peft's adapter bookkeeping (trainability, adapter switching) covers the gates from here on
             self.adapter_layer_names = (*LoraLinear.adapter_layer_names, "lora_gate_u", "lora_gate_c")
             self.last_gate: torch.Tensor | None = None  # the last forward's g̃ (for analysis)
+            self.lora_context = SequenceContext()  # replaced by the model's shared one (`ulora`)
+            self.carried: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per adapter: the rows' context sums
+            self.step_gates: dict[str, list[torch.Tensor]] = {}  # per adapter: [Σ g, tokens] since the last step
 
         def merge(self, *args, **kwargs) -> None:
             raise NotImplementedError("U-LoRA's update depends on the input: it cannot be merged into the weight")
+
+        def context_mean(self, z: torch.Tensor, adapter: str) -> torch.Tensor:
+            ctx = self.lora_context
+            carried = self.carried.get(adapter) if ctx.continuing else None
+            sums, counts = context_sums(z, ctx.mask, ctx.starts, carried)
+            self.carried[adapter] = (sums[:, -1].detach(), counts[:, -1, 0].detach())
+            return sums / counts.clamp(min=1)
 
         def gates(self, z: torch.Tensor, adapter: str) -> torch.Tensor:
             r = z.shape[-1]
             logits = self.lora_gate_u[adapter](z)
             if self.context:
-                logits = logits + self.lora_gate_c[adapter](causal_mean(z) if z.dim() >= 2 else z)
+                logits = logits + self.lora_gate_c[adapter](self.context_mean(z, adapter) if z.dim() >= 3 else z)
             g = r * torch.softmax(logits, dim=-1)
+            if self.training and torch.is_grad_enabled() and self.lora_context.recording:
+                self._record(g.detach(), adapter)
             state = self.lora_ema[adapter]
             m, k = state[:r], int(state[r])
-            if self.training and torch.is_grad_enabled():
-                m, k, m_hat = ema_prior(m, k, g.detach().reshape(-1, r).mean(0), self.beta)
-                state.copy_(torch.cat([m, torch.tensor([float(k)], device=m.device, dtype=m.dtype)]))
-            elif k > 0:
-                m_hat = m / (1 - self.beta ** k)
-            else:
+            if k == 0:
                 return g  # no prior yet: the plain gate
-            return (1 - self.lam) * g + self.lam * m_hat.detach()
+            return (1 - self.lam) * g + self.lam * (m / (1 - self.beta ** k)).detach()
+
+        def _record(self, g: torch.Tensor, adapter: str) -> None:
+            mask = self.lora_context.mask
+            w = (mask.to(g.dtype)[..., None] if mask is not None and g.dim() == 3 and mask.shape == g.shape[:2]
+                 else g.new_ones(*g.shape[:-1], 1))
+            total = torch.cat([(g * w).reshape(-1, g.shape[-1]).sum(0), w.sum().reshape(1)])
+            acc = self.step_gates.get(adapter)
+            self.step_gates[adapter] = [total if acc is None else acc[0] + total]
+
+        def finish_step(self) -> None:
+            """One EMA step per adapter with the mean gate over the step's real tokens on every rank."""
+            import torch.distributed as dist
+            for adapter, state in self.lora_ema.items():
+                r = state.shape[0] - 1
+                acc = self.step_gates.pop(adapter, [state.new_zeros(r + 1)])[0].to(state.dtype)
+                if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.all_reduce(acc)
+                if float(acc[r]) > 0:
+                    m, k, _ = ema_prior(state[:r], int(state[r]), acc[:r] / acc[r], self.beta)
+                    state.copy_(torch.cat([m, torch.tensor([float(k)], device=m.device, dtype=m.dtype)]))
 
         def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if self.disable_adapters:
@@ -236,7 +347,24 @@ def ulora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float =
     config = _lora_config(r, alpha, dropout, target_modules, task_type)
     config.ulora_beta, config.ulora_lambda, config.ulora_context = beta, lam, context
     config._register_custom_module({nn.Linear: _ulora_linear_class()})
-    return get_peft_model(model, config)
+    adapted = get_peft_model(model, config)
+    share_sequence_context(adapted)
+    return adapted
+
+
+def share_sequence_context(adapted: nn.Module) -> None:
+    """One `SequenceContext` for every U-LoRA layer of `adapted`, kept current by hooks on its base model."""
+    ctx = SequenceContext()
+    # peft reaches the base model through `.forward` on some paths and through a call on others: the hooks sit on
+    # each wrapper (setting the context is idempotent, and the outermost one ends the recording)
+    wrappers = [adapted, getattr(adapted, "base_model", None),
+                adapted.get_base_model() if hasattr(adapted, "get_base_model") else None]
+    for w in {id(w): w for w in wrappers if isinstance(w, nn.Module)}.values():
+        w.register_forward_pre_hook(ctx.before, with_kwargs=True)
+        w.register_forward_hook(ctx.after)
+    for mod in adapted.modules():
+        if hasattr(mod, "lora_context"):
+            mod.lora_context = ctx
 
 
 BUILTIN_ADAPTERS = {"lora": lora, "ulora": ulora}  # also registered by name (rl.registry's built-ins)

@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from models.adapters import has_sequence_state, restore_sequence_state, sequence_state
 from models.blocks import decoder_layers
 from models.common import distinct_prompts
 from models.sampling import penalize_repeats, warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
@@ -385,8 +386,10 @@ class DecodeLoop:
         self.kv_policy = getattr(method, "kv_policy", None)
         self.insert = getattr(method, "insert", None)
         # a method that hooks the forward sees every row of the batch: the prompts then run row by row as given
+        # a model whose layers carry per-row state between cached forwards (U-LoRA's context sums) runs every row
+        # in every forward too: row compaction and shared prefills would leave that state behind
         self.plain = (self.hooks == [] and self.process is None and self.kv_policy is None and self.insert is None
-                      and getattr(method, "forward_hooks", None) is None)
+                      and getattr(method, "forward_hooks", None) is None and not has_sequence_state(model))
         # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
         self.capacity = prompt_ids.shape[1] + max_new_tokens + 1
         self.fused = (fused_attention and self.plain and self.device.type == "cpu"
@@ -416,6 +419,7 @@ class DecodeLoop:
         """Per row, the greedy next `n` tokens from here; the cache and the state are restored after."""
         state, cache, B = self.state, self.cache, self.batch_size
         saved_len, saved_mask, saved_positions = cache.get_seq_length(), state.attention_mask, state.positions
+        saved_layers = sequence_state(self.model)
         pos = self.next_pos.clone()
         ones = torch.ones((B, 1), dtype=torch.long, device=self.device)
         out: list[torch.Tensor] = []
@@ -429,6 +433,7 @@ class DecodeLoop:
         finally:
             _truncate_cache(cache, saved_len)
             state.attention_mask, state.positions = saved_mask, saved_positions
+            restore_sequence_state(self.model, saved_layers)
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
 
     def prefill(self) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from models.adapters import finish_optimizer_step
 from models.common import kv_bytes_per_token
 from rl.optim import is_forward_only
 from rl.registry import lookup
@@ -193,6 +194,8 @@ class DeepSpeedStrategy:
         self.backward_passes += 1
         norm = self._grad_norm_before_step() if last else None
         self.engine.step()
+        if last:  # what layers keep once per optimizer step (U-LoRA's EMA prior)
+            finish_optimizer_step(self.engine.module)
         return norm
 
     def _grad_norm_before_step(self) -> float | None:
@@ -219,6 +222,7 @@ class DeepSpeedStrategy:
         """A forward-only optimizer's step (it calls `closure` for the global loss as often as it needs)."""
         loss = float(self.optimizer.step(closure))
         self.scheduler.step()
+        finish_optimizer_step(self.engine.module)
         return loss
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

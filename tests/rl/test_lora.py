@@ -200,3 +200,83 @@ def test_a_saved_ulora_model_is_the_base_plus_its_unmerged_adapter_in_the_hf_eng
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(folder).eval()  # a plain loader sees the base alone
     assert not torch.allclose(base(input_ids=x).logits, gated(input_ids=x).logits, atol=1e-3)
+
+
+def _trained_looking_ulora(context=True, seed=0):
+    """A tiny U-LoRA model whose gates, B and EMA prior are away from their starting values (as after training)."""
+    from models.adapters import ulora
+    from models.tiny import build_tiny_model, build_tiny_tokenizer
+    tok = build_tiny_tokenizer()
+    model = ulora(build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64),
+                  r=4, target_modules=["q_proj", "v_proj"], context=context)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "lora_gate" in n:
+                p.copy_(torch.randn(p.shape, generator=g))
+        for n, b in model.named_buffers():
+            if n.endswith("lora_ema.default"):
+                b.copy_(torch.cat([torch.rand(4, generator=g) * 0.01, torch.tensor([3.0])]))
+    return tok, model.eval()
+
+
+def test_ulora_decodes_with_a_kv_cache_the_model_a_full_forward_computes():
+    """Left-padded prompts of different lengths, greedy through the decode loop's KV cache: every sampled token's
+    logprob equals the full forward's over that row alone (no padding) to 1e-5."""
+    from rl.batch import pad_token_rows
+    from rollout.decoding import decode
+    tok, model = _trained_looking_ulora()
+    rows = [tok(p, add_special_tokens=False)["input_ids"] for p in ["12+3*4=", "5+6=", "1+2*3+45="]]
+    ids, mask = pad_token_rows(rows, tok.pad_token_id, "left")
+    resp, logp, lengths, _, _ = decode(model, ids, mask, max_new_tokens=10, temperature=0.0, top_k=0, top_p=1.0,
+                                       eos_token_id=-1, pad_token_id=tok.pad_token_id)
+    for i, prompt in enumerate(rows):
+        n = int(lengths[i])
+        full = torch.tensor([prompt + resp[i, :n].tolist()])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=full).logits[0, len(prompt) - 1:-1].float(), -1)
+        assert torch.allclose(lp.gather(-1, resp[i, :n, None]).squeeze(-1), logp[i, :n], atol=1e-5)
+
+
+def test_the_context_term_makes_a_tokens_gate_depend_on_the_tokens_before_it():
+    tok, model = _trained_looking_ulora()
+    _, token_only = _trained_looking_ulora(context=False)
+    a, b = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[11, 12, 13, 8, 9]])  # the same last two tokens
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    other = next(m for m in token_only.modules() if hasattr(m, "lora_context"))
+    gates = {}
+    with torch.no_grad():
+        for name, m, lay in (("context", model, layer), ("token", token_only, other)):
+            m(input_ids=a)
+            first = lay.last_gate[0, -1].clone()
+            m(input_ids=b)
+            gates[name] = (first, lay.last_gate[0, -1])
+    assert not torch.allclose(*gates["context"], atol=1e-3)  # what came before changed the last token's gate
+    assert torch.allclose(*gates["token"], atol=1e-6)
+
+
+def test_the_ema_prior_advances_once_per_optimizer_step_under_gradient_checkpointing():
+    """Two micro-batches (one padded) with gradient checkpointing, then the step: k = 1 and m = (1 − β)·the mean
+    gate over the step's real tokens (recomputed forwards and padding not counted)."""
+    from models.adapters import finish_optimizer_step
+    tok, model = _trained_looking_ulora()
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("lora_ema.default"):
+                b.zero_()  # no prior yet
+    model.train()
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    batches = [(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[1, 1, 1, 1]])),
+               (torch.tensor([[0, 0, 9, 10], [11, 12, 13, 14]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))]
+    total, count = torch.zeros(4), 0
+    for ids, mask in batches:
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        g = layer.last_gate
+        total += (g * mask[..., None]).sum((0, 1))
+        count += int(mask.sum())
+    assert float(layer.lora_ema["default"][4]) == 0  # nothing advanced before the optimizer step
+    finish_optimizer_step(model)
+    state = layer.lora_ema["default"]
+    assert float(state[4]) == 1
+    assert torch.allclose(state[:4], (1 - layer.beta) * total / count, atol=1e-6)

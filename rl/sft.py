@@ -61,7 +61,8 @@ def run_sft(learners: Any, examples: list[SFTExample], *, pad_id: int, steps: in
         out = learners.sft_step(batch, grad_accum, loop_readouts)
         metrics = {"sft/loss": out["loss"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
                    "sft/step_s": time.perf_counter() - t0, "sft/tokens": float(batch.response_mask.sum()),
-                   "sft/epoch": sampler.epoch + sampler.pos / len(examples)}
+                   "sft/epoch": sampler.epoch + sampler.pos / len(examples),
+                   **{f"sft/{k}": v for k, v in out.items() if k.startswith("zo/")}}
         if eval_examples and (step == steps or (eval_every and step % eval_every == 0)):
             metrics["sft/eval_loss"] = eval_loss(learners, eval_examples, pad_id, batch_size)
         history.append(metrics)

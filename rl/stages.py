@@ -180,14 +180,23 @@ class StageRuntime:
 
 
 def stage_cfg(ctx: StageContext) -> DictConfig:
-    """The recipe as a stage that formats prompts reads it: a `data.prompt_prefix` of the form `artifact:NAME`
-    becomes the text of that earlier stage's artifact (e.g. MEMO's `memo_prompt`) and a blank line. A copy:
-    the recipe itself (and so every stage's fingerprint) keeps the reference."""
-    prefix = ctx.cfg.data.prompt_prefix
-    if not str(prefix).startswith("artifact:"):
-        return ctx.cfg
-    text = Path(ctx.require(prefix.split(":", 1)[1])).read_text().strip()
-    return OmegaConf.merge(ctx.cfg, {"data": {"prompt_prefix": f"{text}\n\n"}})
+    """The recipe as a stage reads it: a `data.prompt_prefix` of the form `artifact:NAME` becomes the text of that
+    earlier stage's artifact (e.g. MEMO's `memo_prompt`) and a blank line; a `learner.optimizer.params` value of
+    that form becomes the artifact's path (e.g. `bundle: artifact:pert_bundle`, the ZO Fine-tuner's learned
+    perturbation shape). A copy: the recipe itself (and so every stage's fingerprint) keeps the reference."""
+    cfg = ctx.cfg
+    prefix = cfg.data.prompt_prefix
+    if str(prefix).startswith("artifact:"):
+        text = Path(ctx.require(prefix.split(":", 1)[1])).read_text().strip()
+        cfg = OmegaConf.merge(cfg, {"data": {"prompt_prefix": f"{text}\n\n"}})
+    params = cfg.learner.optimizer.get("params") or {}
+    # resolved where an earlier stage published it (a stage before that one does not train with this optimizer;
+    # one that does gets the optimizer's own error naming the reference)
+    paths = {k: ctx.artifact(v.split(":", 1)[1]) for k, v in params.items()
+             if isinstance(v, str) and v.startswith("artifact:") and ctx.artifact(v.split(":", 1)[1]) is not None}
+    if paths:
+        cfg = OmegaConf.merge(cfg, {"learner": {"optimizer": {"params": paths}}})
+    return cfg
 
 
 def policy_sft_data(ctx: StageContext, purpose: str) -> tuple[Any, str, Any, list[dict], list, dict[str, int]]:

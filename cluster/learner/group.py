@@ -146,8 +146,9 @@ class LearnerGroup:
         results = self.get_all([w.sft_step.remote(mbs, num_tokens, loop_readouts)
                                 for w, mbs in zip(self.workers, micro_batches_of(batch, self.plan(batch, grad_accum)))],
                                "an SFT step")
+        # a forward-only optimizer's figures (`zo/...`: the same step on every rank) come along
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
-                "lr": results[0]["lr"]}
+                "lr": results[0]["lr"], **{k: v for k, v in results[0].items() if k.startswith("zo/")}}
 
     def counters(self) -> list[dict[str, int]]:
         """Every rank's counters (backward passes run)."""

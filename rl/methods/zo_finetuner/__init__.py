@@ -3,4 +3,5 @@
 # the modules of this method that register built-ins, by registry kind (read by `rl.registry`)
 BUILTINS = {
     "optimizer": ["rl.methods.zo_finetuner.optimizer"],
+    "stage": ["rl.methods.zo_finetuner.stage"],
 }

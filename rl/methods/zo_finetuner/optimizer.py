@@ -16,8 +16,10 @@ saved with `PertBundle.save` and used by the forward-only optimizer `zo_finetune
 zo_finetuner, params: {bundle: path}}`) on another task.
 
 [RECONSTRUCTION] where the released code was not followed to the letter: the previous σ fed at the first step is
-1 (the history losses are 0 there, as in the code); the embedding row estimate is `embedding_rows` (15 × batch in
-the code) and applies to parameters whose name contains "embed".
+1 (the history losses are 0 there, as in the code); the embedding row estimate `embedding_rows` applies to
+parameters whose name contains "embed". As in the released code it is 15 × the batch size: the learn-to-learn stage
+(`rl.methods.zo_finetuner.stage`) sets it so and the bundle carries it to the optimizer, which uses it unless its
+own `embedding_rows` is given.
 """
 
 from __future__ import annotations
@@ -75,16 +77,19 @@ class PertBundle(nn.Module):
     """One `PertNet` per parameter tensor of a model, in the model's parameter order, with the names and shapes
     they were made for (a bundle only applies to a model with the same tensors)."""
 
-    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], hidden: int = 64, seed: int = 0):
+    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], hidden: int = 64, seed: int = 0,
+                 embedding_rows: int | None = None):
         super().__init__()
         torch.manual_seed(seed)
         self.names, self.shapes, self.hidden = list(names), [tuple(s) for s in shapes], hidden
+        self.embedding_rows = embedding_rows  # the touched-rows estimate the networks were trained with
         self.nets = nn.ModuleList([PertNet(hidden) for _ in self.names])
 
     @classmethod
-    def for_model(cls, model: nn.Module, hidden: int = 64, seed: int = 0) -> PertBundle:
+    def for_model(cls, model: nn.Module, hidden: int = 64, seed: int = 0, embedding_rows: int | None = None
+                  ) -> PertBundle:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return cls([n for n, _ in named], [tuple(p.shape) for _, p in named], hidden, seed)
+        return cls([n for n, _ in named], [tuple(p.shape) for _, p in named], hidden, seed, embedding_rows)
 
     def sigmas(self, params: Sequence[torch.Tensor], loss_plus: float, loss_minus: float,
                sigma_prev: Sequence[float]) -> torch.Tensor:
@@ -106,12 +111,12 @@ class PertBundle(nn.Module):
 
     def save(self, path: str | Path) -> None:
         torch.save({"names": self.names, "shapes": self.shapes, "hidden": self.hidden,
-                    "state": self.state_dict()}, path)
+                    "embedding_rows": self.embedding_rows, "state": self.state_dict()}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> PertBundle:
         blob = torch.load(path, weights_only=False)
-        bundle = cls(blob["names"], blob["shapes"], blob["hidden"])
+        bundle = cls(blob["names"], blob["shapes"], blob["hidden"], embedding_rows=blob.get("embedding_rows"))
         bundle.load_state_dict(blob["state"])
         return bundle
 
@@ -133,6 +138,8 @@ class ZOFinetuner(MeZO):
                 q.requires_grad_(False)
         names = list(names) if names is not None else (self.bundle.names if self.bundle is not None
                                                        else [f"param{i}" for i in range(len(tensors))])
+        if embedding_rows is None and self.bundle is not None:
+            embedding_rows = self.bundle.embedding_rows  # the estimate the bundle was trained with
         self.sizes = effective_sizes(names, [p.shape for p in tensors], embedding_rows)
         self.normalize = normalize
         self.scales = [1.0] * len(tensors)
@@ -167,7 +174,11 @@ def zo_finetuner(params: Iterable[torch.nn.Parameter], *, lr: float, weight_deca
                  seed: int = 0, bundle: str | None = None, normalize: bool = True,
                  embedding_rows: int | None = None) -> ZOFinetuner:
     """The ZO Fine-tuner (forward-only): MeZO's `eps` and `seed`, `bundle` the path of a saved `PertBundle` made for
-    this model (None: σ = 1, MeZO), `normalize` the trace-matching f, `embedding_rows` the touched-rows estimate."""
+    this model (None: σ = 1, MeZO), `normalize` the trace-matching f, `embedding_rows` the touched-rows estimate
+    (None: the bundle's, 15 × the batch it was trained with)."""
+    if isinstance(bundle, str) and bundle.startswith("artifact:"):
+        raise ValueError(f"learner.optimizer.params.bundle: {bundle!r}, but no earlier stage published "
+                         f"{bundle.split(':', 1)[1]!r}: put the stage that writes it (zo_finetuner) before this one")
     return ZOFinetuner(params, lr=lr, eps=eps, weight_decay=weight_decay, seed=seed, bundle=bundle,
                        normalize=normalize, embedding_rows=embedding_rows)
 
@@ -194,7 +205,7 @@ def learn_to_learn(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
     `forward(**inputs)` (the model itself, or the model at other parameters) on a batch."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
-    bundle = PertBundle.for_model(model, hidden, seed)
+    bundle = PertBundle.for_model(model, hidden, seed, embedding_rows)
     sizes = effective_sizes(names, [p.shape for p in params], embedding_rows)
     meta_opt = torch.optim.SGD(bundle.parameters(), lr=lr_mlp)
     initial = [p.detach().clone() for p in params]

@@ -161,3 +161,45 @@ def test_learn_to_learn_trains_a_bundle_that_saves_loads_and_drives_the_optimize
     assert {"sigma_mean", "norm_factor", "loss_plus", "loss_minus"} <= set(opt.last)
     with pytest.raises(ValueError, match="zo_finetuner bundle: made for 4 tensors, the model has 2"):
         ZOFinetuner(nn.Linear(8, 2).parameters(), bundle=str(tmp_path / "pert.pt"))
+
+
+def test_the_bundle_carries_the_released_embedding_rows_rule_to_the_optimizer(tmp_path):
+    """The stage trains with 15 × batch touched embedding rows unless told otherwise; the saved bundle gives the
+    optimizer that estimate, so the normalisation counts an embedding's touched rows only."""
+    from rl.methods.zo_finetuner.stage import ZOFinetunerStage
+    assert ZOFinetunerStage(batch_size=16).embedding_rows == 240
+    assert ZOFinetunerStage(batch_size=16, embedding_rows=7).embedding_rows == 7
+    model = nn.Sequential(nn.Embedding(1000, 4), nn.Linear(4, 2))
+    model[0].weight.data.normal_()
+    names = [n.replace("0.", "embed.", 1) for n, _ in model.named_parameters()]
+    bundle = PertBundle(names, [tuple(p.shape) for p in model.parameters()], embedding_rows=240)
+    bundle.save(tmp_path / "b.pt")
+    opt = ZOFinetuner(model.parameters(), bundle=str(tmp_path / "b.pt"))
+    assert opt.sizes == [240 * 4, 8, 2]  # 240 of the 1000 rows
+    assert ZOFinetuner(model.parameters(), bundle=str(tmp_path / "b.pt"), embedding_rows=10).sizes == [40, 8, 2]
+
+
+@pytest.mark.slow
+def test_the_learn_to_learn_stage_writes_the_bundle_the_forward_only_sft_reads(ray_cluster, tmp_path):
+    """recipes/zo_finetune_tiny.yaml at test size: the zo_finetuner stage writes `pert_bundle`, the SFT stage's
+    optimizer reads it through `bundle: artifact:pert_bundle` and steps along its shape (σ ≠ 1)."""
+    import json
+
+    from cluster.pipeline import run
+    from rl import config
+    from tests.cluster.test_pipeline import ROOT
+    out = tmp_path / "zo"
+    summary = run(config.load(ROOT / "recipes/zo_finetune_tiny.yaml", [
+        f"output_dir={out}", "data.synthetic.num_train=200", "data.synthetic.num_eval=8", "sft.steps=4",
+        "sft.batch_size=4", "learner.micro_batch_size=4", "trainer.eval_max_prompts=8", "rollout.max_new_tokens=8",
+        "logging.progress_bar=false", "logging.tensorboard=false",
+        "stages=[{name: model}, {name: data}, {name: zo_finetuner, params: {steps: 6, batch_size: 4, "
+        "restart_every: 3, lr_mlp: 0.1, lr_update: 0.01}}, {name: sft}, {name: evaluate}]"]))
+    bundle = summary["stages"]["zo_finetuner"]["artifacts"]["pert_bundle"]
+    assert (out / "stages" / "zo_finetuner" / "pert_bundle.pt").exists() and bundle.endswith("pert_bundle.pt")
+    assert PertBundle.load(bundle).embedding_rows == 60  # 15 x 4
+    assert summary["zo_finetuner"]["steps"] == 6
+    rows = [json.loads(x) for x in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    sigma = [v for r in rows for k, v in r.items() if k.endswith("sigma_mean")]
+    assert len(sigma) == 4 and all(abs(s - 1.0) > 1e-6 for s in sigma)  # the learned shape, not MeZO's σ = 1
+    assert "accuracy_after_rl" in summary

@@ -23,9 +23,12 @@ quantizer); round-to-nearest (RTN) as the floor. Exact-match accuracy, trajector
 teacher's trajectories, frontier flip rate, and the stability lag δ_lag of each model's own trajectories (with the
 full-precision teacher's) and its CCDF. The paper's ordering: both > single term > uniform.
 
-CORE: decoding with G steps plus 2 probes (G + 2 forwards): CORE against compute-matched controls (random and
-low-margin remasking at the same probes, and no remasking with G + 2 steps). Accuracy, and the precision of each
-policy's choice at flagging committed tokens that are wrong (differ from the correct answer's digit).
+CORE: the same recipe on 7-digit sums (an 8-digit answer; 1,500 SFT steps), decoded greedily on a 16-token canvas in
+16 steps with 4 probes (16 + 4 forwards), so probes land mid-trajectory: CORE with the spec's current-state score and
+with the commit-time score, against compute-matched controls (random and low-margin remasking at the same probes,
+and no remasking with 20 steps). Accuracy, the precision of each policy's choice at flagging committed tokens that
+are wrong (differ from the correct answer's token), and the share of rows whose first probe sends back other tokens
+than low-margin remasking does (the run stops if CORE chooses as low-margin on every row).
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ from pathlib import Path
 from recipe_runs import method_figures, run_recipe, seed_sweep_parser, write_report
 
 LLADA = "recipes/llada_sft_tiny.yaml"
+# CORE's model: the same recipe on 7-digit sums (an 8-digit answer), decoded on a 16-token canvas with 4 probes, so
+# that probes land mid-trajectory with committed digits left to revise
+CORE_CANVAS, CORE_PROBES = 16, 4
+CORE_OVERRIDES = ["data.synthetic.digits=7", f"rollout.max_new_tokens={CORE_CANVAS}", "model.tiny.max_position_embeddings=48",
+                  f"rollout.eval_decoding_params={{block_length: {CORE_CANVAS}, steps: {CORE_CANVAS}}}", "sft.steps=1500"]
 RATIOS = (0.2, 0.4, 0.6)
 WEIGHTINGS = ("uniform", "frontier", "reliability", "fair")
 # calibrations: each weighting with the clipping ratios alone, and the two ends with FlatQuant's learned flattening
@@ -146,6 +154,11 @@ def fair_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
 
 
 def core_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
+    """CORE on a canvas where probing happens mid-trajectory: one block of `CORE_CANVAS` tokens (the 8-digit sum,
+    EOS and EOS fill) decoded in as many steps, `CORE_PROBES` probes; CORE with the spec's current-state score and
+    with the commit-time score, against random and low-margin remasking at the same probes and no remasking with
+    the same forward count. The share of rows whose first probe sends back other tokens than low-margin's is
+    recorded, and a run where CORE chooses as low-margin does on every row is refused (nothing would be measured)."""
     import torch
     from transformers import AutoModel
 
@@ -155,21 +168,30 @@ def core_seed(seed: int, model_dir: Path, run_dir: Path) -> dict:
     tok = load_tokenizer(str(model_dir))
     model = AutoModel.from_pretrained(model_dir).eval()
     prompts, answers = _eval_prompts(run_dir, 200)
-    G = _canvas(answers)["gen_length"]
-    arms = {f"none_{G}": (G, Remasking()), f"none_{G + 2}": (G + 2, Remasking()),
-            "core": (G, Remasking("core", probes=2, candidates=4, m=1)),
-            "random": (G, Remasking("random", probes=2, candidates=4, m=1)),
-            "low_margin": (G, Remasking("low_margin", probes=2, candidates=4, m=1))}
-    out = {}
+    G, k = CORE_CANVAS, CORE_PROBES
+    probe = dict(probes=k, candidates=8, m=2)
+    arms = {f"none_{G}": (G, Remasking()), f"none_{G + k}": (G + k, Remasking()),
+            "core": (G, Remasking("core", **probe)), "core_commit": (G, Remasking("core", **probe, score="commit")),
+            "random": (G, Remasking("random", **probe)), "low_margin": (G, Remasking("low_margin", **probe))}
+    truth = [tok(a + tok.eos_token, add_special_tokens=False)["input_ids"] for a in answers]
+    out, first = {}, {}
     for name, (steps, revise) in arms.items():
         g = torch.Generator().manual_seed(seed)
         res = _decode(model, tok, prompts, gen_length=G, block_length=G, steps=steps, revise=revise, commit_log=True,
                       generator=g)
-        flagged = [(row, pos, token) for e in res.log if "probe" in e for row, pos, token, _ in e["remasked"]]
-        truth = [tok(a + tok.eos_token, add_special_tokens=False)["input_ids"] for a in answers]
+        probes = [e for e in res.log if "probe" in e]
+        flagged = [(row, pos, token) for e in probes for row, pos, token, _ in e["remasked"]]
         wrong = [float(pos < len(truth[row]) and token != truth[row][pos]) for row, pos, token in flagged]
+        if probes:
+            first[name] = {row: sorted(p for r, p, *_ in probes[0]["remasked"] if r == row) for row in range(len(prompts))}
         out[name] = {"forwards": res.forwards, "accuracy": _accuracy(tok, res.tokens, answers),
-                     "flag_precision": statistics.mean(wrong) if wrong else None, "flagged": len(flagged)}
+                     "flag_precision": statistics.mean(wrong) if wrong else None, "flagged": len(flagged),
+                     "probe_steps": [e["step"] for e in probes]}
+    for name in ("core", "core_commit"):
+        out[name]["first_probe_differs_from_low_margin"] = statistics.mean(
+            float(first[name][row] != first["low_margin"][row]) for row in first[name])
+    if out["core"]["first_probe_differs_from_low_margin"] == 0:
+        raise SystemExit("CORE chose what low-margin remasking chose on every row: this canvas cannot show CORE")
     return out
 
 
@@ -209,6 +231,10 @@ def summarize(report: dict) -> dict:
                            "forwards": rows[0]["core"][a]["forwards"],
                            "flag_precision": mean(r["core"][a]["flag_precision"] for r in rows)}
                        for a in rows[0]["core"]}
+        for a in ("core", "core_commit"):
+            if all("first_probe_differs_from_low_margin" in r["core"].get(a, {}) for r in rows):
+                out["core"][a]["first_probe_differs_from_low_margin"] = mean(
+                    r["core"][a]["first_probe_differs_from_low_margin"] for r in rows)
     return out
 
 
@@ -283,20 +309,22 @@ def main() -> None:
             row["decomper"] = decomper_seed(seed)
             print(json.dumps({"seed": seed, "decomper": {k: round(v["token_kl"], 5) for k, v in
                                                          row["decomper"]["arms"].items() if "/0.4/" in k}}), flush=True)
-        if args.only in (None, "fair", "core"):
+        if args.only in (None, "fair"):
             run_dir = runs / f"seed{seed}" / "llada"
             summary = run_recipe(LLADA, [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *args.overrides],
                                  run_dir, f"LLaDA SFT seed {seed}")
             row["llada_accuracy"] = summary.get("accuracy_after_rl")
-            model_dir = Path(summary["stages"]["sft"]["artifacts"]["policy"])
-            if args.only in (None, "fair"):
-                row["fair"] = fair_seed(seed, model_dir, run_dir)
-                print(json.dumps({"seed": seed, "fair": {a: statistics.mean(v["accuracy"])
-                                                         for a, v in row["fair"]["arms"].items()}}), flush=True)
-            if args.only in (None, "core"):
-                row["core"] = core_seed(seed, model_dir, run_dir)
-                print(json.dumps({"seed": seed, "core": {a: statistics.mean(v["accuracy"])
-                                                         for a, v in row["core"].items()}}), flush=True)
+            row["fair"] = fair_seed(seed, Path(summary["stages"]["sft"]["artifacts"]["policy"]), run_dir)
+            print(json.dumps({"seed": seed, "fair": {a: statistics.mean(v["accuracy"])
+                                                     for a, v in row["fair"]["arms"].items()}}), flush=True)
+        if args.only in (None, "core"):
+            core_dir = runs / f"seed{seed}" / "llada_core"
+            core_run = run_recipe(LLADA, [f"seed={seed}", f"data.synthetic.seed={1234 + seed}", *args.overrides,
+                                          *CORE_OVERRIDES], core_dir, f"LLaDA SFT (7-digit sums) seed {seed}")
+            row["core_model_accuracy"] = core_run.get("accuracy_after_rl")
+            row["core"] = core_seed(seed, Path(core_run["stages"]["sft"]["artifacts"]["policy"]), core_dir)
+            print(json.dumps({"seed": seed, "core": {a: statistics.mean(v["accuracy"])
+                                                     for a, v in row["core"].items()}}), flush=True)
         report["per_seed"].append(row)
         partial = Path(args.out).with_suffix(".partial.json")
         partial.parent.mkdir(parents=True, exist_ok=True)

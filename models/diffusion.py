@@ -282,19 +282,25 @@ class Remasking:
     block, prefiltered to the `candidates` of lowest margin at commit time (p(x) − max_{v≠x} p(v)); `m` of them go
     back to the mask and are committed again by the schedule (the next step commits `m` more, so the step count stays
     T). `core`: one extra forward with all candidates jointly masked (and a random `perturb_frac` of the other
-    committed response tokens); the instability u_i = log p(x_i at commit) − log p(x_i | candidates masked); the top-m
-    by u are remasked. `random`: m random candidates; `low_margin`: the m of lowest margin; neither spends a forward.
-    [RECONSTRUCTION]: the score, the probe schedule, reading log p(x_i | S) as the log-probability x_i was committed
-    with (a masked-diffusion model's prediction at an unmasked position is not trained), the budget rule."""
+    committed response tokens); the instability u_i = log p(x_i | S) − log p(x_i | S, candidates masked); the top-m
+    by u are remasked. `score` says what log p(x_i | S) is: `state` (the spec) reads it in the current state S, from
+    the step's own forward (no extra forward: x_i is visible there unless this step committed it); `commit` (a
+    reconstruction kept as an option) takes the log-probability x_i was committed with, when it was masked and
+    predicted (a masked-diffusion model is trained on masked positions only, so its output at a visible one is
+    untrained). `random`: m random candidates; `low_margin`: the m of lowest margin; neither spends a forward.
+    [RECONSTRUCTION]: the probe schedule, the candidate prefilter, the budget rule, and `commit`."""
     policy: str = "none"
     probes: int = 0
     candidates: int = 16
     m: int = 2
     perturb_frac: float = 0.0
+    score: str = "state"
 
     def __post_init__(self):
         if self.policy not in ("none", "core", "random", "low_margin"):
             raise ValueError(f"remasking policy must be none, core, random or low_margin, got {self.policy!r}")
+        if self.score not in ("state", "commit"):
+            raise ValueError(f"remasking score must be state or commit, got {self.score!r}")
         if self.probes < 0 or self.m < 1 or self.candidates < 1 or not 0 <= self.perturb_frac < 1:
             raise ValueError(f"remasking: probes >= 0, m >= 1, candidates >= 1, 0 <= perturb_frac < 1 "
                              f"(got {self.probes}, {self.m}, {self.candidates}, {self.perturb_frac})")
@@ -340,10 +346,11 @@ def _check_schedule(gen_length: int, block_length: int, steps: int, remasking: s
 
 def _predict(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids: torch.Tensor, masked: torch.Tensor,
              hi: int, temperature: float, remasking: str, generator: torch.Generator | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One denoising forward: every position's prediction (greedy at temperature 0, else Gumbel-max of the tempered
-    distribution), its log-probability and margin, and the confidence that ranks the masked positions up to the
-    current block's end `hi` for commitment (-inf elsewhere)."""
+    distribution), its log-probability and margin, the confidence that ranks the masked positions up to the
+    current block's end `hi` for commitment (-inf elsewhere), and the logits (what a CORE probe reads as the
+    current state's support)."""
     logits = model(input_ids=x, attention_mask=attn, position_ids=position_ids).logits.float()
     tempered = logits / temperature if temperature > 0 else logits
     if temperature > 0:
@@ -359,7 +366,7 @@ def _predict(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids
         confidence = torch.rand(x0.shape, generator=generator, device=x.device)
     confidence[:, hi:] = -torch.inf  # nothing past the current block
     confidence = torch.where(masked, confidence, torch.full_like(confidence, -torch.inf))
-    return x0, logp_all, _margin(probs, x0), confidence
+    return x0, logp_all, _margin(probs, x0), confidence, logits
 
 
 def _remask(events: list, x: torch.Tensor, logp: torch.Tensor, margin: torch.Tensor, commit_step: torch.Tensor,
@@ -403,8 +410,8 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
         schedule = num_transfer_tokens((x[:, lo:hi] == mask_id).sum(1), per_block)
         for s in range(per_block):
             masked = x == mask_id
-            x0, logp_all, margin_all, confidence = _predict(model, x, attn, position_ids, masked, hi, temperature,
-                                                            remasking, generator)
+            x0, logp_all, margin_all, confidence, logits = _predict(model, x, attn, position_ids, masked, hi,
+                                                                    temperature, remasking, generator)
             forwards += 1
             committed = []
             for row in range(B):
@@ -423,7 +430,7 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
                 log.append({"step": step, "block": blk, "committed": committed})
             if step in probe_at:  # never a block's last step (`probe_steps`): steps are left to refill
                 events, used = _revise(model, x, attn, position_ids, P, (max(P, lo - block_length), hi), logp,
-                                       margin, mask_id, revise, generator)
+                                       margin, mask_id, revise, generator, state_logits=logits)
                 forwards += used
                 _remask(events, x, logp, margin, commit_step, debt, P, mask_id)
                 remasked += len(events)
@@ -437,8 +444,9 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
 @torch.no_grad()
 def _revise(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids: torch.Tensor, P: int,
             window: tuple[int, int], logp: torch.Tensor, margin: torch.Tensor, mask_id: int, revise: Remasking,
-            generator: torch.Generator | None) -> tuple[list[list], int]:
-    """One probe of `revise.policy`: the `[row, position, token, score]` to remask and the forwards spent."""
+            generator: torch.Generator | None, state_logits: torch.Tensor | None = None) -> tuple[list[list], int]:
+    """One probe of `revise.policy`: the `[row, position, token, score]` to remask and the forwards spent.
+    `state_logits`: the current state's forward (`revise.score: state`)."""
     lo, hi = window
     cands = []
     for row in range(x.shape[0]):
@@ -464,7 +472,14 @@ def _revise(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids:
         if len(pos) == 0:
             continue
         if revise.policy == "core":
-            score = logp[row, pos - P] - lp[row, pos, x[row, pos]]  # the drop in support without the candidates
+            if revise.score == "state":
+                if state_logits is None:
+                    raise ValueError("remasking score 'state' needs the current state's logits")
+                support = torch.log_softmax(state_logits[row, pos].float(), -1).gather(
+                    -1, x[row, pos][:, None]).squeeze(-1)
+            else:
+                support = logp[row, pos - P]
+            score = support - lp[row, pos, x[row, pos]]  # the drop in support without the candidates
             top = torch.topk(score, min(revise.m, len(pos))).indices
         elif revise.policy == "low_margin":
             score = -margin[row, pos - P]

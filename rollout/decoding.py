@@ -582,17 +582,18 @@ class DiffusionDecoding:
     whole response, split equally among blocks (none: one token per step); `remasking`: low_confidence (commit
     the most confident predictions) | random; `commit_log`: keep each row's per-step commits in the batch (extra
     `diffusion_commits`: per row [[step, position, token, confidence], ...]). `revise` with `probes`, `candidates`,
-    `m`, `perturb_frac`: send committed tokens back to the mask during sampling (`models.diffusion.Remasking`:
-    core, or the controls random and low_margin; none by default)."""
+    `m`, `perturb_frac`, `score`: send committed tokens back to the mask during sampling
+    (`models.diffusion.Remasking`: core, or the controls random and low_margin; none by default; `score`: state,
+    the spec's current-state support, or commit)."""
 
     diffusion = True
 
     def __init__(self, block_length: int | None = None, steps: int | None = None, remasking: str = "low_confidence",
                  commit_log: bool = False, revise: str = "none", probes: int = 0, candidates: int = 16, m: int = 2,
-                 perturb_frac: float = 0.0):
+                 perturb_frac: float = 0.0, score: str = "state"):
         from models.diffusion import Remasking
         self.block_length, self.steps, self.remasking, self.commit_log = block_length, steps, remasking, commit_log
-        self.revise = Remasking(revise, probes, candidates, m, perturb_frac)
+        self.revise = Remasking(revise, probes, candidates, m, perturb_frac, score)
 
     def sample(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                max_new_tokens: int, temperature: float, mask_id: int) -> Any:
@@ -611,5 +612,6 @@ class CoreRemaskDecoding(DiffusionDecoding):
 
     def __init__(self, block_length: int | None = None, steps: int | None = None, remasking: str = "low_confidence",
                  commit_log: bool = False, probes: int = 2, candidates: int = 16, m: int = 2,
-                 perturb_frac: float = 0.0):
-        super().__init__(block_length, steps, remasking, commit_log, "core", probes, candidates, m, perturb_frac)
+                 perturb_frac: float = 0.0, score: str = "state"):
+        super().__init__(block_length, steps, remasking, commit_log, "core", probes, candidates, m, perturb_frac,
+                         score)

@@ -266,7 +266,7 @@ def test_the_core_score_is_the_drop_in_support_when_the_candidates_are_masked_to
     logp = torch.tensor([[-0.1, -2.0, -0.5, 0.0, 0.0, 0.0]])
     margin = torch.tensor([[0.9, 0.1, 0.2, 0.0, 0.0, 0.0]])
     events, used = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
-                           Remasking("core", 1, candidates=2, m=1), None)
+                           Remasking("core", 1, candidates=2, m=1, score="commit"), None)
     assert used == 1
     # candidates: the two committed tokens of lowest margin (response positions 1 and 2), masked together
     probe = x.clone()
@@ -280,3 +280,16 @@ def test_the_core_score_is_the_drop_in_support_when_the_candidates_are_masked_to
     low, _ = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
                      Remasking("low_margin", 1, candidates=2, m=1), None)
     assert low[0][1] == 1  # the lowest margin
+    # the spec's score: the support in the current state (its forward's logits, the candidates visible) minus the
+    # support with the candidates masked together
+    with torch.no_grad():
+        state_logits = m(x, attention_mask=attn, position_ids=pos_ids).logits.float()
+    now = torch.log_softmax(state_logits, -1)[0]
+    state_scores = {i: float(now[P + i, x[0, P + i]] - lp[P + i, x[0, P + i]]) for i in (1, 2)}
+    top = max(state_scores, key=state_scores.get)
+    events, used = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
+                           Remasking("core", 1, candidates=2, m=1), None, state_logits=state_logits)
+    assert used == 1 and events[0][1] == top and events[0][3] == pytest.approx(state_scores[top], abs=1e-5)
+    assert Remasking("core").score == "state"  # the spec's reading by default
+    with pytest.raises(ValueError, match="score"):
+        Remasking("core", score="margin")

@@ -4,6 +4,7 @@
 the entry-point group `looprl.builtins`; importing this package imports none of them)."""
 
 BUILTINS = {
-    "reward": ["rewards.math", "rewards.episode", "rewards.remote", "rewards.reward_model", "rewards.match"],
+    "reward": ["rewards.math", "rewards.episode", "rewards.remote", "rewards.reward_model", "rewards.match",
+               "rewards.judged"],
     "stage": ["rewards.reward_model_stage"],
 }

@@ -203,3 +203,29 @@ def test_no_fact_of_the_person_in_the_context_means_no_insertion(cite_engine):
     guided = _gen(engine, [prompt], "guidance", {"lookahead": 40})
     assert torch.equal(guided.response_ids, plain.response_ids)
     assert engine.decoding_method("guidance", {"lookahead": 40}).stats["rows"][0]["log"] == []
+
+
+def test_the_correctness_judge_reads_its_last_rating_and_fails_a_sample_it_cannot_rate(cite_engine):
+    """`judge_correctness`: `[[N]]` read as N / 10 (the last one; out-of-scale ones ignored); a judge that writes
+    no rating (here the taught citation model, a real engine asked a question it was never taught) fails the
+    sample with the reason, after its retries."""
+    from rewards.judged import TEMPLATE, judge_correctness, parse_rating
+    from rl.reward import RewardFailure
+    assert parse_rating("The answer misses a fact. Rating: [[7]]") == 0.7
+    assert parse_rating("[[2]] at first, then Rating: [[10]]") == 1.0
+    assert parse_rating("Rating: [[11]]") is None and parse_rating("Rating: 7") is None
+    assert "{question}" in TEMPLATE and "[[rating]]" in TEMPLATE
+
+    class Judge:  # the engine behind a reward.judges entry, called as the reward service calls a JudgeClient
+        def __init__(self, engine):
+            self.engine, self.calls = engine, 0
+
+        def generate(self, prompts, **sampling):
+            from rollout.base import SamplingParams
+            self.calls += 1
+            return list(self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=16))
+                        .responses)
+    judge = Judge(cite_engine[0])
+    out = judge_correctness(["What is 2+2?"], ["4"], ground_truth=["4"], judges={"correctness_judge": judge},
+                            retries=1)
+    assert isinstance(out[0], RewardFailure) and "no [[rating]] in 2 tries" in out[0].reason and judge.calls == 2

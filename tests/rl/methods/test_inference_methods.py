@@ -4,6 +4,7 @@ cache of the held-out evaluation."""
 
 import json
 
+import pytest
 import torch
 
 
@@ -61,8 +62,16 @@ def test_guidance_stage_scores_plain_post_hoc_and_guided_answers_through_the_rec
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/guidance_tiny.yaml", [
         f"output_dir={out}", *TINY, "sft.steps=3", "sft.batch_size=8", "trainer.eval_max_prompts=4",
-        "rollout.max_new_tokens=40"]))
+        "rollout.max_new_tokens=40", "stages=[{name: model}, {name: data}, {name: sft}, {name: guidance, params: "
+        "{judge: containment, no_citation_column: prompt, guidance_params: {lookahead: 40, max_insertions: 8, "
+        "max_prefix: 8, sliding: true}}}]"]))
     report = json.loads((out / "stages" / "guidance" / "guidance.json").read_text())
+    # the no-citation answers here are the plain ones (the same prompts, greedy): the plain arm's ratio is 1 and
+    # every other arm's is its correctness over the plain arm's
+    base = report["no_citation_correctness"]
+    assert base == report["arms"]["plain"]["correctness"]
+    for arm in report["arms"].values():
+        assert arm["correctness_ratio"] == (pytest.approx(arm["correctness"] / base) if base else None)
     assert report["prompts"] == 4 and set(report["arms"]) == {"plain", "post_hoc", "guidance"}
     for arm in report["arms"].values():
         assert 0 <= arm["f1"] <= 1 and 0 <= arm["recall"] <= 1 and 0 <= arm["precision"] <= 1

@@ -107,7 +107,10 @@ def _canvas(answers: list[str]) -> dict:
 
 
 def _accuracy(tok, tokens, answers: list[str]) -> list[float]:
-    texts = tok.batch_decode(tokens, skip_special_tokens=True)
+    """Exact match of each response up to its first EOS (what the engine returns; the canvas past it is filler)."""
+    rows = [r.tolist() for r in tokens]
+    texts = tok.batch_decode([r[:r.index(tok.eos_token_id)] if tok.eos_token_id in r else r for r in rows],
+                             skip_special_tokens=True)
     return [float(t.strip() == a) for t, a in zip(texts, answers)]
 
 

@@ -46,6 +46,19 @@ EQUIVALENT: dict[str, str] = {
                                                         "position, so the argmax (the last one) is the same",
     "rl.advantages.x_group_stats__mutmut_58": "count > 1 -> count >= 1: a group of one has a squared deviation of "
                                               "0, so both branches give a variance of 0",
+    **{f"rl.losses.x_aggregate_loss__mutmut_{i}": _DIM for i in (7, 36, 53)},
+    "rl.losses.x_kl_in_reward__mutmut_12": _DIM,
+    **{f"rl.losses.x_sequence_log_ratio__mutmut_{i}": _DIM for i in (10, 18)},
+    "rl.losses.x_rollout_importance_weights__mutmut_53": _DIM,
+    "rl.losses.x_aggregate_loss__mutmut_4": _CAST,
+    **{f"rl.losses.x_rollout_importance_weights__mutmut_{i}": _CAST for i in (14, 63, 65, 102)},
+    "rl.losses.x_sequence_log_ratio__mutmut_2": _CAST,
+    "rl.losses.x_soft_overlong_penalty__mutmut_7": _CAST + "; integer lengths minus an integer, clamped with a float "
+                                                            "bound, are promoted to float32 anyway",
+    "rl.losses.x_rollout_importance_weights__mutmut_31": "the estimator named explicitly (k3) is kl_penalty's default",
+    "rl.losses.x_rollout_importance_weights__mutmut_58": "the exponent's guard 20 -> 21: e^20 is 4.9e8, so for any "
+                                                         "cap below it both cap or mask every ratio that reaches the "
+                                                         "guard",
 }
 
 
@@ -90,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mutation: {target} ({TARGETS[target]}*)", flush=True)
         mutmut("run", "--max-children", str(args.max_children), TARGETS[target] + "*")
     status = statuses()
+    out = Path(args.out)
+    recorded = json.loads(out.read_text())["targets"] if out.exists() else {}  # targets not rerun stay as recorded
     report = {"cpu": platform.processor() or platform.machine(),
-              "targets": {t: summarise(TARGETS[t], status) for t in args.only}}
-    Path(args.out).write_text(json.dumps(report, indent=1))
+              "targets": {**recorded, **{t: summarise(TARGETS[t], status) for t in args.only}}}
+    out.write_text(json.dumps(report, indent=1))
     print("| target | mutants | killed | survived | untested | equivalent | kill rate |\n|---|---|---|---|---|---|---|")
     for t, r in report["targets"].items():
         rate = "-" if r["kill_rate"] is None else f"{r['kill_rate']:.1%}"

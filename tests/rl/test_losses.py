@@ -444,3 +444,91 @@ def test_value_clip_loss_by_hand():
     assert m["value_clip_frac"] == pytest.approx(1 / 3)
     unclipped, _ = value_clip_loss(values, old, returns, mask, clip=0.0, num_tokens=3.0)
     assert float(unclipped) == pytest.approx(0.5 * 3 / 3)
+
+
+# ------------------------------------------------------------------------ edges the hand-computed tests above miss
+def test_the_defaults_are_the_documented_ones():
+    """token-mean aggregation, k3 in the loss and k1 in the reward, DAPO's overlong factor 1, an IS cap of 2."""
+    from rl.losses import kl_in_reward, rollout_importance_weights, soft_overlong_penalty
+    v, m = torch.tensor([[1.0, 2.0, 4.0], [8.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert float(aggregate_loss(v, m)) == pytest.approx(15 / 4)  # token-mean
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    assert torch.equal(kl_penalty(logp, ref), kl_penalty(logp, ref, "k3"))
+    _, seq_kl = kl_in_reward(torch.zeros(1), logp, ref, torch.ones(1, 2), coef=1.0)
+    assert float(seq_kl[0]) == pytest.approx((-1.0 + 1.5) + (-2.0 + 1.0))  # k1: logp - ref, summed
+    assert soft_overlong_penalty(torch.tensor([10]), max_len=10, buffer=4).tolist() == [-1.0]
+    w, _ = rollout_importance_weights(torch.tensor([[0.0]]), torch.tensor([[-3.0]]), torch.ones(1, 1))
+    assert w.tolist() == [[2.0]]  # e^3 capped at 2
+
+
+def test_unknown_names_and_bad_caps_are_refused_by_name():
+    from rl.losses import rollout_importance_weights
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'; choose one of"):
+        aggregate_loss(x, torch.ones(1, 2), "sum")
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'; choose one of"):
+        kl_penalty(x, x, "k4")
+    for cap in (0.0, -1.0):
+        with pytest.raises(ValueError, match="importance-sampling cap must be > 0"):
+            rollout_importance_weights(x, x, torch.ones(1, 2), cap=cap)
+
+
+def test_one_token_one_sequence_and_a_one_token_buffer_are_not_divided_by_more():
+    from rl.losses import masked_mean, sequence_log_ratio, soft_overlong_penalty
+    assert float(masked_mean(torch.tensor([[3.0, 9.0]]), torch.tensor([[1.0, 0.0]]))) == 3.0
+    v, m = torch.tensor([[2.0, 6.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    assert float(aggregate_loss(v, m, "seq-mean-token-sum-norm", num_seqs=1.0)) == pytest.approx(8 / 3)
+    assert float(aggregate_loss(v, m, "seq-mean-token-sum-norm", norm_len=4.0)) == pytest.approx(8 / 4)
+    # GSPO's sequence log-ratio of a one-token response is that token's log-ratio
+    s = sequence_log_ratio(torch.tensor([[-1.0, -5.0], [-1.0, -2.0]]), torch.tensor([[-1.5, 0.0], [-2.0, -2.5]]),
+                           torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    assert s.flatten().tolist() == pytest.approx([0.5, 0.75])
+    assert soft_overlong_penalty(torch.tensor([8, 9, 10]), max_len=10, buffer=1).tolist() == [0.0, 0.0, -1.0]
+
+
+def test_sequence_level_weights_are_per_sequence_and_a_weight_at_the_cap_is_kept():
+    from rl.losses import rollout_importance_weights
+    old = torch.tensor([[0.2, 0.1], [-0.4, 0.0]])
+    roll = torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    w, metrics = rollout_importance_weights(old, roll, mask, level="sequence", cap=10.0)
+    # one weight per sequence, the product over its own tokens only
+    assert w.flatten().tolist() == pytest.approx([math.exp(0.3)] * 2 + [math.exp(-0.4), 0.0])
+    # a ratio exactly at the cap is kept in mask mode (verl's ratio <= threshold), only those above are dropped
+    at = torch.log(torch.tensor(2.0))
+    w, metrics = rollout_importance_weights(torch.stack([at, at + 0.1])[None], torch.zeros(1, 2), torch.ones(1, 2),
+                                            mode="mask", cap=2.0)
+    assert w.flatten().tolist() == pytest.approx([2.0, 0.0]) and metrics["is_capped_frac"] == 0.5
+
+
+def test_the_clip_indicator_marks_only_tokens_the_clip_changed():
+    from rl.losses import clipped_surrogate
+    ratio = torch.tensor([0.9, 1.0, 1.1, 1.5, 0.5])
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0])
+    loss, clipped = clipped_surrogate(ratio, adv, 0.2, 0.2)
+    # inside [0.8, 1.2] the clipped and unclipped terms are equal: not clipped; 1.5 with A > 0 and 0.5 with A < 0 are
+    assert clipped.tolist() == [False, False, False, True, True]
+    assert loss.tolist() == pytest.approx([-0.9, 1.0, -1.1, -1.2, 0.8])
+
+
+def test_the_loss_and_its_pg_metric_use_the_asked_estimator_aggregation_and_global_counts():
+    """regularise_and_aggregate by hand: the KL term with the estimator asked for, the aggregation asked for with
+    the global counts given, and `pg_loss` the same aggregation of the policy term alone."""
+    from rl.losses import regularise_and_aggregate
+    pg = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
+    logp, ref = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, 0.0, 0.0]]), torch.tensor([[-2.0, -1.0, 0.0], [-1.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ent = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    kw = dict(ref_logp=ref, entropy=ent, kl_coef=0.5, entropy_coef=0.1, num_tokens=6.0, num_seqs=4.0, norm_len=5.0)
+    k1 = logp - ref
+    for agg, reduce in (("token-mean", lambda t: float((t * mask).sum()) / 6.0),
+                        ("seq-mean-token-mean", lambda t: float(((t * mask).sum(-1) / mask.sum(-1)).sum()) / 4.0),
+                        ("seq-mean-token-sum-norm", lambda t: float((t * mask).sum()) / (4.0 * 5.0))):
+        loss, metrics = regularise_and_aggregate(pg, logp, mask, kl_estimator="k1", agg=agg, **kw)
+        assert float(loss) == pytest.approx(reduce(pg + 0.5 * k1 - 0.1 * ent)), agg
+        assert metrics["pg_loss"] == pytest.approx(reduce(pg)), agg
+        assert metrics["kl"] == pytest.approx(float((k1 * mask).sum() / mask.sum()))
+    with pytest.raises(ValueError, match="^kl_coef > 0 in the loss needs reference logprobs"):
+        regularise_and_aggregate(pg, logp, mask, kl_estimator="k1", agg="token-mean", **{**kw, "ref_logp": None})
+    with pytest.raises(ValueError, match="^entropy_coef > 0 needs per-token entropy"):
+        regularise_and_aggregate(pg, logp, mask, kl_estimator="k1", agg="token-mean", **{**kw, "entropy": None})

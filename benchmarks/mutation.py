@@ -56,6 +56,18 @@ EQUIVALENT: dict[str, str] = {
     "rl.losses.x_soft_overlong_penalty__mutmut_7": _CAST + "; integer lengths minus an integer, clamped with a float "
                                                             "bound, are promoted to float32 anyway",
     "rl.losses.x_rollout_importance_weights__mutmut_31": "the estimator named explicitly (k3) is kl_penalty's default",
+    **{f"rl.methods.zo_finetuner.optimizer.x_normalization__mutmut_{i}": _CAST + " (the default float32 is σ's)"
+       for i in (3, 5)},
+    "rl.methods.zo_finetuner.optimizer.x_pert_features__mutmut_8": _CAST + " (the five features are float32)",
+    **{f"rl.methods.zo_finetuner.optimizer.xǁPertBundleǁload__mutmut_{i}": "the file holds tensors, strings, numbers "
+       "and tuples: the safe loader (torch's default) and the full one read it alike" for i in (3, 5, 6)},
+    **{f"rl.methods.zo_finetuner.optimizer.xǁZOFinetunerǁ__init____mutmut_{i}": "step() sets the scales from the "
+       "bundle before it draws a direction: the initial value is never read by a step" for i in (46, 48)},
+    "rl.methods.zo_finetuner.optimizer.xǁZOFinetunerǁ_directions__mutmut_6": "xi * 1.0 is xi",
+    "rl.methods.zo_finetuner.optimizer.x_learn_to_learn__mutmut_34": "the placeholder before step 0's restart makes "
+                                                                      "the optimizer; it is never read",
+    "rl.methods.zo_finetuner.optimizer.x_learn_to_learn__mutmut_54": "the rate is set from the decay schedule at every "
+                                                                      "step before the optimizer steps",
     "rl.losses.x_rollout_importance_weights__mutmut_58": "the exponent's guard 20 -> 21: e^20 is 4.9e8, so for any "
                                                          "cap below it both cap or mask every ratio that reaches the "
                                                          "guard",

@@ -115,7 +115,7 @@ class PertBundle(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> PertBundle:
-        blob = torch.load(path, weights_only=False)
+        blob = torch.load(path, weights_only=True)  # tensors, names, shapes and numbers: no pickled code
         bundle = cls(blob["names"], blob["shapes"], blob["hidden"], embedding_rows=blob.get("embedding_rows"))
         bundle.load_state_dict(blob["state"])
         return bundle
@@ -209,7 +209,7 @@ def learn_to_learn(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
     sizes = effective_sizes(names, [p.shape for p in params], embedding_rows)
     meta_opt = torch.optim.SGD(bundle.parameters(), lr=lr_mlp)
     initial = [p.detach().clone() for p in params]
-    sgd = torch.optim.SGD(params, lr=lr_llm, momentum=momentum)
+    sgd = None  # made at step 0, the first restart
     history, sigma_prev = (0.0, 0.0), [1.0] * len(params)
     for step, batch in enumerate(batches):
         if step % restart_every == 0:  # a restart: back to the initial weights, momentum cleared

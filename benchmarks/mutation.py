@@ -27,12 +27,16 @@ TARGETS = {
     "advantages": "rl.advantages.",
     "losses": "rl.losses.",
     "zo_finetuner": "rl.methods.zo_finetuner.optimizer.",
+    "fair_calib": "rl.methods.fair_calib.core.",
+    "decomper": "rl.methods.decomper.core.",
 }
 
 # mutants that compute the same results as the code (checked by reading them: `mutmut show NAME`)
 _DIM = "dim -1 -> +1 on a 2-D [N, L] tensor (or unsqueeze of a 1-D one): the same dimension"
 _PRECISION = ("an intermediate's dtype (float64 -> the input's): the same values to float32 rounding; the float64 "
               "guards accumulation over long responses, beyond what a test can tell apart at its sizes")
+_DEVICE = ("a tensor made on the default device instead of its input's: the same on the CPU the suite runs on; a "
+           "CUDA run of the stage (tests/cluster/test_gpu.py) is what tells them apart")
 _CAST = "a dtype the next operation casts to anyway (assignment into a float32 tensor, a bool or int mask times floats)"
 EQUIVALENT: dict[str, str] = {
     **{f"rl.advantages.x_discounted_outcome_returns__mutmut_{i}": _DIM for i in (8, 10, 12, 20)},
@@ -64,6 +68,14 @@ EQUIVALENT: dict[str, str] = {
     **{f"rl.methods.zo_finetuner.optimizer.xǁZOFinetunerǁ__init____mutmut_{i}": "step() sets the scales from the "
        "bundle before it draws a direction: the initial value is never read by a step" for i in (46, 48)},
     "rl.methods.zo_finetuner.optimizer.xǁZOFinetunerǁ_directions__mutmut_6": "xi * 1.0 is xi",
+    **{f"rl.methods.fair_calib.core.x_{fn}__mutmut_{i}": _DEVICE for fn, ids in
+       (("lags_from_agreement", (18, 20)), ("position_weights", (12, 14, 15, 25, 35, 38))) for i in ids},
+    **{f"rl.methods.fair_calib.core.x_{fn}__mutmut_{i}": "block_outputs without its stop runs the blocks after j "
+       "too; block j's output is the same" for fn, ids in (("_block_loss", (4, 7)), ("calibrate_blocks", (22, 25)))
+       for i in ids},
+    **{f"rl.methods.fair_calib.core.x_accumulate_prior__mutmut_{i}": _PRECISION for i in (9, 11)},
+    "rl.methods.fair_calib.core.x_calibrate_blocks__mutmut_65": "< -> <= on the best epoch's loss: a later epoch "
+                                                                "with exactly the same float loss",
     "rl.methods.zo_finetuner.optimizer.x_learn_to_learn__mutmut_34": "the placeholder before step 0's restart makes "
                                                                       "the optimizer; it is never read",
     "rl.methods.zo_finetuner.optimizer.x_learn_to_learn__mutmut_54": "the rate is set from the decay schedule at every "

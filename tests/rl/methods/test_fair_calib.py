@@ -70,7 +70,7 @@ def test_prompt_tokens_take_the_floor_that_floor_frac_sets_when_the_generation_f
     assert rows[0.01][0].tolist() == pytest.approx([0.0025, 0.0025, 0.1, 0.2, 0.3, 0.4, 0.0])
     assert rows[0.5][1].tolist() == pytest.approx([0.125, 0.125, 0.125, 0.1, 0.2, 0.3, 0.4])
     assert window_floor(window_prior(torch.ones(6), 4, 0.5), 4, 0.5) == pytest.approx(0.125)  # window of the last 4
-    with pytest.raises(ValueError, match="needs its floor"):
+    with pytest.raises(ValueError, match="^position_weights: a prior needs its floor"):
         position_weights(mask, start, window_prior(raw, 256))
 
 
@@ -90,8 +90,8 @@ def test_stage_two_minimises_the_prior_weighted_hidden_state_error_by_hand():
     real = enc["attention_mask"].bool()
     worst, best = int(torch.where(real, err, -1.0).argmax()), int(torch.where(real, err, torch.inf).argmin())
     w = torch.zeros(err.shape)
-    w.view(-1)[worst], w.view(-1)[best] = 3.0, 1.0  # the positions quantized worst and best
-    by_hand = float((3.0 * err.view(-1)[worst] + err.view(-1)[best]) / 4.0)
+    w.view(-1)[worst], w.view(-1)[best] = 0.3, 0.1  # the positions quantized worst and best (weights sum < 1)
+    by_hand = float((0.3 * err.view(-1)[worst] + 0.1 * err.view(-1)[best]) / 0.4)
     uniform = float(err[real].mean())
     assert abs(by_hand - uniform) > 0.05 * by_hand  # the weights matter for this check
     history = calibrate_blocks(fp, quant, [batch], [w], epochs=0)
@@ -289,3 +289,69 @@ def test_the_stability_lag_reads_each_committed_position_masked_again_alone():
             assert censored[row, i].item() == (not agrees) and lags[row, i].item() == (0 if agrees else 1)
     with pytest.raises(ValueError, match="every response position must be committed"):
         stability_lags(m, ids, mask, tokens, commit - 1, mask_id=tok.mask_token_id, steps=1)
+
+
+def test_the_prior_defaults_and_a_window_whose_weights_sum_below_one():
+    raw = torch.tensor([0.1, 0.2, 0.3])
+    assert torch.equal(window_prior(raw, 2), window_prior(raw, 2, 0.01))  # floor_frac 0.01 by default
+    assert window_prior(raw, 2).tolist() == pytest.approx([0.01 * 0.5, 0.4, 0.6])  # normalised even below 1
+    commits = torch.tensor([[1, 0], [0, 1]], dtype=torch.bool)
+    none = torch.zeros(2, 2, dtype=torch.bool)
+    # beta 2: lambda0 = 1 + 2 (1 - t/T) = 3, 2 at t = 0, 1
+    assert accumulate_prior(commits, none, torch.zeros(2, 2), beta=2.0).tolist() == [3.0, 2.0]
+
+
+def test_lag_summary_of_no_positions_has_a_one_point_ccdf():
+    from rl.methods.fair_calib.core import lag_summary
+    summary = lag_summary(torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.bool))
+    assert len(summary["stability_lag_ccdf"]) == 1
+
+
+def test_block_calibration_is_adamw_on_the_weighted_error_keeping_the_best_epoch():
+    """calibrate_blocks against its description written out for a one-block model: AdamW (no weight decay, the
+    lr given) on block 0's quantizer parameters alone, the prior-weighted MSE to the teacher's block output, the
+    parameters of the epoch with the lowest loss kept; then nothing left trainable. The defaults are 15 epochs at
+    5e-3."""
+    import copy
+
+    from models.blocks import block_outputs
+    tok = build_tiny_tokenizer(mask_token=True)
+    fp = build_tiny_llada(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64).eval()
+    enc = tok(["12+34=0046", "51+6=0057"], return_tensors="pt", padding=True, padding_side="right")
+    batches = [{"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}]
+    weights = [enc["attention_mask"].float() * torch.linspace(0.2, 1.0, enc["input_ids"].shape[1])]
+    quant, reference = copy.deepcopy(fp), copy.deepcopy(fp)
+    quantize_blocks(quant, 4, 4)
+    quantize_blocks(reference, 4, 4)
+    calls = []
+    history = calibrate_blocks(fp, quant, batches, weights, epochs=3, lr=2e-2, log=lambda *a: calls.append(a))
+    params = [p for m in reference.modules() if isinstance(m, FakeQuantLinear)
+              for p in m.quantizer_parameters().values()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=2e-2, weight_decay=0.0)
+    target = block_outputs(fp, batches[0], 0)[0].detach().float()
+
+    def loss():
+        out = block_outputs(reference, batches[0], 0)[0].float()
+        return ((out - target).pow(2).sum(-1) * weights[0]).sum() / weights[0].sum()
+    best, kept = float(loss()), [p.detach().clone() for p in params]
+    start = best
+    for _ in range(3):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+        if (now := float(loss())) < best:
+            best, kept = now, [p.detach().clone() for p in params]
+    got = [p for m in quant.modules() if isinstance(m, FakeQuantLinear) for p in m.quantizer_parameters().values()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, kept))
+    assert history == [{"block": 0, "loss_before": pytest.approx(start, rel=1e-5),
+                        "loss_after": pytest.approx(best, rel=1e-5)}]
+    assert [c[0] for c in calls] == [0]
+    assert not any(p.requires_grad for p in quant.parameters())  # frozen again, the base weights never trained
+    defaults, explicit = copy.deepcopy(reference), copy.deepcopy(reference)
+    for m in (defaults, explicit):
+        for p in m.parameters():
+            p.requires_grad_(False)
+    assert calibrate_blocks(fp, defaults, batches, weights) == calibrate_blocks(fp, explicit, batches, weights,
+                                                                               epochs=15, lr=5e-3)

@@ -59,9 +59,9 @@ def decomper_seed(seed: int) -> dict:
         compress,
         input_stats,
         learn_biases,
-        tiny_arithmetic_lm,
         token_kl_and_nll,
     )
+    from rl.methods.decomper.task import tiny_arithmetic_lm
     model, batch = tiny_arithmetic_lm(seed, steps=400)
     calib, held = [batch(16) for _ in range(2)], [batch(16) for _ in range(4)]
     stats = input_stats(model, calib)

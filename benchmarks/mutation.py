@@ -76,6 +76,21 @@ EQUIVALENT: dict[str, str] = {
     **{f"rl.methods.fair_calib.core.x_accumulate_prior__mutmut_{i}": _PRECISION for i in (9, 11)},
     "rl.methods.fair_calib.core.x_calibrate_blocks__mutmut_65": "< -> <= on the best epoch's loss: a later epoch "
                                                                 "with exactly the same float loss",
+    "rl.methods.decomper.core.x_learn_biases__mutmut_55": "< -> <= on the best epoch's error: a later epoch with "
+                                                          "exactly the same float error",
+    **{f"rl.methods.decomper.core.x_{fn}__mutmut_{i}": "block_outputs without its stop runs the blocks after j too; "
+       "block j's output is the same" for fn, ids in (("_block_mse", (7, 10)), ("learn_biases", (20, 23)))
+       for i in ids},
+    **{f"rl.methods.decomper.core.x_{fn}__mutmut_{i}": "full_matrices: the first k singular vectors are the same"
+       for fn, ids in (("plain_factors", (5, 6)), ("whitened_factors", (23, 25))) for i in ids},
+    **{f"rl.methods.decomper.core.x_whitened_factors__mutmut_{i}": _CAST + " (the identity's ones and zeros are "
+       "exact in float32, and the sum is float64)" for i in (14, 17)},
+    **{f"rl.methods.decomper.core.x_whitened_factors__mutmut_{i}": _DEVICE for i in (15, 18, 24)},
+    "rl.methods.decomper.core.x_whitened_factors__mutmut_3": "XᵀX is square: shape[1] is shape[0]",
+    "rl.methods.decomper.core.x__block_mse__mutmut_15": _DIM,
+    "rl.methods.decomper.core.x_whitened_factors__mutmut_5": "+1e-12 -> -1e-12 in the ridge: it guards an all-zero "
+                                                             "XᵀX; with any input energy it is below the ridge's "
+                                                             "float64 resolution",
     "rl.methods.zo_finetuner.optimizer.x_learn_to_learn__mutmut_34": "the placeholder before step 0's restart makes "
                                                                       "the optimizer; it is never read",
     "rl.methods.zo_finetuner.optimizer.x_learn_to_learn__mutmut_54": "the rate is set from the decay schedule at every "

@@ -17,7 +17,7 @@ and read back by the learner and the `hf` engine.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +54,8 @@ class InputStats:
 
 
 def _real(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return x[mask.bool()] if mask is not None else x.reshape(-1, x.shape[-1])
+    """The rows of `x` at the real (non-padding) tokens of `mask`."""
+    return x[mask.bool()]
 
 
 @torch.no_grad()
@@ -241,32 +242,3 @@ def token_kl_and_nll(original: nn.Module, compressed: nn.Module, batches: list[d
         nll_c -= float(lc.gather(-1, ids[..., None]).squeeze(-1)[mask].sum())
         count += int(mask.sum())
     return {"token_kl": kl / count, "nll_original": nll_o / count, "nll_compressed": nll_c / count}
-
-
-def tiny_arithmetic_lm(seed: int = 0, steps: int = 200) -> tuple[nn.Module, Callable[[int], dict[str, torch.Tensor]]]:
-    """A labelled synthetic harness (the tests' and `benchmarks/diffusion_compression.py`'s): a 4-block tiny Llama
-    made in code and fitted for `steps` AdamW steps to worked `a+b*c=` solutions. Returns it in eval mode and
-    `batch(n)`, which gives n more such texts from the same seeded stream."""
-    import random
-
-    from models.tiny import build_tiny_model, build_tiny_tokenizer
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128, seed=seed)
-
-    def text() -> str:
-        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(2, 9)
-        return f"{a}+{b}*{c}={b * c},{a}+{b * c}={a + b * c}"
-
-    def batch(n: int) -> dict[str, torch.Tensor]:
-        enc = tok([text() for _ in range(n)], return_tensors="pt", padding=True)
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        b = batch(32)
-        loss = model(**b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval(), batch

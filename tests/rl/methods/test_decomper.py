@@ -16,10 +16,10 @@ from rl.methods.decomper.core import (
     plain_factors,
     rank_for_ratio,
     target_linears,
-    tiny_arithmetic_lm,
     token_kl_and_nll,
     whitened_factors,
 )
+from rl.methods.decomper.task import tiny_arithmetic_lm
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +184,48 @@ def test_block_by_block_statistics_equal_those_of_a_whole_model_pass(trained):
         for k, v in part.items():
             assert v.count == whole[k].count
             assert torch.allclose(v.xtx, whole[k].xtx) and torch.allclose(v.xsum, whole[k].xsum)
+
+
+def test_small_ranks_and_the_whitening_ridge_by_hand():
+    assert rank_for_ratio(2, 2, 0.9) == 1  # floor(0.1 * 4 / 4) = 0: at least one direction stays
+    torch.manual_seed(3)
+    w, x = torch.randn(6, 5).double(), torch.randn(40, 5).double() * 3
+    xtx = x.T @ x
+    for eps in (0.5, 1e-6):
+        reg = eps * float(xtx.diagonal().mean()) + 1e-12
+        s = torch.linalg.cholesky(xtx + reg * torch.eye(5, dtype=torch.float64))
+        u, sv, vh = torch.linalg.svd(w @ s, full_matrices=False)
+        a_ref, b_ref = u[:, :2] * sv[:2].sqrt(), sv[:2].sqrt()[:, None] * vh[:2] @ torch.linalg.inv(s)
+        a, b = whitened_factors(w, xtx, 2, eps)
+        assert torch.allclose(a @ b, a_ref @ b_ref, atol=1e-9)
+    default, explicit = whitened_factors(w, xtx, 2), whitened_factors(w, xtx, 2, 1e-6)
+    assert all(torch.equal(p, q) for p, q in zip(default, explicit))
+
+
+def test_learned_biases_follow_adam_on_the_token_mean_block_error(trained):
+    """learn_biases on a one-block slice of the work: the reported error is the token-mean squared error of the
+    block's output over the real tokens (by hand), the lr given is Adam's, the defaults are lr 1e-3 and 2 epochs,
+    the log gets each block's index and errors, and nothing is left trainable."""
+    from models.blocks import block_outputs
+    from rl.methods.decomper.core import learn_biases
+    model, calib, _ = trained
+    comp = copy.deepcopy(model)
+    compress(comp, input_stats(model, calib), 0.8, "plain", "none")
+    with torch.no_grad():
+        errs = []
+        for b in calib:
+            mask = b["attention_mask"].bool()
+            d = block_outputs(comp, b, 0)[0][mask].float() - block_outputs(model, b, 0)[0][mask].float()
+            errs.append(float(d.pow(2).sum(-1).mean()))
+    logs = []
+    runs = {lr: copy.deepcopy(comp) for lr in (1e-3, 1e-2)}
+    history = {lr: learn_biases(model, m, calib, lr=lr, epochs=1, log=lambda *a: logs.append(a))
+               for lr, m in runs.items()}
+    assert history[1e-3][0]["mse_before"] == pytest.approx(sum(errs) / len(errs), rel=1e-5)
+    assert [h["block"] for h in history[1e-3]] == [0, 1, 2, 3]
+    assert [(j, b, a) for j, b, a in logs[:4]] == [(h["block"], h["mse_before"], h["mse_after"])
+                                                   for h in history[1e-3]]
+    assert history[1e-3][0]["mse_after"] != history[1e-2][0]["mse_after"]  # the rate reaches Adam
+    assert not any(p.requires_grad for m in runs.values() for p in m.parameters())
+    a, b = copy.deepcopy(comp), copy.deepcopy(comp)
+    assert learn_biases(model, a, calib) == learn_biases(model, b, calib, lr=1e-3, epochs=2)

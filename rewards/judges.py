@@ -129,6 +129,8 @@ def start_judges(judges: dict[str, Any], policy_path: str, env: dict[str, str] |
         workers = [actor.remote(path, jc["engine"], options, jc["dtype"], device, jc["threads"],
                                 bool(jc["chat_template"]))
                    for _ in range(jc["num_workers"])]
-        sampling = {k: jc[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")}
+        sampling = {k: jc[k] for k in ("temperature", "top_p", "max_new_tokens")}
+        # top-k and the repetition penalty where set (a judge spec written by a stage may not name them)
+        sampling |= {k: jc[k] for k, off in (("top_k", 0), ("repetition_penalty", 1.0)) if jc.get(k, off) != off}
         clients[name] = JudgeClient(name, workers, sampling, model=f"{path}|{jc['engine']}|{jc['dtype']}")
     return clients

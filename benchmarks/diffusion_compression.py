@@ -83,9 +83,11 @@ def decomper_seed(seed: int) -> dict:
 def _size(model, save) -> dict:
     """The model's parameter count and the bytes of its weight files as `save(folder)` writes them."""
     import tempfile
+
+    from rl.methods.decomper.stage import safetensors_bytes
     with tempfile.TemporaryDirectory() as d:
         save(d)
-        disk = sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+        disk = safetensors_bytes(d)
     return {"params": sum(p.numel() for p in model.parameters()), "bytes": disk}
 
 

@@ -246,12 +246,60 @@ def has_sequence_state(model: nn.Module) -> bool:
     return any(hasattr(mod, "lora_context") for mod in model.modules())
 
 
+class _UtilizationGates:
+    """U-LoRA's per-token gates over a LoRA layer's r directions, mixed into `ULoraLinear` (which holds the
+    gate layers `lora_gate_u`/`lora_gate_c`, the prior `lora_ema`, `beta`, `lam`, `context`, the shared
+    `lora_context` and the `carried` and `step_gates` state): the context mean, the gates with the prior, the
+    record of the step's gates and the once-per-step EMA update."""
+
+    def context_mean(self, z: torch.Tensor, adapter: str) -> torch.Tensor:
+        ctx = self.lora_context
+        carried = self.carried.get(adapter) if ctx.continuing else None
+        sums, counts = context_sums(z, ctx.mask, ctx.starts, carried)
+        self.carried[adapter] = (sums[:, -1].detach(), counts[:, -1, 0].detach())
+        return sums / counts.clamp(min=1)
+
+    def gates(self, z: torch.Tensor, adapter: str) -> torch.Tensor:
+        r = z.shape[-1]
+        logits = self.lora_gate_u[adapter](z)
+        if self.context:
+            logits = logits + self.lora_gate_c[adapter](self.context_mean(z, adapter) if z.dim() >= 3 else z)
+        g = r * torch.softmax(logits, dim=-1)
+        if self.training and torch.is_grad_enabled() and self.lora_context.recording:
+            self._record(g.detach(), adapter)
+        state = self.lora_ema[adapter]
+        m, k = state[:r], int(state[r])
+        if k == 0:
+            return g  # no prior yet: the plain gate
+        return (1 - self.lam) * g + self.lam * (m / (1 - self.beta ** k)).detach()
+
+    def _record(self, g: torch.Tensor, adapter: str) -> None:
+        mask = self.lora_context.mask
+        w = (mask.to(g.dtype)[..., None] if mask is not None and g.dim() == 3 and mask.shape == g.shape[:2]
+             else g.new_ones(*g.shape[:-1], 1))
+        total = torch.cat([(g * w).reshape(-1, g.shape[-1]).sum(0), w.sum().reshape(1)])
+        acc = self.step_gates.get(adapter)
+        self.step_gates[adapter] = total if acc is None else acc + total
+
+    def finish_step(self) -> None:
+        """One EMA step per adapter with the mean gate over the step's real tokens on every rank."""
+        import torch.distributed as dist
+        for adapter, state in self.lora_ema.items():
+            r = state.shape[0] - 1
+            acc = self.step_gates.pop(adapter, state.new_zeros(r + 1)).to(state.dtype)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(acc)
+            if float(acc[r]) > 0:
+                m, k, _ = ema_prior(state[:r], int(state[r]), acc[:r] / acc[r], self.beta)
+                state.copy_(torch.cat([m, torch.tensor([float(k)], device=m.device, dtype=m.dtype)]))
+
+
 def _ulora_linear_class():
     """U-LoRA's layer as a peft LoRA layer (built on first use so that peft is imported only when needed)."""
     from peft.tuners._buffer_dict import BufferDict
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    class ULoraLinear(LoraLinear):
+    class ULoraLinear(_UtilizationGates, LoraLinear):
         """A peft LoRA linear whose r directions are gated per token: z = A x, g = r·softmax(W_u z + b_u +
         W_c c + b_c) with c the mean of z over the sequence's real tokens so far (`context_sums`: padding left
         out, carried through the KV cache by per-row sums), calibrated by the bias-corrected EMA prior of the
@@ -274,51 +322,10 @@ def _ulora_linear_class():
             self.last_gate: torch.Tensor | None = None  # the last forward's g̃ (for analysis)
             self.lora_context = SequenceContext()  # replaced by the model's shared one (`ulora`)
             self.carried: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per adapter: the rows' context sums
-            self.step_gates: dict[str, list[torch.Tensor]] = {}  # per adapter: [Σ g, tokens] since the last step
+            self.step_gates: dict[str, torch.Tensor] = {}  # per adapter: [Σ g..., tokens] since the last step
 
         def merge(self, *args, **kwargs) -> None:
             raise NotImplementedError("U-LoRA's update depends on the input: it cannot be merged into the weight")
-
-        def context_mean(self, z: torch.Tensor, adapter: str) -> torch.Tensor:
-            ctx = self.lora_context
-            carried = self.carried.get(adapter) if ctx.continuing else None
-            sums, counts = context_sums(z, ctx.mask, ctx.starts, carried)
-            self.carried[adapter] = (sums[:, -1].detach(), counts[:, -1, 0].detach())
-            return sums / counts.clamp(min=1)
-
-        def gates(self, z: torch.Tensor, adapter: str) -> torch.Tensor:
-            r = z.shape[-1]
-            logits = self.lora_gate_u[adapter](z)
-            if self.context:
-                logits = logits + self.lora_gate_c[adapter](self.context_mean(z, adapter) if z.dim() >= 3 else z)
-            g = r * torch.softmax(logits, dim=-1)
-            if self.training and torch.is_grad_enabled() and self.lora_context.recording:
-                self._record(g.detach(), adapter)
-            state = self.lora_ema[adapter]
-            m, k = state[:r], int(state[r])
-            if k == 0:
-                return g  # no prior yet: the plain gate
-            return (1 - self.lam) * g + self.lam * (m / (1 - self.beta ** k)).detach()
-
-        def _record(self, g: torch.Tensor, adapter: str) -> None:
-            mask = self.lora_context.mask
-            w = (mask.to(g.dtype)[..., None] if mask is not None and g.dim() == 3 and mask.shape == g.shape[:2]
-                 else g.new_ones(*g.shape[:-1], 1))
-            total = torch.cat([(g * w).reshape(-1, g.shape[-1]).sum(0), w.sum().reshape(1)])
-            acc = self.step_gates.get(adapter)
-            self.step_gates[adapter] = [total if acc is None else acc[0] + total]
-
-        def finish_step(self) -> None:
-            """One EMA step per adapter with the mean gate over the step's real tokens on every rank."""
-            import torch.distributed as dist
-            for adapter, state in self.lora_ema.items():
-                r = state.shape[0] - 1
-                acc = self.step_gates.pop(adapter, [state.new_zeros(r + 1)])[0].to(state.dtype)
-                if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                    dist.all_reduce(acc)
-                if float(acc[r]) > 0:
-                    m, k, _ = ema_prior(state[:r], int(state[r]), acc[:r] / acc[r], self.beta)
-                    state.copy_(torch.cat([m, torch.tensor([float(k)], device=m.device, dtype=m.dtype)]))
 
         def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if self.disable_adapters:

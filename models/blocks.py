@@ -86,6 +86,12 @@ def compile_rotary(model: nn.Module) -> list[str]:
     return patched
 
 
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` at the dotted `name` inside `model`."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
 def block_outputs(model: nn.Module, batch: dict[str, torch.Tensor], upto: int | None = None) -> list[torch.Tensor]:
     """The output hidden states of decoder blocks 0..`upto` (all without it) for `batch`; a forward that only needs
     the first blocks stops after block `upto`, so the later ones never run."""

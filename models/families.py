@@ -471,14 +471,9 @@ class CausalFamily:
              attn_implementation: str | None = None) -> torch.nn.Module:
         """`attn_implementation`: transformers' attention kernel (None: the model's own). A folder whose projections
         are stored as low-rank factors (`models.lowrank`, the decomper stage's output) loads with them."""
-        from transformers import AutoModelForCausalLM
-
-        from models.lowrank import is_low_rank, load_low_rank
-        if is_low_rank(path):
-            return load_low_rank(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                 **_attn_kwargs(attn_implementation))
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                    **_attn_kwargs(attn_implementation))
+        from models.lowrank import load_causal_lm
+        return load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                              **_attn_kwargs(attn_implementation))
 
     def forward(self, model: torch.nn.Module, batch: Any, *, temperature: float = 1.0,
                 outputs: frozenset[str] | set[str] = frozenset({"logp"}), entropy_grad: bool = False,

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from models.blocks import set_module
+
 SPEC_FILE = "low_rank.json"
 
 
@@ -55,12 +57,6 @@ class LowRankLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}"
-
-
-def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Put `module` at the dotted `name` inside `model`."""
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def low_rank_modules(model: nn.Module) -> dict[str, LowRankLinear]:
@@ -112,6 +108,17 @@ def load_low_rank(folder: str | Path, *, dtype: torch.dtype = torch.float32, tru
     if empty:
         raise ValueError(f"{folder}: low-rank checkpoint leaves {empty[:5]} unloaded")
     return model.eval()
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                   **model_kwargs) -> nn.Module:
+    """A causal LM folder as transformers loads it, or with its factor layers when it holds them (`is_low_rank`):
+    the one loader the learner and the `hf` engine share."""
+    if is_low_rank(path):
+        return load_low_rank(path, dtype=dtype, trust_remote_code=trust_remote_code, **model_kwargs)
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                **model_kwargs)
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.blocks import decoder_layers
+from models.blocks import decoder_layers, set_module
 
 CONFIG_FILE, STATE_FILE = "fake_quant.json", "fake_quant.safetensors"
 
@@ -121,10 +121,8 @@ def quantize_blocks(model: nn.Module, w_bits: int = 4, a_bits: int = 4, transfor
     out = {}
     blocks = decoder_layers(model)
     for i, name in block_linear_names(model):
-        parent_name, _, child = name.rpartition(".")
-        parent = blocks[i].get_submodule(parent_name) if parent_name else blocks[i]
-        wrapped = FakeQuantLinear(getattr(parent, child), w_bits, a_bits, transform)
-        setattr(parent, child, wrapped)
+        wrapped = FakeQuantLinear(blocks[i].get_submodule(name), w_bits, a_bits, transform)
+        set_module(blocks[i], name, wrapped)
         out[f"{i}.{name}"] = wrapped
     return out
 
@@ -140,9 +138,7 @@ def unwrap_fake_quant(model: nn.Module) -> nn.Module:
     blocks = decoder_layers(model)
     for key, mod in quantized_modules(model).items():
         i, name = key.split(".", 1)
-        parent_name, _, child = name.rpartition(".")
-        parent = blocks[int(i)].get_submodule(parent_name) if parent_name else blocks[int(i)]
-        setattr(parent, child, mod.linear)
+        set_module(blocks[int(i)], name, mod.linear)
     return model
 
 

@@ -192,8 +192,9 @@ def stage_cfg(ctx: StageContext) -> DictConfig:
     params = cfg.learner.optimizer.get("params") or {}
     # resolved where an earlier stage published it (a stage before that one does not train with this optimizer;
     # one that does gets the optimizer's own error naming the reference)
-    paths = {k: ctx.artifact(v.split(":", 1)[1]) for k, v in params.items()
-             if isinstance(v, str) and v.startswith("artifact:") and ctx.artifact(v.split(":", 1)[1]) is not None}
+    found = {k: ctx.artifact(v.split(":", 1)[1]) for k, v in params.items()
+             if isinstance(v, str) and v.startswith("artifact:")}
+    paths = {k: v for k, v in found.items() if v is not None}
     if paths:
         cfg = OmegaConf.merge(cfg, {"learner": {"optimizer": {"params": paths}}})
     return cfg

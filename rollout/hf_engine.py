@@ -15,7 +15,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from models.tokenizer import load_tokenizer
 from rl.batch import Batch
@@ -46,13 +45,9 @@ class HFEngine:
         self.device = torch.device(device)
         import models  # noqa: F401  (registers model_types ouro and llada)
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        from models.lowrank import is_low_rank, load_low_rank
-        if is_low_rank(model_path):  # projections stored as factors (decomper): served as such
-            self.model = load_low_rank(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-                                       **kwargs).to(self.device).eval()
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs).to(self.device).eval()
+        from models.lowrank import load_causal_lm  # a decomper folder is served as its factors
+        self.model = load_causal_lm(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                    **kwargs).to(self.device).eval()
         from models.quant import load_fake_quant
         self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (fair_calib) serves as such
         from models.adapters import load_unmerged, make_adapter

@@ -22,7 +22,9 @@ def project_modules(root: Path = ROOT) -> dict[str, Path]:
     mods = {}
     for f in root.rglob("*.py"):
         rel = f.relative_to(root)
-        if rel.parts[0] in ("tests", "benchmarks", "recipes", ".venv", "docs") or rel.parts[0].startswith("."):
+        # mutants/: the copy of the tree `make mutation` works in (git-ignored, not the project's code)
+        if rel.parts[0] in ("tests", "benchmarks", "recipes", ".venv", "docs", "mutants", "site") \
+                or rel.parts[0].startswith("."):
             continue
         name = ".".join(rel.with_suffix("").parts)
         mods[name.removesuffix(".__init__")] = f

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.blocks import block_outputs, decoder_layers
-from models.lowrank import LowRankLinear, set_module
+from models.blocks import block_outputs, decoder_layers, set_module
+from models.lowrank import LowRankLinear
 
 
 def target_linears(model: nn.Module) -> dict[str, nn.Module]:

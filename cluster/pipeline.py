@@ -22,14 +22,10 @@ import ray
 import torch
 from omegaconf import DictConfig
 
-from cluster.checkpoints import improves, latest_checkpoint, prune_checkpoints, selected_checkpoint
 from cluster.evaluation import evaluate, worker_protocol
-from cluster.learner import LearnerFailed
 from cluster.roles import make_learner_group
-from cluster.runtime import Runtime, truncate_metrics
+from cluster.runtime import Runtime
 from cluster.stage_runner import check_only_stage, make_stage, run_stages
-from cluster.tracking import MetricsLogger
-from cluster.trainer import RLTrainer
 from models.tokenizer import load_tokenizer
 from rewards.remote import check_health, is_remote
 from rewards.service import RewardService, RewardSpec
@@ -180,141 +176,10 @@ def split_held_out(examples: list, fraction: float, seed: int) -> tuple[list, li
     return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
 
 
-@register("stage", "rl")
-class RLStage(Stage):
-    """The RL loop (`cluster.trainer`): held-out evaluation before it, checkpoints, `resume`. The trainer stays
-    alive for the stages after it (export, evaluate)."""
-    reads, publishes = ("train", "policy", "base_model"), ("checkpoint",)  # checked against the recipe's order
-    runs_in_driver = True
-
-    def run(self, ctx: StageContext) -> dict[str, str]:
-        cfg, rt, out = stage_cfg(ctx), ctx.runtime, ctx.output_dir
-        trainer, tokenizer, eval_rows = _start_trainer(ctx, cfg)
-        before = _evaluate_before(trainer, tokenizer, eval_rows, cfg, rt, out)
-        if before is not None:
-            say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({int(before['num_prompts'])} prompts)")
-            ctx.summary["accuracy_before_rl"] = before["accuracy"]
-            ctx.summary["heldout_rewards_before_rl"] = before.get("components", {})
-        t_rl = time.perf_counter()
-        last = _train(trainer, tokenizer, eval_rows, cfg, rt, out)
-        rl_s = time.perf_counter() - t_rl
-        final = out / "checkpoints" / f"step_{trainer.step_idx}"
-        if not (final / "COMPLETE").exists():
-            final = trainer.save_checkpoint()
-        ctx.summary.update(last)
-        ctx.summary.update(steps=trainer.step_idx, rl_wall_s=rl_s, peak_rss_gib=trainer.peak_memory(),
-                           actor_nodes=trainer.actor_nodes(), last_checkpoint=str(final))
-        best = selected_checkpoint(out) if cfg.trainer.select_by else None
-        if best is not None:  # the later stages (export, evaluate) use the selected checkpoint
-            ctx.summary.update(selected_step=best["step"], selected_by=best["metric"], selected_value=best["value"])
-            say(f"selected checkpoint: step {best['step']} ({best['metric']} = {best['value']:.4f})")
-            selected = out / "checkpoints" / best["checkpoint"]
-            if selected != final:
-                trainer.restore(selected)
-            return {"checkpoint": str(selected)}
-        return {"checkpoint": str(final)}
-
-
-def _start_trainer(ctx: StageContext, cfg: DictConfig) -> tuple[RLTrainer, Any, list[dict]]:
-    """The RL trainer on the stage's policy and training rows (resumed from a checkpoint with `resume`), with the
-    recipe's judges serving the reward; its tokenizer and the held-out rows."""
-    rt, out, d = ctx.runtime, ctx.output_dir, cfg.data
-    train_path = ctx.require("train")
-    train_rows = load_rows(train_path, prompt_row_columns(d), "data.train_path", bad_rows=d.bad_rows)
-    ctx.summary.update(rl_train_path=train_path, rl_train_rows=len(train_rows))
-    eval_rows = ctx.rows("eval", prompt_row_columns(d))
-    policy_path = ctx.require("policy")
-    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else None if cfg.resume == "no" else Path(cfg.resume)
-    tokenizer = load_tokenizer(ctx.require("base_model"))
-    rt.judges = rt.serve_reward_judges(cfg, policy_path, ctx.summary, ctx.require)
-    trainer = rt.trainer = RLTrainer(cfg, policy_path, tokenizer, train_rows, rt.placement, rt.reward_service)
-    if ckpt is None:  # a fresh run: no metrics or selection from an earlier run in this folder
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        (out / "checkpoints" / "best.json").unlink(missing_ok=True)
-        (out / "eval_before.json").unlink(missing_ok=True)
-    else:
-        trainer.load_checkpoint(ckpt)
-        truncate_metrics(out / "metrics.jsonl", trainer.step_idx)
-        say(f"resumed from {ckpt} at step {trainer.step_idx}")
-    return trainer, tokenizer, eval_rows
-
-
-def _evaluate_before(trainer: RLTrainer, tokenizer: Any, eval_rows: list[dict], cfg: DictConfig, rt: Any,
-                     out: Path) -> dict[str, Any] | None:
-    """The held-out evaluation before RL (read back when a resumed run recorded it)."""
-    if not eval_rows:
-        return None
-    before_path = out / "eval_before.json"
-    if before_path.exists():
-        return json.loads(before_path.read_text())
-    before = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
-    before_path.write_text(json.dumps(before))
-    return before
-
-
-def _train(trainer: RLTrainer, tokenizer: Any, eval_rows: list[dict], cfg: DictConfig, rt: Any,
-           out: Path) -> dict[str, float]:
-    """The RL steps up to `trainer.steps`: held-out evaluations, checkpoint selection, metrics, checkpoints;
-    returns the last step's metrics."""
-    tc, last = cfg.trainer, {}
-    logger = MetricsLogger(out, tc.steps, tensorboard=cfg.logging.tensorboard,
-                           wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
-                           config=as_container(cfg), start_step=trainer.step_idx)
-    try:
-        while trainer.step_idx < tc.steps:
-            metrics = _step_or_explain(trainer, out)
-            step = trainer.step_idx
-            # with select_by the last step is a candidate too, so it is evaluated like the others
-            evaluates = tc.eval_every and step % tc.eval_every == 0 and (step < tc.steps or tc.select_by)
-            if eval_rows and (evaluates or (tc.select_by and step == tc.steps)):
-                ev = evaluate(trainer.rollout, rt.reward_service, tokenizer, cfg, eval_rows)
-                metrics["eval/accuracy"] = ev["accuracy"]
-                if ev["runs"] > 1:
-                    metrics["eval/accuracy_std_over_runs"] = ev["accuracy_std_over_runs"]
-                metrics.update({f"eval/reward/{k}": v for k, v in ev["components"].items()})
-                if tc.select_by:
-                    _select_checkpoint(trainer, metrics, tc, out)
-            logger.log(step, metrics)
-            last = metrics
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and not (out / "checkpoints" /
-                                                                               f"step_{step}").exists():
-                trainer.save_checkpoint()
-    finally:
-        logger.close()
-    return last
-
-
-def _step_or_explain(trainer: RLTrainer, out: Path) -> dict[str, float]:
-    """One RL step; a learner that failed stops the run with the step and where it can resume from."""
-    try:
-        return trainer.step()
-    except LearnerFailed as exc:
-        ckpt = latest_checkpoint(out)
-        where = (f"resume with resume=auto from {ckpt}" if ckpt is not None else
-                 "no checkpoint had been written yet (set trainer.checkpoint_every)")
-        raise type(exc)(f"{exc} at step {trainer.step_idx + 1}; the run stopped, {where}") from exc
-
-
-def _select_checkpoint(trainer: RLTrainer, metrics: dict[str, float], tc: DictConfig, out: Path) -> None:
-    """`trainer.select_by`: a checkpoint of this step when its held-out metric beats the selected one's."""
-    if tc.select_by not in metrics:
-        raise ConfigError(f"trainer.select_by: the evaluation logged no {tc.select_by!r}; it logged "
-                          f"{sorted(k for k in metrics if k.startswith('eval/'))}")
-    value, best = float(metrics[tc.select_by]), selected_checkpoint(out)
-    if not improves(value, best, tc.select_mode):
-        return
-    ckpt = out / "checkpoints" / f"step_{trainer.step_idx}"
-    if not (ckpt / "COMPLETE").exists():
-        ckpt = trainer.save_checkpoint()
-    (out / "checkpoints" / "best.json").write_text(json.dumps(
-        {"checkpoint": ckpt.name, "step": trainer.step_idx, "metric": tc.select_by, "value": value}))
-    prune_checkpoints(out / "checkpoints", tc.keep_checkpoints)  # the one selected before may go now
-
-
 def _learners_with_rl_weights(ctx: StageContext) -> Any:
-    """The live trainer's learners, or (RL reused from an earlier run) a learner group loaded from its checkpoint."""
-    if ctx.runtime.trainer is not None:
-        return ctx.runtime.trainer.learners, False
+    """The live RL run's learners, or (RL reused from an earlier run) a learner group loaded from its checkpoint."""
+    if ctx.runtime.rl_roles is not None:
+        return ctx.runtime.rl_roles.learners, False
     cfg = ctx.cfg
     group = make_learner_group(cfg, ctx.require("policy"), ctx.runtime.placement, lr=cfg.learner.lr,
                                weight_decay=cfg.learner.weight_decay, micro_batch_size=cfg.learner.micro_batch_size,
@@ -369,7 +234,7 @@ class EvaluateStage(Stage):
         if not eval_rows:
             return {}
         # RL was reused: evaluate its exported policy
-        if rt.trainer is None and ctx.artifact("checkpoint") is not None and not cfg.trainer.save_hf:
+        if rt.rl_roles is None and ctx.artifact("checkpoint") is not None and not cfg.trainer.save_hf:
             raise StageError("stage 'evaluate' needs the RL policy: set trainer.save_hf (export) or re-run rl")
         tokenizer = load_tokenizer(ctx.require("base_model"))
         with rt.rollout_workers(ctx, cfg) as workers:
@@ -407,8 +272,8 @@ class EvaluateStage(Stage):
             before = protocol_scores(generate, score, **runs)
             out.update(before_policy=before_path, mean_at_k_before=mean_at_k(before),
                        paired=paired_comparison(after, before))
-            if rt.trainer is not None:
-                rt.trainer.sync_weights()
+            if rt.rl_roles is not None:
+                rt.rl_roles.sync_weights(rt.rl_roles.version)
         return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.tracking import read_metrics
+from rl.loop.tracking import read_metrics
 
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "other")
 

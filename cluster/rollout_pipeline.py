@@ -1,6 +1,5 @@
 """Generation on the rollout workers: submitting prompts (split over the workers, `n` samples each), gathering
-the results into one batch, the rollouts submitted ahead of the step that uses them, and the groups that carry a
-signal (dynamic sampling)."""
+the results into one batch."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-import torch
 from omegaconf import DictConfig
 
 from cluster.ray_utils import unfinished
@@ -19,13 +17,11 @@ from rl.data import format_prompt
 
 
 @dataclass
-class PendingRollout:
-    """A submitted generation: the step it is for, the rollout workers' ObjectRefs, and the prompt
-    sampler's state before its prompts were drawn (what a checkpoint must store to redraw them)."""
-    step: int
+class SubmittedRollout:
+    """A generation in flight: the rollout workers' ObjectRefs and how to submit the same prompts and seeds
+    again (after a rollout worker died)."""
     refs: list[Any]
-    sampler_state: dict[str, int]
-    resubmit: Callable[[], list[Any]]  # the same prompts and seeds again (after a rollout worker died)
+    resubmit: Callable[[], list[Any]]
 
 
 def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows: list[dict], *,
@@ -85,13 +81,3 @@ def gather_rollout(refs: list[Any]) -> Batch:
     # a batch mixes the versions of its workers only if they were out of step: keep the oldest
     batch.policy_version = min(p.policy_version for p in parts)
     return batch
-
-
-def split_informative(batch: Batch) -> tuple[list[int], list[int], int]:
-    """The rows of groups whose rewards differ (they carry a signal), the rows of the other groups, and the
-    number of informative groups (DAPO's dynamic sampling keeps the first)."""
-    informative = {g for g in torch.unique(batch.group_id).tolist()
-                   if batch.rewards[batch.group_id == g].unique().numel() > 1}
-    rows = [i for i in range(len(batch)) if int(batch.group_id[i]) in informative]
-    rest = [i for i in range(len(batch)) if int(batch.group_id[i]) not in informative]
-    return rows, rest, len(informative)

@@ -1,5 +1,5 @@
 """The driver's runtime: what the stages that run in the driver share (Ray, the reward service, the placement of
-the learner and rollout actors, the live RL trainer) and the capabilities it lends them (`rl.stages.StageRuntime`):
+the learner and rollout actors, the live RL run's actors) and the capabilities it lends them (`rl.stages.StageRuntime`):
 fine-tuning, rollout workers, scoring, judges, tasks and actors in the reserved resources."""
 
 from __future__ import annotations
@@ -18,24 +18,26 @@ import ray
 import torch
 from omegaconf import DictConfig
 
-from cluster.checkpoints import latest_checkpoint
 from cluster.local_ray import init_ray
 from cluster.ray_utils import actor_env, bundle_options, free_port, make_placement
+from cluster.rl_roles import RayRLRoles
 from cluster.roles import make_learner_group, make_rollout_workers
 from cluster.rollout_pipeline import generate
-from cluster.trainer import RLTrainer
 from rewards.judges import start_judges, stop_judges
 from rewards.service import RewardService, RewardSpec
+from rl.algorithm import RLAlgorithm
 from rl.config import as_container
+from rl.loop.checkpoints import latest_checkpoint
+from rl.loop.tracking import truncate_metrics
 from rl.recipe import needs_critic
 from rl.sft import run_sft
-from rl.stages import StageContext, StageRuntime, say
+from rl.stages import StageContext, say
 from rl.step import reward_items
 
 
-class Runtime(StageRuntime):
+class Runtime:
     """What the driver stages share: Ray, the reward service, the placement of the learner and rollout
-    actors (made on first use, so that stages before SFT have the whole cluster), the live RL trainer."""
+    actors (made on first use, so that stages before SFT have the whole cluster), the live RL run's actors."""
 
     def __init__(self, cfg: DictConfig, specs: list[RewardSpec]):
         self.cfg = cfg
@@ -46,7 +48,7 @@ class Runtime(StageRuntime):
             specs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
             failure_reward=cfg.reward.failure_reward)
         self._placement = None
-        self.trainer: RLTrainer | None = None
+        self.rl_roles: RayRLRoles | None = None
         self.judges: dict[str, Any] = {}
 
     @property
@@ -64,8 +66,8 @@ class Runtime(StageRuntime):
         return self._placement
 
     def close(self) -> None:
-        if self.trainer is not None:
-            self.trainer.close()
+        if self.rl_roles is not None:
+            self.rl_roles.close()
         ray.kill(self.reward_service)
         if self._placement is not None:
             self._placement.remove()
@@ -99,15 +101,19 @@ class Runtime(StageRuntime):
     def start_rollout_workers(self, cfg: DictConfig, model_path: str) -> list[Any]:
         return make_rollout_workers(cfg, model_path, self.placement)
 
+    def start_rl_roles(self, cfg: DictConfig, algorithm: RLAlgorithm, model_path: str, tokenizer: Any) -> RayRLRoles:
+        self.rl_roles = RayRLRoles(cfg, algorithm, model_path, tokenizer, self.placement, self.reward_service)
+        return self.rl_roles
+
     def release_trainer(self) -> None:
-        if self.trainer is not None:
-            self.trainer.close()
-            self.trainer = None
+        if self.rl_roles is not None:
+            self.rl_roles.close()
+            self.rl_roles = None
 
     @contextmanager
     def rollout_workers(self, ctx: StageContext, cfg: DictConfig) -> Iterator[list[Any]]:
-        if self.trainer is not None:
-            yield self.trainer.rollout
+        if self.rl_roles is not None:
+            yield self.rl_roles.rollout
             return
         workers = self.start_rollout_workers(cfg, ctx.require("policy"))
         try:
@@ -237,11 +243,3 @@ def _sft_resume(cfg: DictConfig, group: Any, log_path: Path, bar: Any, fingerpri
         log_path.unlink(missing_ok=True)
         shutil.rmtree(Path(cfg.output_dir) / "sft_checkpoints", ignore_errors=True)
     return resume
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from (they will be produced again)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))

@@ -3,12 +3,14 @@
 `RLAlgorithm` says which logprob passes the learners must run (old policy, reference, critic values), turns
 scored samples into advantages (the KL to the reference in the reward when `algorithm.kl_in_reward`, the registered
 estimator, the critic's GAE targets), cuts the update into seeded mini-batches, and holds the policy loss's name and
-arguments. The trainer (`cluster.trainer`) runs the actors around it: rollout, reward, learner passes, weight sync.
+arguments. The trainer (`rl.loop.trainer`) runs the actor system around it: rollout, reward, learner passes, weight
+sync.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +51,11 @@ class RLAlgorithm:
         self.sampling = {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
         self.critic = needs_critic(cfg)
         self.value_clip, self.critic_warmup_steps = cfg.critic.value_clip, cfg.critic.warmup_steps
+        # micro-batches per optimizer step on each learner rank: one mini-batch's samples over ranks and micro-batches
+        samples_per_update = cfg.trainer.prompts_per_step * r.n // a.mini_batches
+        lc = cfg.learner
+        self.grad_accum = max(1, math.ceil(samples_per_update / lc.world_size / lc.micro_batch_size))
+        self.total_updates = cfg.trainer.steps * a.ppo_epochs * a.mini_batches  # the scheduler's length
 
     @property
     def needs_token_rewards(self) -> bool:

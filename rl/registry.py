@@ -37,6 +37,7 @@ LIBRARY_BUILTINS = {
     "task": ["rl.tasks.arithmetic", "rl.tasks.domains"],
     "scheduler": ["rl.optim"],
     "sampler": ["rl.data"],
+    "stage": ["rl.loop.stage"],
 }
 BUILTINS_GROUP = "looprl.builtins"
 # Built-ins named by `module:attr`, for modules that may not import the registry (`models/` imports only

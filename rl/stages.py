@@ -27,7 +27,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -94,89 +94,78 @@ class StageContext:
         return value
 
 
-class StageRuntime:
+class StageRuntime(Protocol):
     """What the driver lends the stages that run in it (`ctx.runtime`): every capability a stage needs from the
     actor system, so that a stage imports nothing above the library. The driver's implementation is
     `cluster.runtime.Runtime`; the methods here state the contract."""
 
     placement: Any  # where the learner and rollout actors run (their reserved resources)
     judges: dict[str, Any]  # the reward judges serving the run (name -> client)
+    rl_roles: Any  # the live RL run's actors (`rl.loop.roles.RLRoles`), or None
 
     def run_task(self, fn: Callable[..., Any], *args: Any, bundle: int = 0, num_gpus: float = 0.0, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` as a Ray task in the run's learner bundle `bundle` (taking `num_gpus` of its device);
         returns its result."""
-        raise NotImplementedError
 
     def start_actor(self, cls: type, *args: Any, bundle: int = 0, num_gpus: float = 0.0) -> Any:
         """An actor `cls(*args)` of the stage's own in the learner bundle `bundle`; call its methods with `call`,
         wait with `wait`, stop it with `stop_actors`."""
-        raise NotImplementedError
 
     def call(self, actor: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         """Start `actor.method(*args, **kwargs)` on an actor the runtime started for the stage (`start_actor`,
         `start_rollout_workers`); returns at once with a reference to resolve with `wait`."""
-        raise NotImplementedError
 
     def wait(self, refs: Any, timeout: float | None = None) -> Any:
         """The result(s) of remote calls (one reference or a list), waiting at most `timeout` seconds."""
-        raise NotImplementedError
 
     def rendezvous(self, world_size: int) -> tuple[str, int]:
         """An address and a free port for a process group of `world_size` ranks started by a stage."""
-        raise NotImplementedError
 
     def fine_tune(self, cfg: Any, model_path: str, out_path: str, tokenizer: Any, examples: list, *,
                   eval_examples: list | None = None, fingerprint: str = "", shuffle: bool = True) -> dict[str, float]:
         """SFT of `model_path` on tokenized `examples` under the recipe `cfg`'s `sft` section, saved as an HF
         model at `out_path`; returns the summary (steps, wall time, final losses)."""
-        raise NotImplementedError
 
     def learner_group(self, cfg: Any, model_path: str, **params: Any) -> Any:
         """A learner group on `model_path` (`cluster.roles.make_learner_group`'s parameters)."""
-        raise NotImplementedError
 
     def start_rollout_workers(self, cfg: Any, model_path: str) -> list[Any]:
         """Rollout workers serving `model_path`; the caller stops them (`stop_actors`)."""
-        raise NotImplementedError
 
     def rollout_workers(self, ctx: StageContext, cfg: Any) -> AbstractContextManager[list[Any]]:
         """The RL run's rollout workers when this run trains; otherwise workers on the stage's policy, stopped
         when the block ends."""
-        raise NotImplementedError
 
     def stop_actors(self, actors: list[Any]) -> None:
         """Stop actors the runtime started for the stage."""
-        raise NotImplementedError
+
+    def start_rl_roles(self, cfg: Any, algorithm: Any, model_path: str, tokenizer: Any) -> Any:
+        """The actors of an RL run of `algorithm` (`rl.algorithm.RLAlgorithm`) on the policy at `model_path`, behind
+        the loop's contract (`rl.loop.roles.RLRoles`); they stay live for the stages after it (`rl_roles`) until
+        `release_trainer` or the end of the run."""
 
     def release_trainer(self) -> None:
-        """Stop the live RL trainer's actors (its learners hold the learner bundles a later fine-tune needs); the
+        """Stop the live RL run's actors (its learners hold the learner bundles a later fine-tune needs); the
         stages after this one start their own. No-op when no trainer is live."""
-        raise NotImplementedError
 
     def generate(self, workers: list[Any], tokenizer: Any, cfg: Any, rows: list[dict], **sampling: Any) -> Any:
         """A `Batch` of responses to `rows` from `workers` (`cluster.rollout_pipeline.generate`'s parameters)."""
-        raise NotImplementedError
 
     def score(self, batch: Any, evaluation: bool = False) -> list[dict]:
         """The reward service's scores of `batch` (with `evaluation`, eval-only functions too)."""
-        raise NotImplementedError
 
     def score_items(self, items: list[dict], evaluation: bool = False) -> list[dict]:
         """The reward service's scores of reward items (`prompt`, `response`, `ground_truth`, `metadata`, ...)."""
-        raise NotImplementedError
 
     def start_judges(self, judges: dict[str, Any], policy_path: str) -> dict[str, Any]:
         """Judge groups (`reward.judges` entries) serving frozen models (a null `model_path`: `policy_path`)."""
-        raise NotImplementedError
 
     def stop_judges(self, clients: Any) -> None:
         """Stop judge clients (a dict of them by name, or any iterable of them)."""
-        raise NotImplementedError
 
     def serve_reward_judges(self, cfg: Any, policy_path: str, summary: dict, artifact: Callable[[str], str]
                             ) -> dict[str, Any]:
         """Start the recipe's `reward.judges` and hand them to the reward service (the run's `judges`)."""
-        raise NotImplementedError
 
 
 def stage_cfg(ctx: StageContext) -> DictConfig:

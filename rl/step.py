@@ -126,3 +126,13 @@ def step_verified_fraction(step_rewards: list[list[float]]) -> torch.Tensor:
 def group_fraction(batch: Batch, pred) -> float:
     ids = torch.unique(batch.group_id)
     return sum(bool(pred(batch.rewards[batch.group_id == g])) for g in ids) / max(1, len(ids))
+
+
+def split_informative(batch: Batch) -> tuple[list[int], list[int], int]:
+    """The rows of groups whose rewards differ (they carry a signal), the rows of the other groups, and the
+    number of informative groups (DAPO's dynamic sampling keeps the first)."""
+    informative = {g for g in torch.unique(batch.group_id).tolist()
+                   if batch.rewards[batch.group_id == g].unique().numel() > 1}
+    rows = [i for i in range(len(batch)) if int(batch.group_id[i]) in informative]
+    rest = [i for i in range(len(batch)) if int(batch.group_id[i]) not in informative]
+    return rows, rest, len(informative)

@@ -74,8 +74,8 @@ def test_decoding_example(tmp_path):
 @pytest.mark.slow
 def test_the_extending_recipe_runs_every_plugin_end_to_end(ray_cluster, tmp_path, monkeypatch):
     from cluster.pipeline import run
-    from cluster.tracking import read_metrics
     from rl import config
+    from rl.loop.tracking import read_metrics
     monkeypatch.chdir(ROOT)  # the recipe names its plugins relative to the repository root
     cfg = config.load(EXT / "custom.yaml", [f"output_dir={tmp_path / 'ext'}", "trainer.steps=2",
                                             "logging.progress_bar=false", "logging.tensorboard=false"])

@@ -18,11 +18,7 @@ from rl.batch import (
     plan_prompt_groups,
     sequence_tokens,
 )
-
-
-class LearnerFailed(RuntimeError):
-    """A learner rank died or stopped answering: the run stops (a DeepSpeed rank cannot rejoin its process
-    group) and resumes from a checkpoint."""
+from rl.loop.roles import LearnerFailed
 
 
 class LearnerDied(LearnerFailed):

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.learner import LearnerDied, LearnerStuck
 from cluster.pipeline import run
-from cluster.tracking import read_metrics
+from rl.loop.tracking import read_metrics
 from tests.cluster.test_pipeline import COMPARE, ROOT, TINY, _cfg, _digit_reward
 
 DYING_ENGINE = '''

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.pipeline import run
-from cluster.tracking import read_metrics
+from rl.loop.tracking import read_metrics
 from tests.cluster.test_pipeline import _cfg, _digit_reward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cluster.pipeline import run
-from cluster.tracking import read_metrics
 from rl import config
+from rl.loop.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",

@@ -67,13 +67,14 @@ def test_cross_field_validation(tmp_path):
 
 def test_gpu_only_weight_sync_is_refused_before_any_actor_starts():
     from cluster.ray_utils import Placement
-    from cluster.trainer import RLTrainer
+    from cluster.rl_roles import RayRLRoles
+    from rl.algorithm import RLAlgorithm
     cfg = config.load(None, ["rollout.weight_sync=cuda_ipc"])
     with pytest.raises(ValueError, match="cuda_ipc needs GPUs"):
-        RLTrainer(cfg, "unused", None, [], Placement(None, [0], [0], gpus_per_actor=0.0), None)
+        RayRLRoles(cfg, RLAlgorithm(cfg), "unused", None, Placement(None, [0], [0], gpus_per_actor=0.0), None)
     cfg = config.load(None, ["rollout.weight_sync=collective"])
     with pytest.raises(ValueError, match="needs cluster.placement: split"):
-        RLTrainer(cfg, "unused", None, [], Placement(None, [0], [0], gpus_per_actor=0.5), None)
+        RayRLRoles(cfg, RLAlgorithm(cfg), "unused", None, Placement(None, [0], [0], gpus_per_actor=0.5), None)
 
 
 def test_every_field_has_a_doc():

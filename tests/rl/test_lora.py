@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.pipeline import run
-from cluster.tracking import read_metrics
+from rl.loop.tracking import read_metrics
 from tests.cluster.test_pipeline import _cfg, _digit_reward
 
 LORA = "learner.adapter={name: lora, params: {r: 4, alpha: 8, target_modules: [q_proj, v_proj, down_proj]}}"

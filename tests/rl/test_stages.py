@@ -140,7 +140,7 @@ def test_a_stage_runs_again_when_a_file_it_reads_is_edited_in_place(tmp_path):
 def test_checkpoint_selection_keeps_the_selected_one_from_pruning(tmp_path):
     import json
 
-    from cluster.checkpoints import improves, prune_checkpoints, selected_checkpoint
+    from rl.loop.checkpoints import improves, prune_checkpoints, selected_checkpoint
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
         (root / f"step_{step}").mkdir(parents=True)

@@ -64,3 +64,11 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from (they will be produced again)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))

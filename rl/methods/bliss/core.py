@@ -117,6 +117,11 @@ class ScoreModel(torch.nn.Module):
         return torch.sigmoid(self.head(h[torch.arange(len(h)), last]).squeeze(-1))
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """Half precision computed in float32; float32 and float64 as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def sequence_stats(model: torch.nn.Module, batch: Any, target_logp: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sample, the token-mean CE of its trained response tokens `[N]`; per sample, the summed token KL of
@@ -125,7 +130,7 @@ def sequence_stats(model: torch.nn.Module, batch: Any, target_logp: torch.Tensor
     inputs = batch.model_inputs()
     P = batch.prompt_ids.shape[1]
     L = batch.response_ids.shape[1]
-    logits = model(**inputs, use_cache=False).logits[:, P - 1:P - 1 + L].float()
+    logits = at_least_float32(model(**inputs, use_cache=False).logits[:, P - 1:P - 1 + L])
     logp = torch.log_softmax(logits, -1)
     mask = batch.response_mask.float()
     tokens = mask.sum(1)
@@ -162,7 +167,7 @@ class BilevelSelector:
         if self.gamma and target_logp is not None:
             loss = loss + self.gamma * kl.sum() / self.col.sum(tokens.sum()).clamp(min=1)
         if self.reg and self.col.rank == 0:  # counted once over the ranks
-            loss = loss + self.reg * sum((p.float() ** 2).sum() for p in self.params)
+            loss = loss + self.reg * sum((at_least_float32(p) ** 2).sum() for p in self.params)
         return loss, ce
 
     def _step(self, opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:

@@ -156,3 +156,86 @@ def test_an_outer_step_over_two_ranks_equals_one_rank_on_the_whole_batch(tmp_pat
     proxy0, score0, _, _, _ = _setup()
     assert any(not torch.allclose(proxy0.state_dict()[k], v) for k, v in ref_proxy.items())
     assert any(not torch.allclose(copy.deepcopy(score0).state_dict()[k], v) for k, v in ref_score.items())
+
+
+def _head_only_problem(seed=0):
+    """A proxy whose only trainable weights are its output head: the lower level (weighted CE plus the ridge) is
+    then strictly convex, so its optimum for any sample weights can be found to precision and the hypergradient
+    of the validation loss checked by finite differences of the whole bilevel problem."""
+    tok = build_tiny_tokenizer()
+    proxy = build_tiny_model(tok, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16, seed=seed)
+    # the backbone is frozen, so no double backward runs through its attention: sdpa, which keeps float64 finite
+    # on padding rows
+    for name, p in proxy.named_parameters():
+        p.requires_grad_(name.startswith("lm_head"))
+    pairs = [("12+3=", "15"), ("7*8=", "56"), ("ab", "ba"), ("9-4=", "5"), ("x", "zzzz"), ("cd", "dc")]
+    batch = batch_of_examples([prompt_response_example(tok, p, r) for p, r in pairs], tok.pad_token_id)
+    val = batch_of_examples([prompt_response_example(tok, "2+2=", "4"), prompt_response_example(tok, "dc", "cd")],
+                            tok.pad_token_id)
+    torch.manual_seed(seed)
+    score = ScoreModel(proxy)  # its backbone is frozen with the proxy's: the head (9 numbers) is what it learns
+    return proxy.double(), score.double(), batch, val
+
+
+def _solve_lower_level(sel, batch, weights):
+    """The proxy's head at the optimum of G for `weights` (L-BFGS from where it stands)."""
+    opt = torch.optim.LBFGS(sel.params, lr=1, max_iter=100, tolerance_grad=-1.0, tolerance_change=-1.0,
+                            history_size=50, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss, _ = sel.lower_level_loss(batch, weights, None)
+        loss.backward()
+        return loss
+    for _ in range(3):
+        opt.step(closure)
+    opt.zero_grad(set_to_none=True)
+
+
+def _validation_loss_at_the_optimum(sel, batch, val, head_state):
+    """Φ(θs): the validation loss of the proxy trained to the lower level's optimum under the weights the score
+    model with head `head_state` gives."""
+    from rl.methods.bliss.core import sequence_stats
+    with torch.no_grad():
+        sel.score_model.head.load_state_dict(head_state)
+        weights = global_softmax(sel.scores(batch), sel.col)
+    _solve_lower_level(sel, batch, weights)
+    with torch.no_grad():
+        return float(sequence_stats(sel.proxy, val)[0].mean())
+
+
+def test_the_score_models_update_descends_the_validation_loss_of_the_trained_proxy_by_finite_differences():
+    """`outer_step` end to end: at the lower level's optimum, with the z-solve converged, the score model's step
+    (plain SGD in place of AdamW, so the step is the hypergradient times the rate) equals −lr × the gradient of
+    Φ(θs) = f(θp*(θs)) that central differences of the whole bilevel problem give, in direction and size."""
+    proxy, score, batch, val = _head_only_problem()
+    sel = BilevelSelector(proxy, score, lr=0.0, gamma=0.0, reg=0.05, grad_clip=0.0, inner_steps=1, z_loops=600,
+                          lr_z=0.5, lamb=0.0)
+    rate = 0.1
+    sel.score_opt = torch.optim.SGD(sel.score_params, lr=rate)
+    start = copy.deepcopy(score.head.state_dict())
+    _solve_lower_level(sel, batch, global_softmax(sel.scores(batch), sel.col))
+    theta_star = [p.detach().clone() for p in sel.params]
+    sel.outer_step(batch, val)
+    step = torch.cat([(score.head.state_dict()[k] - start[k]).reshape(-1) for k in start])
+    assert all(torch.equal(p, q) for p, q in zip(sel.params, theta_star))  # lr 0: the proxy stayed at the optimum
+
+    fd, eps = [], 1e-3
+    flat_start = torch.cat([start[k].reshape(-1) for k in start])
+    for i in range(len(flat_start)):
+        values = []
+        for sign in (1, -1):
+            moved = flat_start.clone()
+            moved[i] += sign * eps
+            state = {"weight": moved[:-1].view_as(start["weight"]), "bias": moved[-1:].clone()}
+            with torch.no_grad():
+                for p, q in zip(sel.params, theta_star):
+                    p.copy_(q)
+            values.append(_validation_loss_at_the_optimum(sel, batch, val, state))
+        fd.append((values[0] - values[1]) / (2 * eps))
+    grad = torch.tensor(fd, dtype=torch.float64)
+    expected = -rate * grad
+    cosine = float(step @ expected / (step.norm() * expected.norm()))
+    assert expected.norm() > 1e-4  # the problem has a hypergradient worth checking
+    assert cosine > 0.999, (step, expected)
+    assert float(step.norm() / expected.norm()) == pytest.approx(1.0, rel=0.02)

@@ -9,29 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rl.answers import last_boxed
 from rl.registry import register
 
 # Our reward service enforces the per-sample timeout itself; silence the "timeout disabled" notice.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
-
-
-def last_boxed(text: str) -> str | None:
-    """The last `\\boxed{...}` in `text` (nested braces matched), or None when there is none or it is unclosed."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:j + 1]
-    return None
 
 
 @register("reward", "math")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl.answers import equivalent
 from rl.registry import register
 
 SKILL_FIELDS = ("name", "category", "template")  # required; params, operator, checker, description optional
@@ -125,10 +126,7 @@ def sympy_check(problem: str, answer: str, operators: list[str] = (), max_abs: i
     value = evaluate(problem, max_abs)
     if value is None or any(op not in problem for op in operators):
         return False
-    try:
-        return int(answer.strip()) == value
-    except ValueError:
-        return False
+    return equivalent(answer, str(value))
 
 
 FINAL = re.compile(r"<final>\s*Problem:\s*(?P<problem>.*?)\s*Answer:\s*(?P<answer>.*?)\s*</final>", re.S)
@@ -230,19 +228,10 @@ def difficulty_band_share(pass_rates: list[float | None], band: tuple[float, flo
 
 
 def pass_rate(answers: list[str | None], truth: str) -> float:
-    """The prober's rho: the share of its k sampled answers equal to the verified answer."""
+    """The prober's rho: the share of its k sampled answers equivalent to the verified answer (math-verify)."""
     if not answers:
         return 0.0
-    return sum(1 for a in answers if a is not None and a.strip() == truth.strip()) / len(answers)
-
-
-def last_integer(text: str) -> str | None:
-    """A solver's answer: the content of its last `\\boxed{}`, else the last integer it wrote."""
-    boxed = re.findall(r"\\boxed\{([^}]*)\}", text)
-    if boxed:
-        return boxed[-1].strip()
-    ints = re.findall(r"-?\d+", text)
-    return ints[-1] if ints else None
+    return sum(1 for a in answers if equivalent(a, truth)) / len(answers)
 
 
 @register("sampler", "curriculum")

@@ -8,9 +8,13 @@ of the combination; the validity gate and "bonus only when solvable" are from th
   stated answer is a closed-form value math-verify parses: the code check of a natural-language problem) and any number of judge groups (frozen engine actors of `reward.judges`, asked
   `verifier_template` and read by their final yes/no);
 * rho is the prober's pass rate: the judge group `prober` (a frozen solver) samples `k` answers to each valid
-  problem (`solver_template`, at its own sampling settings) and rho is the share equal to the verified
-  answer (`match`: `exact` strings, or `math_verify` equivalence of the solver's last `\boxed{}`); D is
-  `1 - rho` (`difficulty: linear`) or `1[lo <= rho <= hi]` (`band`).
+  problem (`solver_template`, at its own sampling settings) and rho is the share equivalent to the verified
+  answer under math-verify (`match`: `equivalent` reads the solver's last `\\boxed{}`, else its last number;
+  `math_verify` requires the `\\boxed{}`, as the `math` reward does); D is `1 - rho` (`difficulty: linear`) or
+  `1[lo <= rho <= hi]` (`band`).
+
+The format bonus `r_fmt` goes to a Finalize answer math-verify reads as a closed-form value (`7`, `\\frac{1}{2}`,
+`0.75`, `\\sqrt{2}`), not to integers alone.
 
 It returns `{"score", "valid", ...}`: `valid` becomes `batch.valid`, which the `mgpo` estimator uses to zero
 an invalid trajectory's step rewards. The seed (ground truth) of each prompt is a dict naming the skills'
@@ -22,8 +26,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from rl.answers import parse_value, stated_answer
 from rl.methods.agentic_proposing.core import (
-    last_integer,
     majority_valid,
     parse_final,
     pass_rate,
@@ -43,11 +47,7 @@ _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 
 def answer_parses(answer: str) -> bool:
     """The `answer_form` check: math-verify reads a closed-form value (no free symbols) in the stated answer."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-    if not answer.strip() or len(answer) > 200:
-        return False
-    parsed = parse(f"${answer}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                   parsing_timeout=None)
+    parsed = parse_value(answer)
     return bool(parsed) and not getattr(parsed[0], "free_symbols", {None})
 
 
@@ -60,16 +60,17 @@ def final_verdict(text: str) -> bool | None:
 
 def pass_rates(prober: Any, finals: dict[int, tuple[str, str]], k: int, solver_template: str, match: str,
                seed: int) -> dict[int, float]:
-    """The prober's pass@k estimate rho of each valid problem: `k` sampled solutions, each right when its last
-    integer (`exact`) or its math-verify answer (`math_verify`) is the problem's stated answer."""
+    """The prober's pass@k estimate rho of each valid problem: `k` sampled solutions, each right when its stated
+    answer (`equivalent`: last `\\boxed{}`, else last number) or its boxed answer (`math_verify`) is equivalent to
+    the problem's stated answer."""
     order = list(finals)
     answers = prober.generate([solver_template.format(problem=finals[i][0]) for i in order for _ in range(k)],
                               seed=seed)
     rho = {}
     for j, i in enumerate(order):
         said = answers[j * k:(j + 1) * k]
-        if match == "exact":
-            rho[i] = pass_rate([last_integer(a) for a in said], finals[i][1])
+        if match == "equivalent":
+            rho[i] = pass_rate([stated_answer(a) for a in said], finals[i][1])
         else:  # the built-in `math` reward (math-verify), looked up by name: rewards/ lies above this layer
             verify = lookup("reward", "math")
             rho[i] = sum(verify("", a, ground_truth=finals[i][1]) or 0.0 for a in said) / k
@@ -82,13 +83,13 @@ def agentic_proposing_reward(prompts: list[str], responses: list[str], *, ground
                              judges: dict[str, Any], verifiers: list[str] = ("sympy",), prober: str | None = "prober",
                              k: int = 16, difficulty: str = "linear", band: list[float] = (0.125, 0.875),
                              r_fmt: float = 0.1, r_valid: float = 1.0, verifier_template: str = VERIFIER_TEMPLATE,
-                             solver_template: str = SOLVER_TEMPLATE, max_value: int = 10**6, match: str = "exact",
+                             solver_template: str = SOLVER_TEMPLATE, max_value: int = 10**6, match: str = "equivalent",
                              seed: int = 0, **_: Any) -> list[dict[str, Any]]:
     """Per proposal: `score` (R_traj), `valid` (V), and the components `has_final`, `format_ok`,
     `sympy_valid`, `judge_yes` (share of judge votes for valid), `verified` (V as a number, whose mean is the
     share of valid problems), `pass_rate` and `in_band` (valid problems)."""
-    if match not in ("exact", "math_verify"):
-        raise ValueError(f"agentic_proposing: match must be exact or math_verify, got {match!r}")
+    if match not in ("equivalent", "math_verify"):
+        raise ValueError(f"agentic_proposing: match must be equivalent or math_verify, got {match!r}")
     for name in [v for v in verifiers if v not in CHECKS] + ([prober] if prober else []):
         if name not in judges:
             raise ValueError(f"agentic_proposing needs reward.judges.{name} (have {sorted(judges)})")
@@ -119,7 +120,7 @@ def agentic_proposing_reward(prompts: list[str], responses: list[str], *, ground
            if prober and probed else {})
     lo, hi = band
     for i, final in enumerate(finals):
-        format_ok = final is not None and final[1].lstrip("-").isdigit()
+        format_ok = final is not None and answer_parses(final[1])
         row = out[i]
         row.update(has_final=float(final is not None), format_ok=float(format_ok), valid=valid[i],
                    verified=float(valid[i]))

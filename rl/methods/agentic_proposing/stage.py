@@ -25,9 +25,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rl.answers import equivalent, stated_answer
 from rl.config import engine_actor_config
 from rl.data import prompt_row_columns
-from rl.methods.agentic_proposing.core import last_integer, parse_final
+from rl.methods.agentic_proposing.core import parse_final
 from rl.registry import register, register_alias
 from rl.stages import Stage, StageContext, StageError, StageRuntime, say, stage_cfg
 
@@ -143,7 +144,7 @@ class AgenticProposingStage(Stage):
         return rows[:self.eval_max]
 
     def _accuracy(self, rt: StageRuntime, cfg: Any, model: str, rows: list[dict]) -> float:
-        """Greedy exact-answer accuracy of `model` on `rows`, from a frozen engine actor."""
+        """Greedy accuracy of `model` on `rows` (stated answers equivalent to the rows'), from a frozen engine actor."""
         jc = engine_actor_config(cfg, max_new_tokens=self.max_new_tokens, num_gpus=self.eval_num_gpus,
                                  chat_template=bool(cfg.data.chat_template))
         client = rt.start_judges({"solver": jc}, model)["solver"]
@@ -151,7 +152,7 @@ class AgenticProposingStage(Stage):
             said = client.generate([r["prompt"] for r in rows])
         finally:
             rt.stop_judges([client])
-        return sum(last_integer(s) == str(r["answer"]).strip() for s, r in zip(said, rows)) / max(1, len(rows))
+        return sum(equivalent(stated_answer(s), str(r["answer"])) for s, r in zip(said, rows)) / max(1, len(rows))
 
 
 def verified_solutions(problems: dict[str, str], said: list[str], k: int, template: str) -> tuple[list[dict], int]:
@@ -159,7 +160,7 @@ def verified_solutions(problems: dict[str, str], said: list[str], k: int, templa
     answer is the verified one becomes an SFT row; returns the rows and the number of problems without one."""
     rows, unsolved = [], 0
     for j, (problem, answer) in enumerate(problems.items()):
-        found = [s for s in said[j * k:(j + 1) * k] if last_integer(s) == answer.strip()]
+        found = [s for s in said[j * k:(j + 1) * k] if equivalent(stated_answer(s), answer)]
         if found:
             rows.append({"prompt": template.format(problem=problem), "target": found[0].strip(), "answer": answer})
         else:

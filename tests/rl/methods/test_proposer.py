@@ -139,9 +139,9 @@ def test_the_trajectory_reward_without_judges():
 
 
 def test_the_difficulty_bonus_from_the_probers_answers():
-    from rl.methods.agentic_proposing.core import last_integer
+    from rl.answers import stated_answer
     from rl.methods.agentic_proposing.mgpo import mgpo_trajectory_reward
-    answers = [last_integer(t) for t in ["7 35 \\boxed{35}", "7 30 \\boxed{30}", "35", "7 36 \\boxed{36}"] * 2]
+    answers = [stated_answer(t) for t in ["7 35 \\boxed{35}", "7 30 \\boxed{30}", "35", "7 36 \\boxed{36}"] * 2]
     rho = pass_rate(answers, "35")
     assert rho == 0.5 and pass_rate(["35", None, "1", "2"], "35") == 0.25
     assert mgpo_trajectory_reward(True, True, 0.25) == pytest.approx(0.1 + 1.0 + 0.75)  # rl/methods/agentic_proposing/README.md item 2
@@ -152,7 +152,7 @@ def test_an_invalid_proposal_with_two_working_tool_calls_gets_no_reward_at_all()
     """The README's hand-computed case 1 through the environment, the reward and the estimator."""
     from rl.methods.agentic_proposing.mgpo import compute_mgpo_advantages
     from rl.methods.agentic_proposing.reward import agentic_proposing_reward
-    _, steps, rewards = _episode(["<python>3*5</python>", "<check>(3+4)*5=35</check>", "<think>answer 15</think>",
+    _, steps, rewards = _episode(["<python>3*5</python>", "<check>3*5=15</check>", "<think>answer 15</think>",
                                   "<final>Problem: 3*5 Answer: 15</final>"])
     assert rewards[:2] == [1.0, 1.0]  # both tool calls ran and their outputs were used
     good = _episode(["<python>(3+4)*5</python>", "<final>Problem: (3+4)*5 Answer: 35</final>"])[2]
@@ -296,3 +296,77 @@ def test_rejection_sampling_keeps_the_first_solution_that_reaches_the_verified_a
     rows, unsolved = verified_solutions(problems, said, 3, "Solve: {problem}\n")
     assert unsolved == 1 and [r["prompt"] for r in rows] == ["Solve: (3+4)*5\n", "Solve: 9%4\n"]
     assert [r["target"] for r in rows] == ["7 35 \\boxed{35}", "1"] and [r["answer"] for r in rows] == ["35", "1"]
+
+
+# ---------------------------------------------------------------------------------------------- answers as values
+def test_tool_outputs_reflections_and_finals_are_compared_as_values_not_strings():
+    # a labelled print is used by the final answer it computed
+    _, steps, final = _episode(['<python>print("answer:", 6*7)</python>', "<final>Problem: 6*7 Answer: 42</final>"])
+    assert steps[0].reward == 1.0 and final[0] == 1.0
+    # a decimal output agrees with a reflection that states it and is used by an equivalent fraction
+    _, steps, final = _episode(["<python>3/4</python>", "<think>so the value is 0.75</think>",
+                                "<final>Problem: 3/4 Answer: \\frac{3}{4}</final>"])
+    assert steps[0].observation == "<out>0.75</out>\n"
+    assert steps[1].reward == 1.0 and final[:2] == [1.0, 1.0]
+    _, steps, final = _episode(["<python>3/4</python>", "<think>\\boxed{3/4}</think>",
+                                "<final>Problem: 3/4 Answer: 0.7</final>"])
+    assert steps[1].reward == 1.0 and final[0] == 1.0  # used by the reflection, though the final differs
+    _, steps, final = _episode(["<python>3/4</python>", "<think>so 0.8</think>", "<final>Problem: 3/4 Answer: 0.8</final>"])
+    assert steps[1].reward == 0.0 and final[0] == 0.0  # 0.8 is not 0.75
+
+
+def test_a_check_earns_once_per_distinct_check_and_only_when_used():
+    _, steps, final = _episode(["<check>(3+4)*5=35</check>", "<check>(3+4) * 5 = 35</check>",
+                                "<check>(3+4)*5=35</check>", "<check>(3+4)*5=36</check>",
+                                "<final>Problem: (3+4)*5 Answer: 35</final>"])
+    assert [s.observation for s in steps[:4]] == ["<out>ok</out>\n"] * 3 + ["<out>no</out>\n"]
+    assert [s.reward for s in steps[:4]] == [1.0, 0.0, 0.0, 1.0]  # repeats (spacing aside) earn nothing
+    assert steps[1].info["repeated"] and not steps[3].info["repeated"]
+    assert final[:4] == [1.0, 0.0, 0.0, 0.0]  # 36 is never used
+    _, _, final = _episode(["<check>7*5=35</check>", "<final>Problem: (3+4)*5 Answer: 35.0</final>"])
+    assert final[0] == 1.0  # used by an equivalent final answer
+
+
+def test_the_arithmetic_check_and_the_symbolic_verifier_accept_an_equivalent_answer():
+    _, steps, _ = _episode(["<check>(3+4)*5=35.0</check>"])
+    assert steps[0].observation == "<out>ok</out>\n"
+    assert sympy_check("(3+4)*5", "35.0", ["+", "*"]) and not sympy_check("(3+4)*5", "35.5", ["+", "*"])
+
+
+def test_the_format_bonus_is_for_any_closed_form_answer():
+    from rl.methods.agentic_proposing.reward import agentic_proposing_reward
+    responses = ["<final>Problem: 1/2 Answer: \\frac{1}{2}</final>", "<final>Problem: 3+4 Answer: 7</final>",
+                 "<final>Problem: 3/4 Answer: 0.75</final>", "<final>Problem: x Answer: x+1</final>"]
+    out = agentic_proposing_reward([""] * 4, responses, ground_truth=[{}] * 4, judges={}, verifiers=["answer_form"],
+                                   prober=None)
+    assert [o["format_ok"] for o in out] == [1.0, 1.0, 1.0, 0.0]
+    assert [o["score"] for o in out] == [pytest.approx(1.1)] * 3 + [0.0]
+
+
+class _Prober:
+    """A solver that answers from a fixed list (the prober the reward asks for k samples per problem)."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def generate(self, prompts, seed=0):
+        return self.answers[:len(prompts)]
+
+
+def test_the_probers_answers_count_when_equivalent():
+    from rl.methods.agentic_proposing.reward import agentic_proposing_reward
+    assert pass_rate(["0.5", "\\frac{1}{2}", "1/3", None], "1/2") == 0.5
+    prober = _Prober(["so \\boxed{0.5}", "it is 1/2", "\\boxed{\\frac{2}{4}}", "\\boxed{1/3}"])
+    out = agentic_proposing_reward([""], ["<final>Problem: 1/2 Answer: \\frac{1}{2}</final>"], ground_truth=[{}],
+                                   judges={"prober": prober}, verifiers=["answer_form"], k=4)
+    assert out[0]["pass_rate"] == 0.75 and out[0]["score"] == pytest.approx(0.1 + 1.0 + 0.25)
+    boxed_only = agentic_proposing_reward([""], ["<final>Problem: 1/2 Answer: \\frac{1}{2}</final>"],
+                                          ground_truth=[{}], judges={"prober": prober}, verifiers=["answer_form"],
+                                          k=4, match="math_verify")
+    assert boxed_only[0]["pass_rate"] == 0.5  # "it is 1/2" has no \\boxed{}
+
+
+def test_rejection_sampling_keeps_a_solution_with_an_equivalent_answer():
+    from rl.methods.agentic_proposing.stage import verified_solutions
+    rows, unsolved = verified_solutions({"1/2 + 1/4": "\\frac{3}{4}"}, ["0.7", "so 0.75", "3/4"], 3, "{problem}")
+    assert unsolved == 0 and rows[0]["target"] == "so 0.75"

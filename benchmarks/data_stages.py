@@ -209,7 +209,10 @@ def summarize(report: dict) -> dict:
                   "clean_share": {a: [x["clean_share"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
                   "final_eval_loss": {a: [x["final_eval_loss"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
                   "best_eval_loss": {a: [x["best_eval_loss"][a] for x in b] for a in ("bliss", "random", "proxy_loss")},
-                  "speedup": [x["speedup"] for x in b], "speedup_mean": mean(x["speedup"] for x in b)},
+                  # None: the seed never reached the random arm's best loss; the mean is over the seeds that did
+                  "speedup": [x["speedup"] for x in b],
+                  "seeds_reaching_random_best": f"{sum(x['speedup'] is not None for x in b)} of {len(b)}",
+                  "speedup_mean_of_seeds_that_reached": mean(x["speedup"] for x in b)},
         "ep_order": {a: {"boundary_jump": [x["arms"][a]["boundary_jump"] for x in e],
                          "final_eval_loss": [x["arms"][a]["final_eval_loss"] for x in e],
                          "early_domains_eval_loss": [x["arms"][a].get("early_domains_eval_loss") for x in e],

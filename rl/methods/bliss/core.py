@@ -149,7 +149,8 @@ class BilevelSelector:
     def __init__(self, proxy: torch.nn.Module, score_model: torch.nn.Module, collective: Collective | None = None,
                  *, lr: float = 1e-5, score_lr: float = 1e-5, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.1, grad_clip: float = 1.0, reg: float = 1e-6, gamma: float = 1e-4,
-                 inner_steps: int = 1, z_loops: int = 3, lr_z: float = 1e-2, lamb: float = 1e-2):
+                 inner_steps: int = 1, z_loops: int = 3, lr_z: float = 1e-2, lamb: float = 1e-2,
+                 warmup_steps: int = 0):
         self.proxy, self.score_model = proxy, score_model
         self.col = collective or Collective()
         self.params = [p for p in proxy.parameters() if p.requires_grad]
@@ -158,6 +159,9 @@ class BilevelSelector:
         self.score_opt = torch.optim.AdamW(self.score_params, lr=score_lr, betas=betas, weight_decay=weight_decay)
         self.grad_clip, self.reg, self.gamma = grad_clip, reg, gamma
         self.inner_steps, self.z_loops, self.lr_z, self.lamb = inner_steps, z_loops, lr_z, lamb
+        # both rates rise linearly over the first `warmup_steps` outer steps (the released scripts: 10% of them)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / max(1, warmup_steps)))
+                           for opt in (self.opt, self.score_opt)]
 
     def lower_level_loss(self, batch: Any, weights: torch.Tensor, target_logp: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +217,8 @@ class BilevelSelector:
         coeff = softmax_coefficients(weights.detach(), g, self.col)
         (coeff * scores).sum().backward()
         score_norm = self._step(self.score_opt, self.score_params)
+        for scheduler in self.schedulers:  # one outer step: the proxy's inner steps share its rate
+            scheduler.step()
         return {"lower_loss": float(self.col.sum(loss.detach())), "val_ce": float(self.col.sum(ce_val.detach().sum())
                 / count), "z_norm": float(z.norm()), "score_grad_norm": score_norm,
                 "weight_max": float(self.col.gather(weights.detach())[0].max())}

@@ -8,9 +8,14 @@
    pool rows as the paper's reference model is (published as the `policy` the following stages train).
 3. Per round (the pool in `rounds` shards, as data arrives in the paper): the proxy is reset to its warm-up, a
    score model is built on its backbone, `outer_steps` bilevel steps run on `world_size` data-parallel Ray
-   actors (gloo/NCCL, the softmax over the global batch of `batch_size` rows), then the shard is scored and its
+   actors (gloo/NCCL, the softmax over the global batch of `batch_size` rows; both learning rates warmed up
+   linearly over the first `warmup_fraction` of them, the released scripts' 10%), then the shard is scored and its
    top `ratio` kept. The ranks and the target actor run in the run's learner bundles (no learner holds them
    during this stage): `num_gpus_per_rank` + `target_num_gpus` must fit one device.
+4. Between rounds, with `target_steps_per_round`, the target continues training on the round's selection for
+   that many SFT steps (the paper continues the target's pretraining on each round's selection) and the next
+   round's KL term reads the trained target. The published `policy` stays the warmed-up target: the SFT stage
+   after this one trains on the whole selection.
 
 Artifacts: `sft` (the selected rows, JSONL, for the SFT stage that follows), `bliss_scores` (Parquet: row, round,
 score), `bliss_selection` (JSON: selected rows per round, the bilevel metrics).
@@ -113,7 +118,7 @@ class BlissStage(Stage):
                  gamma: float = 1e-2, lr_z: float = 1e-2, lamb: float = 1e-2, proxy: dict[str, Any] | None = None,
                  proxy_warmup_steps: int = 200, world_size: int = 1, num_gpus_per_rank: float = 0.0,
                  target_num_gpus: float = 0.0, target_warmup_steps: int = 0, val_path: str | None = None,
-                 log_every: int = 20):
+                 log_every: int = 20, warmup_fraction: float = 0.1, target_steps_per_round: int = 0):
         if not 0 < ratio <= 1 or rounds < 1:
             raise ValueError(f"ratio must be in (0, 1] ({ratio}) and rounds >= 1 ({rounds})")
         self.ratio, self.rounds, self.outer_steps = ratio, rounds, outer_steps
@@ -121,7 +126,9 @@ class BlissStage(Stage):
         # YAML reads `1e-3` (no dot) as a string: the rates are taken as numbers here
         self.hyper = {"lr": float(lr), "score_lr": float(score_lr), "weight_decay": float(weight_decay),
                       "grad_clip": float(grad_clip), "reg": float(reg), "gamma": float(gamma),
-                      "inner_steps": int(inner_steps), "z_loops": int(z_loops), "lr_z": float(lr_z), "lamb": float(lamb)}
+                      "inner_steps": int(inner_steps), "z_loops": int(z_loops), "lr_z": float(lr_z), "lamb": float(lamb),
+                      "warmup_steps": int(float(warmup_fraction) * outer_steps)}
+        self.target_steps_per_round = target_steps_per_round
         self.proxy = dict(proxy or {})
         self.proxy_warmup_steps, self.world_size = proxy_warmup_steps, world_size
         self.num_gpus_per_rank, self.target_num_gpus = num_gpus_per_rank, target_num_gpus
@@ -145,19 +152,9 @@ class BlissStage(Stage):
         rows, pool, dropped = sft_rows_and_examples(tok, pool_path, "data.sft_path", cfg.sft, cfg.data)
         val, _ = sft_examples(tok, val_path, f"{ctx.name} validation set", cfg.sft, cfg.data)
         base, produced = self._warm_up(ctx, cfg, tok, pool)
-        rt = ctx.runtime  # rank r in learner bundle r, the target beside rank 0
-        target = rt.start_actor(TargetLogprobs, base, cfg.model.dtype, cfg.model.trust_remote_code,
-                                num_gpus=self.target_num_gpus)
-        addr, port = rt.rendezvous(self.world_size)
-        workers = [rt.start_actor(BlissWorker, r, self.world_size, addr, port, self.hyper, cfg.learner.threads,
-                                  bundle=r, num_gpus=self.num_gpus_per_rank) for r in range(self.world_size)]
         shards = [list(range(len(pool)))[r::self.rounds] for r in range(self.rounds)]
-        try:
-            scores, selected, history = self._select(ctx, target, workers, pool, val, shards, tok.pad_token_id,
-                                                     cfg.seed)
-        finally:
-            rt.stop_actors([target, *workers])
-        return {**produced, **self._write(ctx, rows, pool, dropped, shards, scores, selected, history)}
+        scores, selected, history, targets = self._select(ctx, cfg, tok, base, pool, val, shards)
+        return {**produced, **self._write(ctx, rows, pool, dropped, shards, scores, selected, history, targets)}
 
     def _warm_up(self, ctx: StageContext, cfg: Any, tok: Any, pool: list) -> tuple[str, dict[str, str]]:
         """The proxy warmed up on random pool rows (at `stage_dir/proxy`), and the target: the policy, or the
@@ -179,16 +176,35 @@ class BlissStage(Stage):
                               str(target_path), tok, pool)
         return str(target_path), {"policy": str(target_path)}
 
-    def _select(self, ctx: StageContext, target: Any, workers: list[Any], pool: list, val: list,
-                shards: list[list[int]], pad: int, seed: int) -> tuple[torch.Tensor, list[list[int]], list[dict]]:
+    def _select(self, ctx: StageContext, cfg: Any, tok: Any, target_path: str, pool: list, val: list,
+                shards: list[list[int]]) -> tuple[torch.Tensor, list[list[int]], list[dict], list[str]]:
         """Per round: a new score model trained by `outer_steps` bilevel steps on its shard, then the shard scored
-        and its top `ratio` kept. Returns the scores, the selection per round and the step history."""
-        from rl.batch import batch_of_examples
-        rt, rng = ctx.runtime, random.Random(seed)
-        scores = torch.zeros(len(pool))
-        selected, history = [], []
+        and its top `ratio` kept; with `target_steps_per_round`, the target trained on the selection before the
+        next round. Returns the scores, the selection per round, the step history and each round's target."""
+        rng, scores = random.Random(cfg.seed), torch.zeros(len(pool))
+        selected, history, targets = [], [], []
         for rnd, shard in enumerate(shards):
-            rt.wait([rt.call(w, "reset", str(ctx.stage_dir / "proxy"), seed + rnd) for w in workers])
+            targets.append(target_path)
+            history += self._round(ctx, cfg, target_path, pool, val, shard, rng, scores, tok.pad_token_id, rnd)
+            keep = max(1, int(len(shard) * self.ratio))
+            selected.append(sorted(sorted(shard, key=lambda i: (-float(scores[i]), i))[:keep]))
+            if self.target_steps_per_round and rnd < len(shards) - 1:
+                target_path = self._train_target(ctx, cfg, tok, target_path, [pool[i] for i in selected[-1]], rnd)
+        return scores, selected, history, targets
+
+    def _round(self, ctx: StageContext, cfg: Any, target_path: str, pool: list, val: list, shard: list[int],
+               rng: random.Random, scores: torch.Tensor, pad: int, rnd: int) -> list[dict]:
+        """One round's bilevel steps on actors of its own (rank r in learner bundle r, the target beside rank 0),
+        and the shard's scores into `scores`; returns the round's step history."""
+        from rl.batch import batch_of_examples
+        rt, history = ctx.runtime, []
+        target = rt.start_actor(TargetLogprobs, target_path, cfg.model.dtype, cfg.model.trust_remote_code,
+                                num_gpus=self.target_num_gpus)
+        addr, port = rt.rendezvous(self.world_size)
+        workers = [rt.start_actor(BlissWorker, r, self.world_size, addr, port, self.hyper, cfg.learner.threads,
+                                  bundle=r, num_gpus=self.num_gpus_per_rank) for r in range(self.world_size)]
+        try:
+            rt.wait([rt.call(w, "reset", str(ctx.stage_dir / "proxy"), cfg.seed + rnd) for w in workers])
             for step in range(1, self.outer_steps + 1):
                 metrics = self._outer_step(rt, target, workers, pool, val, shard, rng, pad)
                 history.append({"round": rnd, "step": step, **metrics})
@@ -197,9 +213,21 @@ class BlissStage(Stage):
             for start in range(0, len(shard), 256):
                 chunk = shard[start:start + 256]
                 scores[chunk] = rt.wait(rt.call(workers[0], "scores", batch_of_examples([pool[i] for i in chunk], pad)))
-            keep = max(1, int(len(shard) * self.ratio))
-            selected.append(sorted(sorted(shard, key=lambda i: (-float(scores[i]), i))[:keep]))
-        return scores, selected, history
+        finally:
+            rt.stop_actors([target, *workers])
+        return history
+
+    def _train_target(self, ctx: StageContext, cfg: Any, tok: Any, target_path: str, examples: list,
+                      rnd: int) -> str:
+        """The target after `target_steps_per_round` SFT steps on round `rnd`'s selection (the next round's)."""
+        from omegaconf import OmegaConf
+        out = ctx.stage_dir
+        say(f"{ctx.name}: target trained {self.target_steps_per_round} steps on round {rnd}'s selection")
+        train_cfg = OmegaConf.merge(cfg, {"output_dir": str(out / f"target_round{rnd + 1}_run"), "resume": "no",
+                                          "sft": {"epochs": 0, "steps": self.target_steps_per_round,
+                                                  "save_every": 0}})
+        ctx.runtime.fine_tune(train_cfg, target_path, str(out / f"target_round{rnd + 1}"), tok, examples)
+        return str(out / f"target_round{rnd + 1}")
 
     def _outer_step(self, rt: Any, target: Any, workers: list[Any], pool: list, val: list, shard: list[int],
                     rng: random.Random, pad: int) -> dict[str, float]:
@@ -221,7 +249,8 @@ class BlissStage(Stage):
         return rt.wait(futures)[0]
 
     def _write(self, ctx: StageContext, rows: list[dict], pool: list, dropped: dict, shards: list[list[int]],
-               scores: torch.Tensor, selected: list[list[int]], history: list[dict]) -> dict[str, str]:
+               scores: torch.Tensor, selected: list[list[int]], history: list[dict], targets: list[str]
+               ) -> dict[str, str]:
         """The selected rows, every row's score and the selection report; the stage's artifacts."""
         import pandas as pd
         out = ctx.stage_dir
@@ -233,7 +262,8 @@ class BlissStage(Stage):
         selected_path = out / "sft_selected.jsonl"
         selected_path.write_text("".join(json.dumps(rows[pool[i].row], default=str) + "\n" for i in chosen))
         report = {"pool_rows": len(pool), "dropped_rows": dropped, "selected_rows": len(chosen),
-                  "selected_per_round": [[pool[i].row for i in part] for part in selected], "history": history}
+                  "selected_per_round": [[pool[i].row for i in part] for part in selected],
+                  "target_per_round": targets, "history": history}
         report_path = out / "bliss_selection.json"
         report_path.write_text(json.dumps(report))
         ctx.summary[ctx.name] = {"pool_rows": len(pool), "selected_rows": len(chosen),

@@ -239,3 +239,23 @@ def test_the_score_models_update_descends_the_validation_loss_of_the_trained_pro
     assert expected.norm() > 1e-4  # the problem has a hypergradient worth checking
     assert cosine > 0.999, (step, expected)
     assert float(step.norm() / expected.norm()) == pytest.approx(1.0, rel=0.02)
+
+
+def test_both_rates_warm_up_linearly_over_the_first_outer_steps():
+    """`warmup_steps` W: the k-th outer step (from 0) runs at min(1, (k + 1) / W) of each rate, so AdamW's first
+    proxy update (proportional to the rate) is 1/W of the one without warm-up."""
+    moves = {}
+    for warmup in (0, 4):
+        proxy, score, batch, val, target_logp = _setup()
+        before = [p.detach().clone() for p in proxy.parameters()]
+        sel = BilevelSelector(proxy, score, **{**HYPER, "inner_steps": 1, "warmup_steps": warmup})
+        rates = []
+        for _ in range(5):
+            rates.append((sel.opt.param_groups[0]["lr"], sel.score_opt.param_groups[0]["lr"]))
+            sel.outer_step(batch, val, target_logp)
+            if len(rates) == 1:
+                moves[warmup] = torch.cat([(p.detach() - q).reshape(-1) for p, q in zip(proxy.parameters(), before)])
+        if warmup:
+            lr, score_lr = HYPER["lr"], HYPER["score_lr"]
+            assert rates == [pytest.approx((lr * f, score_lr * f)) for f in (0.25, 0.5, 0.75, 1.0, 1.0)]
+    assert torch.allclose(moves[4], moves[0] / 4, rtol=1e-4, atol=1e-9)

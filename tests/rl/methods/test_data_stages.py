@@ -2,6 +2,7 @@
 selection, the SFT stage trains on it in that order."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -22,7 +23,8 @@ def test_select_then_order_then_sft(ray_cluster, tmp_path):
     stages = ("stages=[{name: model}, {name: data}, {name: bliss, params: {ratio: 0.5, rounds: 2, "
               "outer_steps: 3, batch_size: 8, val_batch_size: 2, inner_steps: 2, z_loops: 2, lr: 1e-3, "
               "score_lr: 1e-3, gamma: 0.01, proxy: {hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
-              "intermediate_size: 64}, proxy_warmup_steps: 2, target_warmup_steps: 2, world_size: 2}}, "
+              "intermediate_size: 64}, proxy_warmup_steps: 2, target_warmup_steps: 2, world_size: 2, "
+              "target_steps_per_round: 2}}, "
               "{name: ep_order, params: {k: 6, warmup_fraction: 0.2, warmup_epochs: 2, two_opt: true, "
               "embed_tokens: all, restarts: 3}}, {name: sft}]")
     summary = run(config.load(ROOT / "recipes/bliss_select_sft_tiny.yaml", [
@@ -39,6 +41,10 @@ def test_select_then_order_then_sft(ray_cluster, tmp_path):
         shard = scores[scores["round"] == rnd].sort_values(["score", "row"], ascending=[False, True])
         assert sorted(chosen) == sorted(shard["row"][:len(shard) // 2])
     assert len(report["history"]) == 6 and all(h["z_norm"] > 0 for h in report["history"])
+    # the second round's KL term read the target trained on the first round's selection
+    first, second = report["target_per_round"]
+    assert first.endswith("target") and second.endswith("target_round1")
+    assert (Path(second) / "config.json").exists()
     chosen = sorted(sum(per_round, []))
     selected = [json.loads(x) for x in (bliss / "sft_selected.jsonl").read_text().splitlines()]
     assert selected == [{"prompt": pool[i]["prompt"], "target": pool[i]["target"]} for i in chosen]

@@ -237,9 +237,10 @@ def parse_crud(text: str) -> CrudOps:
 
 
 def word_overlap_duplicate(a: str, b: str, threshold: float = 0.6) -> bool:
-    """Duplicate when the shared words exceed `threshold` × the shorter insight's distinct words."""
-    wa, wb = set(a.lower().split()), set(b.lower().split())
-    return len(wa & wb) > threshold * min(len(wa), len(wb))
+    """Duplicate when the words the two insights share (distinct) exceed `threshold` × the shorter insight's word
+    count (every word, repeats included, as the released code counts it)."""
+    a_words, b_words = a.lower().split(), b.lower().split()
+    return len(set(a_words) & set(b_words)) > threshold * min(len(a_words), len(b_words))
 
 
 def apply_crud(insights: list[str], ops: CrudOps, max_insights: int = 15, dup_overlap: float = 0.6

@@ -359,7 +359,7 @@ class MemoStage(Stage):
         rng.setstate(state["rng"])
         env = trueskill_env()
         if state["population"] is None:
-            state["population"] = self._initial_population(analyzer, rng)
+            state["population"], state["analyzer_malformed"] = self._initial_population(analyzer, rng)
         for gen in range(state["generation"] + 1, self.generations):
             t0 = time.perf_counter()
             row = self._generation(ctx, player, analyzer, opponents, state, rng, env, gen)
@@ -525,15 +525,17 @@ class MemoStage(Stage):
     def _ask(self, analyzer: ModelClient, texts: list[str], rng: random.Random) -> list[str]:
         return analyzer.generate(texts, seed=rng.randint(0, 2**31 - 1))
 
-    def _initial_population(self, analyzer: ModelClient, rng: random.Random) -> list[Candidate]:
-        """The base prompt, the recipe's `initial_prompts`, then style variations written by the analyzer."""
+    def _initial_population(self, analyzer: ModelClient, rng: random.Random) -> tuple[list[Candidate], int]:
+        """The base prompt, the recipe's `initial_prompts`, then style variations written by the analyzer; and
+        how many of the analyzer's answers were empty (malformed: the base prompt stands in)."""
         out = [Candidate("g0c0", self.base_prompt, 0, "base")]
         out += [Candidate(f"g0c{i}", p, 0, "given") for i, p in enumerate(self.initial_prompts, 1)]
         styles = [STYLES[i % len(STYLES)] for i in range(self.population - len(out))]
         asks = [style_request(self.game, self.base_prompt, s, self.compact) for s in styles]
-        for s, text in zip(styles, self._ask(analyzer, asks, rng)):
-            out.append(Candidate(f"g0c{len(out)}", clean_prompt(text) or self.base_prompt, 0, f"style:{s}"))
-        return out
+        prompts = [clean_prompt(text) for text in self._ask(analyzer, asks, rng)]
+        for s, prompt in zip(styles, prompts):
+            out.append(Candidate(f"g0c{len(out)}", prompt or self.base_prompt, 0, f"style:{s}"))
+        return out, sum(not p for p in prompts)
 
     def _update_memory(self, analyzer: ModelClient, population: list[Candidate], games: list[dict[str, Any]],
                        recs: dict[str, Any], state: dict[str, Any], fitness: dict[str, float],
@@ -595,7 +597,9 @@ class MemoStage(Stage):
             a, b = ranked[0], ranked[min(1 + i, len(ranked) - 1)]
             asks.append(crossover_request(self.game, a.prompt, b.prompt, self.compact))
             meta.append(("crossover", [a.id, b.id]))
-        for j, ((origin, parents), text) in enumerate(zip(meta, self._ask(analyzer, asks, rng))):
-            nxt.append(Candidate(f"g{gen + 1}c{j}", clean_prompt(text) or self.base_prompt, gen + 1, origin, parents))
+        prompts = [clean_prompt(text) for text in self._ask(analyzer, asks, rng)]
+        state["analyzer_malformed"] += sum(not p for p in prompts)  # an empty answer: the base prompt stands in
+        for j, ((origin, parents), prompt) in enumerate(zip(meta, prompts)):
+            nxt.append(Candidate(f"g{gen + 1}c{j}", prompt or self.base_prompt, gen + 1, origin, parents))
         return nxt
 

@@ -175,3 +175,35 @@ def test_population_plan_of_the_released_scripts():
         "keep": 2, "random": 0, "memory_guided": 6, "trajectory": 0, "crossover": 0}
     with pytest.raises(ValueError, match="unknown"):
         population_plan(8, {"keep": 0.25, "mutate": 0.5})
+
+
+def test_the_duplicate_check_counts_the_shorter_insights_words_not_its_distinct_words():
+    from rl.methods.memo.core import word_overlap_duplicate
+    # shared distinct words {win, fast}: 2. The first has 6 words (2 distinct), the second 4: 2 > 0.6 * 4 is false
+    assert not word_overlap_duplicate("win win win win win fast", "win fast now please")
+    # 3 shared of the shorter's 4 words: 3 > 2.4
+    assert word_overlap_duplicate("take the center early", "always take the center square")
+
+
+class _EmptyAnalyzer:
+    """An analyzer that answers every request with `answers` in turn (empty strings: nothing usable)."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def generate(self, prompts, seed=0):
+        return [self.answers[i % len(self.answers)] for i in range(len(prompts))]
+
+
+def test_an_empty_analyzer_answer_stands_in_with_the_base_prompt_and_is_counted_as_malformed():
+    from rl.methods.memo.stage import MemoStage
+    stage = MemoStage(population=4, seed=0)
+    population, malformed = stage._initial_population(_EmptyAnalyzer(["", "play the corners first", "  "]),
+                                                      random.Random(0))
+    assert [c.prompt for c in population[1:]] == [stage.base_prompt, "play the corners first", stage.base_prompt]
+    assert malformed == 2
+    state = {"memory": [], "analyzer_malformed": malformed}
+    fitness = {c.id: float(i) for i, c in enumerate(population)}
+    stage._next_population(_EmptyAnalyzer([""]), population, fitness, [], state, random.Random(1), 0)
+    elites = int(stage.population * stage.shares["keep"])
+    assert state["analyzer_malformed"] == 2 + stage.population - elites

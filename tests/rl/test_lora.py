@@ -220,13 +220,16 @@ def _trained_looking_ulora(context=True, seed=0):
     return tok, model.eval()
 
 
-def test_ulora_decodes_with_a_kv_cache_the_model_a_full_forward_computes():
+@pytest.mark.parametrize("prompts", [["12+3*4=", "5+6=", "1+2*3+45="], ["7"]], ids=["three", "one_token"])
+def test_ulora_decodes_with_a_kv_cache_the_model_a_full_forward_computes(prompts):
     """Left-padded prompts of different lengths, greedy through the decode loop's KV cache: every sampled token's
-    logprob equals the full forward's over that row alone (no padding) to 1e-5."""
+    logprob equals the full forward's over that row alone (no padding) to 1e-5 (a one-token prompt: the first
+    decode step continues a cache of one token)."""
     from rl.batch import pad_token_rows
     from rollout.decoding import decode
     tok, model = _trained_looking_ulora()
-    rows = [tok(p, add_special_tokens=False)["input_ids"] for p in ["12+3*4=", "5+6=", "1+2*3+45="]]
+    rows = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert len(rows[0]) == 1 or len(prompts) > 1
     ids, mask = pad_token_rows(rows, tok.pad_token_id, "left")
     resp, logp, lengths, _, _ = decode(model, ids, mask, max_new_tokens=10, temperature=0.0, top_k=0, top_p=1.0,
                                        eos_token_id=-1, pad_token_id=tok.pad_token_id)
@@ -280,3 +283,228 @@ def test_the_ema_prior_advances_once_per_optimizer_step_under_gradient_checkpoin
     state = layer.lora_ema["default"]
     assert float(state[4]) == 1
     assert torch.allclose(state[:4], (1 - layer.beta) * total / count, atol=1e-6)
+
+
+def _first_layer_gates(model, **inputs):
+    """The first U-LoRA layer's gates for `inputs` (its input, the normed embeddings, depends on the token alone,
+    so its gates differ only through the context term)."""
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    with torch.no_grad():
+        model(**inputs)
+    return layer.last_gate
+
+
+def test_packed_sequences_keep_their_context_apart():
+    """A row packing two sequences (position ids restart at 0): the second sequence's gates are those it has
+    alone; with position ids that run on, its context would include the first sequence."""
+    _, model = _trained_looking_ulora()
+    first, second = [5, 6, 7, 8, 9], [11, 12, 13, 14]
+    alone = _first_layer_gates(model, input_ids=torch.tensor([second]))
+    packed = _first_layer_gates(model, input_ids=torch.tensor([first + second]),
+                                position_ids=torch.tensor([list(range(5)) + list(range(4))]))
+    run_on = _first_layer_gates(model, input_ids=torch.tensor([first + second]),
+                                position_ids=torch.tensor([list(range(9))]))
+    assert torch.allclose(packed[0, 5:], alone[0], atol=1e-6)
+    assert not torch.allclose(run_on[0, 5:], alone[0], atol=1e-3)
+    assert torch.allclose(packed[0, :5], run_on[0, :5], atol=1e-6)  # the first sequence is the same either way
+
+
+def test_padding_is_left_out_however_the_model_is_called():
+    """Left padding: the gates of a padded row equal those of the row alone, with the ids as a keyword, as the
+    first positional argument, or as input embeddings (the hook reads the token count from whichever is given)."""
+    tok, model = _trained_looking_ulora()
+    row = torch.tensor([[5, 6, 7, 8]])
+    padded, mask = torch.tensor([[0, 0, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1]])
+    alone = _first_layer_gates(model, input_ids=row)
+    embeds = model.get_input_embeddings()(padded)
+    calls = {"keyword": {"input_ids": padded}, "embeds": {"inputs_embeds": embeds}}
+    for name, inputs in calls.items():
+        assert torch.allclose(_first_layer_gates(model, attention_mask=mask, **inputs)[0, 2:], alone[0],
+                              atol=1e-6), name
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    with torch.no_grad():
+        model(padded, attention_mask=mask)
+    assert torch.allclose(layer.last_gate[0, 2:], alone[0], atol=1e-6)
+    unmasked = _first_layer_gates(model, input_ids=padded)  # without the mask the padding counts
+    assert not torch.allclose(unmasked[0, 2:], alone[0], atol=1e-3)
+
+
+def test_context_sums_by_hand():
+    """Two rows: padding left out, a sequence start resetting the sums, carried sums (a KV-cached forward's
+    earlier tokens) added only before the first start of the chunk."""
+    from models.adapters import context_sums
+    z = torch.tensor([[1.0, 2, 3, 4, 5], [2, 2, 2, 2, 2]])[..., None]
+    mask = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    starts = torch.tensor([[False, False, False, True, False], [False, True, False, False, False]])
+    carried = (torch.tensor([[10.0], [6.0]]), torch.tensor([2.0, 3.0]))
+    sums, counts = context_sums(z, mask, starts, carried)
+    # row 0: cumsum of the real tokens 1, 1, 4, then 4 from the start at t=3, 9; carried 10 (2 tokens) before it
+    assert sums[..., 0].tolist() == [[11, 11, 14, 4, 9], [8, 2, 4, 6, 8]]
+    assert counts[..., 0].tolist() == [[3, 3, 4, 1, 2], [4, 1, 2, 3, 4]]
+    plain, n = context_sums(z, None, None, None)  # every token real, one sequence a row
+    assert plain[..., 0].tolist() == [[1, 3, 6, 10, 15], [2, 4, 6, 8, 10]] and n[0, :, 0].tolist() == [1, 2, 3, 4, 5]
+
+
+def _layer_input(model):
+    """The first U-LoRA layer and a hook that keeps its input."""
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    seen = {}
+    layer.register_forward_pre_hook(lambda mod, args: seen.__setitem__("x", args[0].detach()))
+    return layer, seen
+
+
+def test_a_layers_gates_by_hand():
+    """g̃ = (1 − λ) g + λ m̂ with g = r · softmax(W_u z + b_u + W_c c + b_c), z = A x, c the running mean of z over
+    the real tokens so far, m̂ the bias-corrected prior; the layer's output is W0 x + s · B(g̃ ⊙ z)."""
+    _, model = _trained_looking_ulora()
+    layer, seen = _layer_input(model)
+    ids, mask = torch.tensor([[0, 5, 6, 7, 8, 9]]), torch.tensor([[0, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        x = seen["x"]
+        a, b = layer.lora_A["default"], layer.lora_B["default"]
+        gu, gc = layer.lora_gate_u["default"], layer.lora_gate_c["default"]
+        z = a(x)[0]  # [T, r]
+        c = torch.stack([z[1:t + 1].mean(0) if t >= 1 else torch.zeros(4) for t in range(6)])  # padding at t=0
+        c[0] = 0.0  # the padding position itself: no real token yet (its sum 0 over a count clamped to 1)
+        g = 4 * torch.softmax(gu(z) + gc(c), -1)
+        state = layer.lora_ema["default"]
+        m_hat = state[:4] / (1 - layer.beta ** float(state[4]))
+        expected = (1 - layer.lam) * g + layer.lam * m_hat
+        out = layer(x)
+    assert torch.allclose(layer.last_gate[0], expected, atol=1e-6)
+    assert (layer.beta, layer.lam, layer.context) == (0.99, 0.3, True)  # the documented defaults
+    assert torch.allclose(out[0], layer.base_layer(x)[0] + layer.scaling["default"] * b(expected * z), atol=1e-5)
+
+
+def test_on_two_dimensional_inputs_the_context_is_the_token_itself():
+    """U-LoRA around any module (`task_type` None): a [N, d] input has no sequence, so c = z."""
+    from models.adapters import ulora
+    torch.manual_seed(0)
+    net = ulora(torch.nn.Sequential(torch.nn.Linear(6, 6)), r=2, target_modules=["0"], task_type=None)
+    layer = net.base_model.model[0]
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n or "lora_gate" in n:
+                p.normal_()
+        x = torch.randn(3, 6)
+        net(x)
+        z = layer.lora_A["default"](x)
+        g = 2 * torch.softmax(layer.lora_gate_u["default"](z) + layer.lora_gate_c["default"](z), -1)
+    assert torch.allclose(layer.last_gate, g, atol=1e-6)  # no prior yet: the plain gate
+
+
+def test_the_ulora_wrapper_keeps_peft_s_options_and_refuses_to_merge():
+    from models.adapters import ulora
+    from models.tiny import build_tiny_model, build_tiny_tokenizer
+    tok = build_tiny_tokenizer()
+    model = ulora(build_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), r=4,
+                  dropout=0.5, target_modules=["q_proj"])
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    assert type(model).__name__ == "PeftModelForCausalLM" and layer.lora_dropout["default"].p == 0.5
+    with pytest.raises(NotImplementedError, match="cannot be merged"):
+        layer.merge()
+
+
+def test_the_reference_forward_is_the_base_model():
+    from models.adapters import reference_forward
+    from models.tiny import build_tiny_model
+    tok, model = _trained_looking_ulora()
+    base = build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), reference_forward(model):
+        ref = model(input_ids=x).logits
+    assert torch.allclose(ref, base(input_ids=x).logits, atol=1e-6)
+    assert not torch.allclose(model(input_ids=x).logits, ref, atol=1e-3)
+
+
+def test_every_wrapper_of_the_model_sets_the_context():
+    """peft reaches the base model by a call on some paths and by `.forward` on others: calling the peft model, its
+    LoRA model or the base model itself, the padded row's gates are the row's alone."""
+    _, model = _trained_looking_ulora()
+    row = torch.tensor([[5, 6, 7, 8]])
+    padded, mask = torch.tensor([[0, 0, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1]])
+    alone = _first_layer_gates(model, input_ids=row)
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    for name, call in (("peft", model), ("lora", model.base_model), ("base", model.get_base_model())):
+        _first_layer_gates(model, input_ids=torch.tensor([[9, 9, 9, 9, 9, 9]]))  # a context from another call
+        with torch.no_grad():
+            call(input_ids=padded, attention_mask=mask)
+        assert torch.allclose(layer.last_gate[0, 2:], alone[0], atol=1e-6), name
+
+
+def test_only_training_forwards_with_gradients_count_toward_the_prior():
+    """Forwards under no_grad (in train or eval mode: logprob passes) and eval forwards leave the step's record
+    alone; a micro-batch without an attention mask counts every token; a step with nothing recorded leaves the
+    prior as it is; one real token is enough to advance it."""
+    from models.adapters import finish_optimizer_step
+    tok, model = _trained_looking_ulora()
+    layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("lora_ema.default"):
+                b.zero_()
+    finish_optimizer_step(model)  # nothing recorded: no change
+    assert torch.equal(layer.lora_ema["default"], torch.zeros(5))
+    model.train()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])  # 6 tokens: not r (4), so a transposed sum cannot pass for the gates'
+    model(input_ids=ids, labels=ids).loss.backward()
+    g = layer.last_gate[0].clone()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[11, 12, 13]]))  # train mode, no gradients
+    model.eval()
+    model(input_ids=torch.tensor([[14, 15]]))  # eval mode
+    model.train()
+    finish_optimizer_step(model)
+    assert float(layer.lora_ema["default"][4]) == 1
+    assert torch.allclose(layer.lora_ema["default"][:4], (1 - layer.beta) * g.mean(0), atol=1e-6)
+    one = torch.tensor([[7]])
+    model(input_ids=one, labels=one).logits.sum().backward()
+    finish_optimizer_step(model)
+    assert float(layer.lora_ema["default"][4]) == 2
+
+
+_RANK_BATCHES = [torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[11, 12, 13], [14, 15, 16]])]
+
+
+def _zero_prior_ulora():
+    tok, model = _trained_looking_ulora()
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("lora_ema.default"):
+                b.zero_()
+    return model.train()
+
+
+def _ulora_rank(rank, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+
+    from models.adapters import finish_optimizer_step
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = _zero_prior_ulora()
+    ids = _RANK_BATCHES[rank]
+    model(input_ids=ids, labels=ids).loss.backward()
+    finish_optimizer_step(model)
+    torch.save({n: b for n, b in model.named_buffers() if n.endswith("lora_ema.default")},
+               f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_prior_of_a_step_split_over_two_ranks_is_the_prior_of_one_process_over_both_micro_batches(tmp_path):
+    import torch.multiprocessing as mp
+
+    from cluster.ray_utils import free_port
+    from models.adapters import finish_optimizer_step
+    model = _zero_prior_ulora()
+    for ids in _RANK_BATCHES:
+        model(input_ids=ids, labels=ids).loss.backward()
+    finish_optimizer_step(model)
+    want = {n: b for n, b in model.named_buffers() if n.endswith("lora_ema.default")}
+    mp.spawn(_ulora_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, value in want.items():
+            assert float(value[-1]) == 1 and torch.allclose(got[name], value, atol=1e-6), (rank, name)

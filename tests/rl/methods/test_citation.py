@@ -229,3 +229,41 @@ def test_the_correctness_judge_reads_its_last_rating_and_fails_a_sample_it_canno
     out = judge_correctness(["What is 2+2?"], ["4"], ground_truth=["4"], judges={"correctness_judge": judge},
                             retries=1)
     assert isinstance(out[0], RewardFailure) and "no [[rating]] in 2 tries" in out[0].reason and judge.calls == 2
+
+
+def test_the_llm_judge_asks_each_question_with_its_text_and_reads_the_first_rating_it_names():
+    """The model judge's protocol (prompts in, bracketed ratings out), with a text function standing in for the
+    judge engine: each question carries its statement and evidence, and the ratings are read in the order that
+    keeps [[Unrelevant]] from being read as [[Relevant]] and [[Partially supported]] from [[No support]]."""
+    from rl.methods.guidance.core import LLMCitationJudge
+    asked: list[str] = []
+
+    def answers(*replies):
+        it = iter(replies)
+
+        def generate(prompts):
+            asked.extend(prompts)
+            return [next(it) for _ in prompts]
+        return generate
+
+    judge = LLMCitationJudge(answers("Rating: [[Fully supported]]", "[[partially supported]] mostly",
+                                     "[[No support]]", "no rating at all"))
+    assert [judge.support("Kov owns 42 goats.", "Kov owns 42 goats and 3 cats.") for _ in range(4)] == [
+        1.0, 0.5, 0.0, 0.0]
+    assert "Kov owns 42 goats and 3 cats." in asked[0] and "Statement: Kov owns 42 goats." in asked[0]
+    judge = LLMCitationJudge(answers("[[Unrelevant]]", "It is [[Relevant]].", "[[relevant]] though [[unrelevant]]"))
+    assert [judge.relevant("s", "e") for _ in range(3)] == [0.0, 1.0, 0.0]
+    judge = LLMCitationJudge(answers("[[Yes]]", "[[No]]", "maybe"))
+    assert [judge.needs_citation("Kov has 3 cousins.") for _ in range(3)] == [1.0, 0.0, 0.0]
+    assert "Kov has 3 cousins." in asked[-1] and "citation" in asked[-1]
+
+
+def test_post_hoc_citation_picks_the_chunk_with_the_most_shared_words_and_leaves_unmatched_sentences_uncited():
+    from rl.methods.guidance.core import chunks_of
+    context = "<C0>Kov owns 42 goats near the river.<C1>Kov owns 42 goats and walks 7 miles by the river daily."
+    assert len(chunks_of(context)) == 2
+    # 7 shared words with C1 against 3 with C0; none; 3 with each (a tie goes to the first chunk)
+    got = post_hoc_cite("Kov walks 7 miles by the river.\nZed sings loudly! Kov owns goats?", context)
+    assert got == ("<statement>Kov walks 7 miles by the river.<cite>[1-1]</cite></statement>"
+                   "Zed sings loudly!"
+                   "<statement>Kov owns goats?<cite>[0-0]</cite></statement>")

@@ -23,12 +23,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # target -> mutmut's names of its functions' mutants (`module.x_function__mutmut_N`)
-TARGETS = {
-    "advantages": "rl.advantages.",
-    "losses": "rl.losses.",
-    "zo_finetuner": "rl.methods.zo_finetuner.optimizer.",
-    "fair_calib": "rl.methods.fair_calib.core.",
-    "decomper": "rl.methods.decomper.core.",
+# Each target's mutant-name prefixes: a whole module, or a method's defining functions where its module holds
+# more (U-LoRA's gates, context sums and EMA prior beside plain LoRA in models/adapters.py)
+_ULORA = ("x_ema_prior", "xǁSequenceContextǁ", "x_context_sums", "x_finish_optimizer_step",
+          "x_sequence_state", "x_restore_sequence_state", "x_has_sequence_state", "xǁ_UtilizationGatesǁ",
+          "x__ulora_linear_class", "x_ulora", "x_share_sequence_context")
+TARGETS: dict[str, tuple[str, ...]] = {
+    "advantages": ("rl.advantages.",),
+    "losses": ("rl.losses.",),
+    "zo_finetuner": ("rl.methods.zo_finetuner.optimizer.",),
+    "fair_calib": ("rl.methods.fair_calib.core.",),
+    "decomper": ("rl.methods.decomper.core.",),
+    "guidance": ("rl.methods.guidance.core.",),
+    "ulora": tuple(f"models.adapters.{name}" for name in _ULORA),
 }
 
 # mutants that compute the same results as the code (checked by reading them: `mutmut show NAME`)
@@ -95,6 +102,47 @@ EQUIVALENT: dict[str, str] = {
                                                                       "the optimizer; it is never read",
     "rl.methods.zo_finetuner.optimizer.x_learn_to_learn__mutmut_54": "the rate is set from the decay schedule at every "
                                                                       "step before the optimizer steps",
+    # U-LoRA (models/adapters.py)
+    **{f"models.adapters.xǁSequenceContextǁ__init____mutmut_{i}": "the model's forward pre-hook sets it before any "
+       "layer reads it" for i in range(1, 7)},
+    "models.adapters.xǁSequenceContextǁafter__mutmut_1": "None is falsy, as False is",
+    "models.adapters.xǁSequenceContextǁafter__mutmut_2": "recording left on after the forward: a gradient-checkpointing "
+                                                        "recompute records the same gates again, so the step's mean "
+                                                        "gate (the EMA's input) is unchanged",
+    "models.adapters.xǁSequenceContextǁbefore__mutmut_21": "the ids are [B, T]: shape[1] is shape[-1]",
+    "models.adapters.xǁSequenceContextǁbefore__mutmut_42": "past is None or a transformers Cache (which has "
+                                                          "get_seq_length): `or` and `and` agree on both",
+    **{f"models.adapters.x_context_sums__mutmut_{i}": _CAST for i in (4, 86)},
+    "models.adapters.x_context_sums__mutmut_24": "a [T] index broadcasts over the rows in torch.where as the expanded "
+                                                "[B, T] one does",
+    **{f"models.adapters.x_context_sums__mutmut_{i}": _DEVICE for i in (27, 29)},
+    **{f"models.adapters.x_context_sums__mutmut_{i}": _DIM for i in (39, 79)},
+    "models.adapters.xǁ_UtilizationGatesǁgates__mutmut_12": "one adapter per model: the carried sums are written and "
+                                                           "read under the same key",
+    "models.adapters.xǁ_UtilizationGatesǁ_record__mutmut_5": _CAST,
+    "models.adapters.xǁ_UtilizationGatesǁfinish_step__mutmut_6": _CAST,
+    "models.adapters.xǁ_UtilizationGatesǁfinish_step__mutmut_13": "an empty step's record is zeros, read at its count "
+                                                                 "(still 0) and skipped",
+    "models.adapters.xǁ_UtilizationGatesǁfinish_step__mutmut_16": "an all-reduce over one rank is the identity",
+    **{f"models.adapters.xǁ_UtilizationGatesǁfinish_step__mutmut_{i}": _DEVICE for i in (36, 39)},
+    **{f"models.adapters.xǁ_UtilizationGatesǁfinish_step__mutmut_{i}": _CAST + " (the default float32 is m's)"
+       for i in (37, 40)},
+    **{f"models.adapters.x__ulora_linear_class__mutmut_{i}": "peft's dispatcher always passes r and lora_alpha"
+       for i in (1, 2)},
+    "models.adapters.x__ulora_linear_class__mutmut_13": "peft's LoRA layer takes its options from the config it is "
+                                                       "given; the keywords repeat them (a test checks the dropout "
+                                                       "arrives)",
+    "models.adapters.x__ulora_linear_class__mutmut_43": "an analysis attribute that every forward writes before "
+                                                       "anything reads it",
+    "models.adapters.x__ulora_linear_class__mutmut_44": "`ulora` replaces it with the model's shared context before "
+                                                       "any forward",
+    **{f"models.adapters.x__ulora_linear_class__mutmut_{i}": "a Linear base layer is called with the input alone: no "
+       "other argument reaches it" for i in (53, 54, 58, 59)},
+    "models.adapters.x__ulora_linear_class__mutmut_61": "one adapter per model: no active adapter lacks its A",
+    **{f"models.adapters.x__ulora_linear_class__mutmut_{i}": _CAST for i in (65, 75)},
+    # Guidance (rl/methods/guidance/core.py)
+    **{f"rl.methods.guidance.core.xǁLLMCitationJudgeǁ{fn}__mutmut_{i}": "an answer that names no rating scores 0, as "
+       "the renamed rating does" for fn, ids in (("support", (15, 16)), ("needs_citation", (9, 10))) for i in ids},
     "rl.losses.x_rollout_importance_weights__mutmut_58": "the exponent's guard 20 -> 21: e^20 is 4.9e8, so for any "
                                                          "cap below it both cap or mask every ratio that reaches the "
                                                          "guard",
@@ -119,8 +167,8 @@ def statuses() -> dict[str, str]:
     return out
 
 
-def summarise(prefix: str, status: dict[str, str]) -> dict:
-    mine = {k: v for k, v in status.items() if k.startswith(prefix)}
+def summarise(prefixes: tuple[str, ...], status: dict[str, str]) -> dict:
+    mine = {k: v for k, v in status.items() if k.startswith(prefixes)}
     equivalent = sorted(k for k in mine if k in EQUIVALENT)
     counted = {k: v for k, v in mine.items() if k not in EQUIVALENT}
     killed = sum(v in ("killed", "timeout") for v in counted.values())
@@ -139,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=2)
     args = parser.parse_args(argv)
     for target in args.only:
-        print(f"mutation: {target} ({TARGETS[target]}*)", flush=True)
-        mutmut("run", "--max-children", str(args.max_children), TARGETS[target] + "*")
+        print(f"mutation: {target} ({', '.join(p + '*' for p in TARGETS[target])})", flush=True)
+        mutmut("run", "--max-children", str(args.max_children), *(p + "*" for p in TARGETS[target]))
     status = statuses()
     out = Path(args.out)
     recorded = json.loads(out.read_text())["targets"] if out.exists() else {}  # targets not rerun stay as recorded

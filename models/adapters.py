@@ -215,12 +215,6 @@ def context_sums(z: torch.Tensor, mask: torch.Tensor | None, starts: torch.Tenso
     return sums, counts
 
 
-def causal_mean(z: torch.Tensor) -> torch.Tensor:
-    """The running mean over the sequence (dim −2): position t averages positions ≤ t (every position real)."""
-    sums, counts = context_sums(z, None, None, None)
-    return sums / counts
-
-
 def finish_optimizer_step(model: nn.Module) -> None:
     """Advance what modules keep once per optimizer step (U-LoRA's EMA prior, with the gates of every training
     forward since the last step, summed over data-parallel ranks): the learner calls it after each optimizer
@@ -360,15 +354,13 @@ def ulora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float =
 
 
 def share_sequence_context(adapted: nn.Module) -> None:
-    """One `SequenceContext` for every U-LoRA layer of `adapted`, kept current by hooks on its base model."""
+    """One `SequenceContext` for every U-LoRA layer of the peft model `adapted`, kept current by hooks on the model
+    it wraps: every peft path reaches that model by a call (the tuner's forward calls it), so its hooks see each
+    forward's inputs."""
     ctx = SequenceContext()
-    # peft reaches the base model through `.forward` on some paths and through a call on others: the hooks sit on
-    # each wrapper (setting the context is idempotent, and the outermost one ends the recording)
-    wrappers = [adapted, getattr(adapted, "base_model", None),
-                adapted.get_base_model() if hasattr(adapted, "get_base_model") else None]
-    for w in {id(w): w for w in wrappers if isinstance(w, nn.Module)}.values():
-        w.register_forward_pre_hook(ctx.before, with_kwargs=True)
-        w.register_forward_hook(ctx.after)
+    inner = adapted.get_base_model()
+    inner.register_forward_pre_hook(ctx.before, with_kwargs=True)
+    inner.register_forward_hook(ctx.after)
     for mod in adapted.modules():
         if hasattr(mod, "lora_context"):
             mod.lora_context = ctx

@@ -323,8 +323,13 @@ def test_padding_is_left_out_however_the_model_is_called():
                               atol=1e-6), name
     layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
     with torch.no_grad():
-        model(padded, attention_mask=mask)
+        model.get_base_model()(padded, attention_mask=mask)  # the ids as the first positional argument
     assert torch.allclose(layer.last_gate[0, 2:], alone[0], atol=1e-6)
+    long_row = torch.arange(3, 43)[None]  # 40 tokens, more than the hidden size (32): the embeddings' token axis
+    long_padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), long_row], 1)
+    long_mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 40, dtype=torch.long)], 1)
+    gates = _first_layer_gates(model, inputs_embeds=model.get_input_embeddings()(long_padded), attention_mask=long_mask)
+    assert torch.allclose(gates[0, 4:], _first_layer_gates(model, input_ids=long_row)[0], atol=1e-6)
     unmasked = _first_layer_gates(model, input_ids=padded)  # without the mask the padding counts
     assert not torch.allclose(unmasked[0, 2:], alone[0], atol=1e-3)
 
@@ -333,15 +338,16 @@ def test_context_sums_by_hand():
     """Two rows: padding left out, a sequence start resetting the sums, carried sums (a KV-cached forward's
     earlier tokens) added only before the first start of the chunk."""
     from models.adapters import context_sums
-    z = torch.tensor([[1.0, 2, 3, 4, 5], [2, 2, 2, 2, 2]])[..., None]
-    mask = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    starts = torch.tensor([[False, False, False, True, False], [False, True, False, False, False]])
-    carried = (torch.tensor([[10.0], [6.0]]), torch.tensor([2.0, 3.0]))
+    z = torch.tensor([[1.0, 2, 3, 4, 5], [2, 2, 2, 2, 2], [1, 1, 1, 1, 1]])[..., None]
+    mask = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    starts = torch.tensor([[False, False, False, True, False], [False, True, False, False, False],
+                           [False, False, False, False, True]])  # the third row starts a sequence at its last token
+    carried = (torch.tensor([[10.0], [6.0], [0.0]]), torch.tensor([2.0, 3.0, 0.0]))
     sums, counts = context_sums(z, mask, starts, carried)
     # row 0: cumsum of the real tokens 1, 1, 4, then 4 from the start at t=3, 9; carried 10 (2 tokens) before it
-    assert sums[..., 0].tolist() == [[11, 11, 14, 4, 9], [8, 2, 4, 6, 8]]
-    assert counts[..., 0].tolist() == [[3, 3, 4, 1, 2], [4, 1, 2, 3, 4]]
-    plain, n = context_sums(z, None, None, None)  # every token real, one sequence a row
+    assert sums[..., 0].tolist() == [[11, 11, 14, 4, 9], [8, 2, 4, 6, 8], [1, 2, 3, 4, 1]]
+    assert counts[..., 0].tolist() == [[3, 3, 4, 1, 2], [4, 1, 2, 3, 4], [1, 2, 3, 4, 1]]
+    plain, n = context_sums(z[:2], None, None, None)  # every token real, one sequence a row
     assert plain[..., 0].tolist() == [[1, 3, 6, 10, 15], [2, 4, 6, 8, 10]] and n[0, :, 0].tolist() == [1, 2, 3, 4, 5]
 
 
@@ -402,8 +408,13 @@ def test_the_ulora_wrapper_keeps_peft_s_options_and_refuses_to_merge():
                   dropout=0.5, target_modules=["q_proj"])
     layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
     assert type(model).__name__ == "PeftModelForCausalLM" and layer.lora_dropout["default"].p == 0.5
-    with pytest.raises(NotImplementedError, match="cannot be merged"):
+    with pytest.raises(NotImplementedError,
+                       match="^U-LoRA's update depends on the input: it cannot be merged into the weight$"):
         layer.merge()
+    default = ulora(build_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
+                    target_modules=["q_proj"])
+    layer = next(m for m in default.modules() if hasattr(m, "lora_context"))
+    assert layer.r["default"] == 8 and layer.scaling["default"] == 2.0  # r 8, alpha 16
 
 
 def test_the_reference_forward_is_the_base_model():

@@ -252,7 +252,8 @@ def test_the_llm_judge_asks_each_question_with_its_text_and_reads_the_first_rati
         1.0, 0.5, 0.0, 0.0]
     assert "Kov owns 42 goats and 3 cats." in asked[0] and "Statement: Kov owns 42 goats." in asked[0]
     judge = LLMCitationJudge(answers("[[Unrelevant]]", "It is [[Relevant]].", "[[relevant]] though [[unrelevant]]"))
-    assert [judge.relevant("s", "e") for _ in range(3)] == [0.0, 1.0, 0.0]
+    assert [judge.relevant("Rex has 9 cousins.", "Rex lives by the mill.") for _ in range(3)] == [0.0, 1.0, 0.0]
+    assert "Rex lives by the mill." in asked[-1] and "Statement: Rex has 9 cousins." in asked[-1]
     judge = LLMCitationJudge(answers("[[Yes]]", "[[No]]", "maybe"))
     assert [judge.needs_citation("Kov has 3 cousins.") for _ in range(3)] == [1.0, 0.0, 0.0]
     assert "Kov has 3 cousins." in asked[-1] and "citation" in asked[-1]
@@ -263,7 +264,9 @@ def test_post_hoc_citation_picks_the_chunk_with_the_most_shared_words_and_leaves
     context = "<C0>Kov owns 42 goats near the river.<C1>Kov owns 42 goats and walks 7 miles by the river daily."
     assert len(chunks_of(context)) == 2
     # 7 shared words with C1 against 3 with C0; none; 3 with each (a tie goes to the first chunk)
-    got = post_hoc_cite("Kov walks 7 miles by the river.\nZed sings loudly! Kov owns goats?", context)
+    # a sentence of punctuation alone is dropped, and a line break inside a sentence becomes a space
+    got = post_hoc_cite("Kov walks 7 miles\nby the river.\nZed sings loudly! ?! Kov owns goats?", context)
     assert got == ("<statement>Kov walks 7 miles by the river.<cite>[1-1]</cite></statement>"
                    "Zed sings loudly!"
                    "<statement>Kov owns goats?<cite>[0-0]</cite></statement>")
+    assert post_hoc_cite("Kov owns goats. Rex sings.", "no chunk markers here") == "Kov owns goats.Rex sings."

@@ -262,12 +262,7 @@ def test_the_ema_prior_advances_once_per_optimizer_step_under_gradient_checkpoin
     """Two micro-batches (one padded) with gradient checkpointing, then the step: k = 1 and m = (1 − β)·the mean
     gate over the step's real tokens (recomputed forwards and padding not counted)."""
     from models.adapters import finish_optimizer_step
-    tok, model = _trained_looking_ulora()
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            if n.endswith("lora_ema.default"):
-                b.zero_()  # no prior yet
-    model.train()
+    model = _zero_prior_ulora()  # no prior yet
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
     batches = [(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[1, 1, 1, 1]])),
@@ -449,12 +444,8 @@ def test_only_training_forwards_with_gradients_count_toward_the_prior():
     alone; a micro-batch without an attention mask counts every token; a step with nothing recorded leaves the
     prior as it is; one real token is enough to advance it."""
     from models.adapters import finish_optimizer_step
-    tok, model = _trained_looking_ulora()
+    model = _zero_prior_ulora()
     layer = next(m for m in model.modules() if hasattr(m, "lora_context"))
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            if n.endswith("lora_ema.default"):
-                b.zero_()
     finish_optimizer_step(model)  # nothing recorded: no change
     assert torch.equal(layer.lora_ema["default"], torch.zeros(5))
     model.train()

@@ -135,6 +135,9 @@ def _check_reward_and_stage_values(cfg: DictConfig) -> None:
                  .get("tensor_parallel_size", 1))
         need(tp <= max(judge.num_gpus, 1) or judge.num_gpus == 0, f"reward.judges.{name}.num_gpus",
              f"must be >= engine_params.tensor_parallel_size ({tp}): one GPU per tensor-parallel rank")
+        need(judge.engine != "vllm" or judge.num_gpus <= 1 or tp >= judge.num_gpus, f"reward.judges.{name}.num_gpus",
+             f"reserves {judge.num_gpus:g} GPUs per worker, but its vLLM engine runs on tensor_parallel_size ({tp}) "
+             f"of them: set engine_params.vllm.tensor_parallel_size, or num_gpus {tp}")
         need(judge.repetition_penalty > 0, f"reward.judges.{name}.repetition_penalty", "must be > 0 (1: none)")
         need(judge.top_k >= 0, f"reward.judges.{name}.top_k", "must be >= 0 (0: all tokens)")
     labels = [s.label or s.name for s in cfg.stages]

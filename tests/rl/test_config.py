@@ -204,6 +204,17 @@ def test_a_tensor_parallel_judge_needs_as_many_gpus(tmp_path):
         config.load(ROOT / "recipes/quickstart.yaml", [bad])
 
 
+@pytest.mark.parametrize("engine_params", ["{}", "{hf: {tensor_parallel_size: 2}}", "{vllm: {max_model_len: 512}}"])
+def test_a_vllm_judge_that_reserves_more_gpus_than_its_engine_runs_on_is_refused(engine_params):
+    """Two GPUs per worker with vLLM's options missing or under another engine's section: one GPU would idle."""
+    bad = f"reward.judges={{j: {{engine: vllm, num_gpus: 2, engine_params: {engine_params}}}}}"
+    with pytest.raises(config.ConfigError, match=r"reward.judges.j.num_gpus'*: reserves 2 GPUs .* tensor_parallel_size \(1\)"):
+        config.load(ROOT / "recipes/quickstart.yaml", [bad])
+    config.load(ROOT / "recipes/quickstart.yaml", [bad.replace("num_gpus: 2", "num_gpus: 1")])
+    config.load(ROOT / "recipes/quickstart.yaml", [
+        "reward.judges={j: {engine: vllm, num_gpus: 2, engine_params: {vllm: {tensor_parallel_size: 2}}}}"])
+
+
 def test_cli_config_show_and_error_exit(tmp_path, capsys):
     """The CLI's entry point in process (`python -m cluster.cli` exits with what `main` returns)."""
     from cluster.cli import main

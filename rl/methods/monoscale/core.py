@@ -15,8 +15,12 @@ non-interfering expansion); the concrete rules here are the spec's [RECONSTRUCTI
   most delta; otherwise the candidate set is halved, strongest evidence first, and tried again; if nothing
   passes, M stays byte-identical and the agent is registered but not preferred.
 
+`accept_update` is the ablation without the trust region (every distilled update taken), `grow_pool`'s
+`accept_all` mode: it isolates what the acceptance test does. Outcomes are judged in batches
+(`outcomes(tasks, agents)`): by the labelled `SimulatedPool`, or by `AgentPool`, real agents (models served by
+engines, tools run in the sandbox) whose answers are compared with each task's reference (`answer_matches`).
 Memory versions, their diffs and every accept/reject decision are kept (`MemoryHistory`), for audit.
-This module is Ray-free; models enter through the callables.
+This module is Ray-free; models and agents enter through the callables.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Task:
     id: str
     kind: str  # the task type (a subtask's category)
     text: str = ""
+    answer: str = ""  # the reference answer a real agent's output is judged against (empty in the simulated pool)
 
 
 @dataclass(frozen=True)
@@ -99,14 +104,16 @@ def routing_change_rate(before: list[str], after: list[str]) -> float:
 
 
 Route = Callable[[list[Task], RouterMemory, list[AgentCard]], list[str]]
-Outcome = Callable[[Task, str], float]  # the judge's score of the routed agent's outcome on a task, in [0, 1]
+# the judge's scores, in [0, 1], of the outcomes of tasks[i] routed to agents[i] (batched: real agents answer many
+# tasks in one engine call)
+Outcomes = Callable[[list[Task], list[str]], list[float]]
 
 
-def success(route: Route, outcome: Outcome, tasks: list[Task], memory: RouterMemory,
+def success(route: Route, outcomes: Outcomes, tasks: list[Task], memory: RouterMemory,
             cards: list[AgentCard]) -> tuple[float, list[str]]:
     """J: the mean judged outcome of the router's choices on `tasks`, and the choices."""
     choices = route(tasks, memory, cards)
-    return sum(outcome(t, a) for t, a in zip(tasks, choices)) / max(1, len(tasks)), choices
+    return sum(outcomes(tasks, choices)) / max(1, len(tasks)), choices
 
 
 @dataclass
@@ -120,19 +127,19 @@ class UpdateRecord:
     diff: dict[str, list[str]] = field(default_factory=dict)
 
 
-def trust_region_update(memory: RouterMemory, candidates: list[MemoryEntry], route: Route, outcome: Outcome,
+def trust_region_update(memory: RouterMemory, candidates: list[MemoryEntry], route: Route, outcomes: Outcomes,
                         cards: list[AgentCard], validation: list[Task], replay: list[Task], *, delta: float = 0.2,
                         tolerance: float = 0.0, agent: str = "") -> tuple[RouterMemory, UpdateRecord]:
     """Accept M + dM only if J on `validation` does not drop by more than `tolerance` and the routing-change rate
     on `replay` is at most `delta`; otherwise halve dM (candidates are ordered strongest evidence first) and
     retry. A rejection returns `memory` itself."""
-    j_before, _ = success(route, outcome, validation, memory, cards)
+    j_before, _ = success(route, outcomes, validation, memory, cards)
     replay_before = route(replay, memory, cards)
     tried: list[dict[str, Any]] = []
     delta_m = list(candidates)
     while delta_m:
         candidate = memory.extended(delta_m)
-        j_after, _ = success(route, outcome, validation, candidate, cards)
+        j_after, _ = success(route, outcomes, validation, candidate, cards)
         change = routing_change_rate(replay_before, route(replay, candidate, cards)) if replay else 0.0
         tried.append({"entries": [e.line() for e in delta_m], "j": j_after, "change_rate": change})
         if j_after >= j_before - tolerance and change <= delta:
@@ -200,6 +207,56 @@ class SimulatedPool:
         h = hashlib.sha256(f"{self.seed}|{task.id}|{agent}".encode()).digest()
         return float(int.from_bytes(h[:8], "big") / 2**64 < p)
 
+    def outcomes(self, tasks: list[Task], agents: list[str]) -> list[float]:
+        return [self.outcome(t, a) for t, a in zip(tasks, agents)]
+
+
+AnswerJudge = Callable[[str, str], bool]  # (an agent's output, the task's reference answer) -> correct
+ANSWER_MATCHES = ("math", "exact", "contains")
+
+
+def answer_matches(output: str, reference: str, match: str = "math") -> bool:
+    """Whether an agent's output answers a task whose reference answer is `reference`: `math` (the value the
+    output states, its last `\\boxed{}` or else its last number, equivalent under math-verify: 0.5 answers
+    \\frac{1}{2}), `exact` (the stripped strings equal) or `contains` (the reference appears in the output). An
+    empty reference is never answered."""
+    from rl.answers import equivalent, stated_answer
+    output, reference = output.strip(), str(reference).strip()
+    if not reference:
+        return False
+    if match == "exact":
+        return output == reference
+    if match == "contains":
+        return reference in output
+    if match == "math":
+        return output == reference or equivalent(stated_answer(output), reference)
+    raise ValueError(f"answer match must be one of {', '.join(ANSWER_MATCHES)}, got {match!r}")
+
+
+class AgentPool:
+    """Real agents: `answer[name](texts) -> outputs` runs one agent (a language model served by an engine, a tool
+    run in the sandbox) on a batch of task texts, and `judge(output, reference)` scores each output against the
+    task's answer. Each (task, agent) runs once; later requests read the recorded outcome, so every mode and round
+    of a run judges the same answer (as the simulated pool's deterministic draws do). A name outside the pool (a
+    router answer that names nobody) scores 0."""
+
+    def __init__(self, answer: dict[str, Callable[[list[str]], list[str]]], judge: AnswerJudge):
+        self.answer, self.judge = answer, judge
+        self.seen: dict[tuple[str, str], tuple[str, float]] = {}  # (task id, agent) -> (output, outcome)
+
+    def outcomes(self, tasks: list[Task], agents: list[str]) -> list[float]:
+        todo: dict[str, dict[str, Task]] = {}
+        for task, agent in zip(tasks, agents):
+            if agent in self.answer and (task.id, agent) not in self.seen:
+                todo.setdefault(agent, {})[task.id] = task
+        for agent, batch in todo.items():
+            said = self.answer[agent]([t.text for t in batch.values()])
+            if len(said) != len(batch):
+                raise RuntimeError(f"agent {agent}: {len(said)} answers to {len(batch)} tasks")
+            for task, out in zip(batch.values(), said):
+                self.seen[(task.id, agent)] = (out, float(self.judge(out, task.answer)))
+        return [self.seen[(t.id, a)][1] if (t.id, a) in self.seen else 0.0 for t, a in zip(tasks, agents)]
+
 
 def make_growing_pool(seed: int, kinds: int = 6, start: int = 3, final: int = 10,
                       unreliable_share: float = 0.3) -> tuple[SimulatedPool, list[AgentCard], list[str]]:
@@ -224,17 +281,35 @@ def make_growing_pool(seed: int, kinds: int = 6, start: int = 3, final: int = 10
     return SimulatedPool(probs, seed), cards, types
 
 
+def claimed_kinds(card: AgentCard, kinds: list[str]) -> list[str]:
+    """The task types a card's description names, as whole words in any case; a type inside a longer one it names
+    (Algebra in Intermediate Algebra) is not claimed by that mention."""
+    text, found = card.description, set()
+    for kind in sorted(kinds, key=len, reverse=True):
+        pattern = re.compile(rf"(?<!\w){re.escape(kind)}(?!\w)", re.IGNORECASE)
+        if pattern.search(text):
+            found.add(kind)
+            text = pattern.sub(" ", text)
+    return [k for k in kinds if k in found]
+
+
 def familiarization_tasks(card: AgentCard, kinds: list[str], n: int, rng: random.Random, *, start_id: int = 0,
-                          interference_share: float = 0.3) -> list[Task]:
-    """Agent-conditioned familiarization tasks of the synthetic harness: tasks of the types the card claims, and
-    `interference_share` of tasks of other types (owned by the agents already in the pool). At real scale a model
-    writes them from the card and samples of the task distribution."""
-    claimed = [k for k in kinds if k in card.description.split()] or kinds
+                          interference_share: float = 0.3, bank: dict[str, list[Task]] | None = None) -> list[Task]:
+    """Agent-conditioned familiarization tasks: tasks of the types the card claims, and `interference_share` of
+    tasks of other types (owned by the agents already in the pool). Without `bank` they are types only (the
+    simulated pool); with it (type -> tasks of the benchmark's distribution, with texts and answers: a real pool)
+    each is drawn from the bank, at most once per round (a type with none left is skipped, so the round may have
+    fewer). At real scale a model may write them from the card instead (`LMFamiliarizer`)."""
+    claimed = claimed_kinds(card, kinds) or kinds
     others = [k for k in kinds if k not in claimed] or kinds
+    left = {k: list(v) for k, v in (bank or {}).items()}
     out = []
     for i in range(n):
         kind = rng.choice(others) if rng.random() < interference_share else rng.choice(claimed)
-        out.append(Task(f"fam-{card.name}-{start_id + i}", kind))
+        if bank is None:
+            out.append(Task(f"fam-{card.name}-{start_id + i}", kind))
+        elif left.get(kind):
+            out.append(left[kind].pop(rng.randrange(len(left[kind]))))
     return out
 
 
@@ -245,32 +320,53 @@ class OnboardingResult:
     evidence: list[tuple[str, str, str, float]]  # (task id, kind, agent, outcome)
 
 
-def onboard(memory: RouterMemory, new: AgentCard, pool_cards: list[AgentCard], route: Route, outcome: Outcome,
+def accept_update(memory: RouterMemory, candidates: list[MemoryEntry], route: Route, outcomes: Outcomes,
+                  cards: list[AgentCard], validation: list[Task], replay: list[Task], *,
+                  agent: str = "") -> tuple[RouterMemory, UpdateRecord]:
+    """The ablation without a trust region: M + dM is taken whatever it does to J or to the routing of old tasks
+    (M stays when dM is empty); J before and after and the routing-change rate are recorded as
+    `trust_region_update` records them."""
+    j_before, _ = success(route, outcomes, validation, memory, cards)
+    if not candidates:
+        return memory, UpdateRecord(agent, False, j_before, None, None, [])
+    candidate = memory.extended(list(candidates))
+    j_after, _ = success(route, outcomes, validation, candidate, cards)
+    change = routing_change_rate(route(replay, memory, cards), route(replay, candidate, cards)) if replay else 0.0
+    tried = [{"entries": [e.line() for e in candidates], "j": j_after, "change_rate": change}]
+    return candidate, UpdateRecord(agent, True, j_before, j_after, change, tried, memory_diff(memory, candidate))
+
+
+def onboard(memory: RouterMemory, new: AgentCard, pool_cards: list[AgentCard], route: Route, outcomes: Outcomes,
             replay: list[Task], kinds: list[str], rng: random.Random, *, n_familiarization: int = 16,
             delta: float = 0.2, tolerance: float = 0.0, margin: float = 0.1, familiarize: Callable | None = None,
-            distill: Callable | None = None) -> OnboardingResult:
+            distill: Callable | None = None, trust_region: bool = True) -> OnboardingResult:
     """One onboarding round for `new` joining `pool_cards` (see the module docstring). Half the familiarization
     tasks are explored (each routed to the new agent once and to the incumbent, the router's choice without the
     new agent, once); the other half with the replay tasks is the validation set of the trust-region test.
     `familiarize(card, kinds, n, rng)` writes the tasks (default `familiarization_tasks`) and
     `distill(evidence, new_agent, incumbents)` the candidate entries (default `distill_evidence`; `LMDistiller`
-    asks a model)."""
+    asks a model). `trust_region=False` is the ablation that accepts every distilled update (`accept_update`)."""
     familiarize = familiarize or (lambda card, ks, n, r: familiarization_tasks(card, ks, n, r,
                                                                                start_id=r.randrange(10**9)))
     tasks = familiarize(new, kinds, 2 * n_familiarization, rng)
     explore, held = tasks[:n_familiarization], tasks[n_familiarization:]
     incumbents_choice = route(explore, memory, pool_cards)
+    scores_new = outcomes(explore, [new.name] * len(explore))
+    scores_incumbent = outcomes(explore, incumbents_choice)
     evidence = []
-    for task, incumbent in zip(explore, incumbents_choice):
-        evidence += [(task, new.name, outcome(task, new.name)), (task, incumbent, outcome(task, incumbent))]
+    for task, incumbent, s_new, s_old in zip(explore, incumbents_choice, scores_new, scores_incumbent):
+        evidence += [(task, new.name, s_new), (task, incumbent, s_old)]
     incumbent_of = {}
     for task, incumbent in zip(explore, incumbents_choice):
         incumbent_of.setdefault(task.kind, incumbent)
     candidates = (distill(evidence, new.name, incumbent_of) if distill is not None else
                   distill_evidence(evidence, new.name, incumbent_of, margin=margin))
-    cards = [*pool_cards, new]
-    updated, record = trust_region_update(memory, candidates, route, outcome, cards, held + replay, replay,
-                                          delta=delta, tolerance=tolerance, agent=new.name)
+    cards, validation = [*pool_cards, new], held + replay
+    if trust_region:
+        updated, record = trust_region_update(memory, candidates, route, outcomes, cards, validation, replay,
+                                              delta=delta, tolerance=tolerance, agent=new.name)
+    else:
+        updated, record = accept_update(memory, candidates, route, outcomes, cards, validation, replay, agent=new.name)
     return OnboardingResult(updated, record, [(t.id, t.kind, a, s) for t, a, s in evidence])
 
 
@@ -315,33 +411,44 @@ def shown_cards(cards: list[AgentCard], memory: RouterMemory, trusted: set[str])
     return [c if c.name in used else AgentCard(c.name, c.description + NOT_PREFERRED, c.interface) for c in cards]
 
 
-def grow_pool(mode: str, route: Route, pool: SimulatedPool, cards: list[AgentCard], kinds: list[str], *,
-              start: int = 3, seed: int = 0, test_size: int = 300, replay_size: int = 48, n_familiarization: int = 16,
+MODES = ("monoscale", "accept_all", "naive", "fixed")
+
+
+def grow_pool(mode: str, route: Route, pool: Any, cards: list[AgentCard], kinds: list[str], *, start: int = 3,
+              seed: int = 0, test_size: int = 300, replay_size: int = 48, n_familiarization: int = 16,
               delta: float = 0.2, tolerance: float = 0.0, history: MemoryHistory | None = None,
-              distill: Callable | None = None, familiarize: Callable | None = None) -> dict[str, Any]:
+              distill: Callable | None = None, familiarize: Callable | None = None, test: list[Task] | None = None,
+              replay: list[Task] | None = None, bank: dict[str, list[Task]] | None = None) -> dict[str, Any]:
     """J on a held-out task set after each onboarding round as the pool grows from `start` agents to all of
-    `cards`: `monoscale` (memory updates in the trust region, new agents not preferred until accepted), `naive`
-    (every new card shown as written, no memory: the router's cold start) or `fixed` (the starting pool only)."""
-    if mode not in ("monoscale", "naive", "fixed"):
-        raise ValueError(f"mode must be monoscale, naive or fixed, got {mode!r}")
+    `cards`: `monoscale` (memory updates in the trust region, new agents not preferred until accepted),
+    `accept_all` (the same rounds with every distilled update accepted: what the trust region adds), `naive`
+    (every new card shown as written, no memory: the router's cold start) or `fixed` (the starting pool only).
+    `pool.outcomes(tasks, agents)` judges (`SimulatedPool`, `AgentPool`). Without `test` and `replay` they are
+    drawn as task types (the simulated pool); `bank` (type -> tasks with texts and answers) feeds the default
+    familiarization of a real pool."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     rng = random.Random(seed)
-    test = [Task(f"test-{i}", rng.choice(kinds)) for i in range(test_size)]
-    replay = [Task(f"replay-{i}", rng.choice(kinds)) for i in range(replay_size)]
+    test = test if test is not None else [Task(f"test-{i}", rng.choice(kinds)) for i in range(test_size)]
+    replay = replay if replay is not None else [Task(f"replay-{i}", rng.choice(kinds)) for i in range(replay_size)]
+    if familiarize is None and bank is not None:
+        def familiarize(card, ks, n, r):
+            return familiarization_tasks(card, ks, n, r, bank=bank)
     memory, trusted = RouterMemory(), {c.name for c in cards[:start]}
     history = history if history is not None else MemoryHistory()
-    js, records = [], []
+    learns, js, records = mode in ("monoscale", "accept_all"), [], []
     for k in range(start, len(cards) + 1):
         pool_cards = cards[:k] if mode != "fixed" else cards[:start]
-        if mode == "monoscale" and k > start:
+        if learns and k > start:
             result = onboard(memory, cards[k - 1], cards[:k - 1],
-                             lambda t, m, c: route(t, m, shown_cards(c, m, trusted)), pool.outcome, replay, kinds,
+                             lambda t, m, c: route(t, m, shown_cards(c, m, trusted)), pool.outcomes, replay, kinds,
                              rng, n_familiarization=n_familiarization, delta=delta, tolerance=tolerance,
-                             distill=distill, familiarize=familiarize)
+                             distill=distill, familiarize=familiarize, trust_region=mode == "monoscale")
             memory = result.memory
             history.record(k - start, memory, result.update)
             records.append(asdict(result.update))
-        shown = shown_cards(pool_cards, memory, trusted) if mode == "monoscale" else pool_cards
-        j, _ = success(route, pool.outcome, test, memory, shown)
+        shown = shown_cards(pool_cards, memory, trusted) if learns else pool_cards
+        j, _ = success(route, pool.outcomes, test, memory, shown)
         js.append(j)
     return {"mode": mode, "j": js, "updates": records, "memory": memory.to_json()}
 

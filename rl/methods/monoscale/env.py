@@ -10,8 +10,8 @@ each subtask of a task, reading the agent cards and a router memory (MonoScale, 
 * A row holds the task: `subtasks`, a list of `{text, kind, answer}` (or, without it, one subtask from the row:
   the prompt, its `kind` column and the answer).
 Each turn the policy answers with an agent name (the first card name it writes); the environment runs that
-agent on the subtask and the judge scores the outcome: 1 when the agent's answer is the subtask's (`judge`:
-`exact`, or `contains`), else 0 (an answer that names no agent scores 0). The observation is the next
+agent on the subtask and the judge scores the outcome: 1 when the agent's answer is the subtask's (`judge`: `exact`,
+`contains`, or `math`: the stated value equivalent under math-verify), else 0 (an answer that names no agent scores 0). The observation is the next
 subtask's routing prompt; the episode ends after the last subtask. Step type `route`.
 """
 
@@ -23,10 +23,12 @@ from typing import Any
 
 from rl.env import Env, EnvStep
 from rl.methods.monoscale.core import (
+    ANSWER_MATCHES,
     AgentCard,
     MemoryEntry,
     RouterMemory,
     Task,
+    answer_matches,
     first_agent_named,
     router_prompt,
 )
@@ -50,6 +52,14 @@ def load_pool(path: str | Path) -> list[dict[str, Any]]:
     return agents
 
 
+def run_tool_agent(agent: dict[str, Any], text: str, timeout_s: float = 5.0) -> str:
+    """A `python` agent's answer to a task: its `code` run in the sandbox with the task's text in `TASK`; what it
+    prints, stripped ("" when it fails or runs past `timeout_s`)."""
+    result = run_python(f"TASK = {text!r}\n{agent['code']}", timeout_s=agent.get("timeout_s", timeout_s),
+                        max_output_chars=200)
+    return result.output.strip() if result.ok else ""
+
+
 def load_memory(path: str | Path | None) -> RouterMemory:
     if path is None:
         return RouterMemory()
@@ -63,8 +73,8 @@ class AgentRouterEnv(Env):
 
     def __init__(self, pool: str, memory: str | None = None, judge: str = "exact", timeout_s: float = 5.0,
                  max_new_tokens: int = 64):
-        if judge not in ("exact", "contains"):
-            raise ValueError(f"rollout.env_params.judge: exact or contains, got {judge!r}")
+        if judge not in ANSWER_MATCHES:
+            raise ValueError(f"rollout.env_params.judge: one of {', '.join(ANSWER_MATCHES)}, got {judge!r}")
         self.agents = {a["name"]: a for a in load_pool(pool)}
         self.cards = [AgentCard(a["name"], a["description"]) for a in self.agents.values()]
         self.memory = load_memory(memory)
@@ -81,8 +91,7 @@ class AgentRouterEnv(Env):
 
     def _run(self, agent: dict[str, Any], text: str) -> str:
         if agent["kind"] == "python":
-            result = run_python(f"TASK = {text!r}\n{agent['code']}", timeout_s=self.timeout_s, max_output_chars=200)
-            return result.output.strip() if result.ok else ""
+            return run_tool_agent(agent, text, self.timeout_s)
         return self.seats.ask(f"{agent.get('system_prompt', '')}\n{text}".strip(), seat=agent.get("seat", "frozen"),
                               max_new_tokens=self.max_new_tokens).strip()
 
@@ -91,7 +100,7 @@ class AgentRouterEnv(Env):
         name = first_agent_named(action, list(self.agents))
         said = self._run(self.agents[name], sub["text"]) if name else ""
         truth = str(sub.get("answer", "")).strip()
-        ok = bool(truth) and (said == truth if self.judge == "exact" else truth in said)
+        ok = answer_matches(said, truth, self.judge)
         self.turn += 1
         done = self.turn >= len(self.subtasks)
         return EnvStep(observation=None if done else "\n" + self._prompt(), reward=float(ok), done=done,

@@ -55,12 +55,17 @@ def random_context(rng: random.Random) -> tuple[list[AgentCard], RouterMemory]:
     return cards, memory
 
 
+def task_text(rng: random.Random) -> str:
+    """A task's text as the router sees it: empty (a type only) or a short arithmetic task (`typed_arithmetic_rows`)."""
+    return rng.choice(["", f"{rng.randint(2, 60)}{rng.choice('+*/-%^')}{rng.choice([2, 4, 5, 8])}"])
+
+
 def router_rows(num: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows = []
     for _ in range(num):
         cards, memory = random_context(rng)
-        task = Task("t", rng.choice(KINDS))
+        task = Task("t", rng.choice(KINDS), task_text(rng))
         rows.append({"prompt": router_prompt(task, memory, cards), "target": teacher_route(task, memory, cards)})
     return rows
 
@@ -72,18 +77,42 @@ def harness_tokens() -> list[str]:
     return [p for p in dict.fromkeys(phrases) if len(p) > 1]
 
 
+TYPED_TASKS = {"type0": "sum", "type1": "product", "type2": "ratio", "type3": "difference", "type4": "square",
+               "type5": "remainder"}
+
+
+def typed_arithmetic_rows(num: int, seed: int) -> list[dict[str, Any]]:
+    """Tasks for a pool of real agents: {prompt, answer, kind}, the six types in turn: a sum `a+b` (type0), a
+    product `a*b` (type1), a ratio `a/b` (type2, its answer the fraction `\\frac{a}{b}`), a difference `a-b`
+    (type3), a square `a^2` (type4) and a remainder `a%b` (type5)."""
+    rng, rows = random.Random(seed), []
+    for i in range(num):
+        a, b = rng.randint(2, 60), rng.choice([2, 4, 5, 8])
+        kind = f"type{i % 6}"
+        text, answer = {"type0": (f"{a}+{b}", a + b), "type1": (f"{a}*{b}", a * b),
+                        "type2": (f"{a}/{b}", f"\\frac{{{a}}}{{{b}}}"), "type3": (f"{a}-{b}", a - b),
+                        "type4": (f"{a}^2", a * a), "type5": (f"{a}%{b}", a % b)}[kind]
+        rows.append({"prompt": text, "answer": str(answer), "kind": kind})
+    return rows
+
+
 @register("task", "monoscale")
 def monoscale_router_task(out_dir: str | Path, *, num_train: int, num_eval: int, seed: int, **_: Any) -> dict[str, str]:
-    """`data.synthetic`: `num_train` SFT rows, `num_eval` held-out rows (the router's fidelity); RL rows are the
-    held-out rows too (the router is not trained by RL here)."""
+    """`data.synthetic`: `num_train` SFT rows that teach the router; the train and eval splits are typed
+    arithmetic tasks (`typed_arithmetic_rows`: 200 and 60) for a pool of real agents (the `monoscale` stage with
+    `agents`: replay and familiarization tasks, and the test set); `num_eval` held-out router rows (`router_eval`,
+    the router's fidelity)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for split, rows in (("sft", router_rows(num_train, seed)), ("eval", router_rows(num_eval, seed + 1))):
+    for split, rows in (("sft", router_rows(num_train, seed)), ("router_eval", router_rows(num_eval, seed + 1))):
         path = out / f"monoscale_{split}.jsonl"
         path.write_text("".join(json.dumps({**r, "answer": r["target"]}) + "\n" for r in rows))
         paths[split] = str(path)
-    paths["train"] = paths["eval"]
+    for split, rows in (("train", typed_arithmetic_rows(200, seed + 2)), ("eval", typed_arithmetic_rows(60, seed + 3))):
+        path = out / f"monoscale_tasks_{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths[split] = str(path)
     return paths
 
 

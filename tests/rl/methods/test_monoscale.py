@@ -51,7 +51,7 @@ def test_a_rejected_update_leaves_the_memory_byte_identical():
     validation = [Task(f"v{i}", "y") for i in range(40)]
     # routing y tasks to b (10% success against a's 50%) lowers J at every size of the candidate set
     bad = [MemoryEntry("b", "y", evidence=9), MemoryEntry("b", "y", evidence=5)]
-    after, record = trust_region_update(memory, bad, follow_memory, POOL.outcome, CARDS, validation, validation)
+    after, record = trust_region_update(memory, bad, follow_memory, POOL.outcomes, CARDS, validation, validation)
     assert not record.accepted and after is memory and after.to_json() == before
     assert [len(t["entries"]) for t in record.tried] == [2, 1]  # halved, then gave up
     assert record.diff == {}
@@ -63,10 +63,10 @@ def test_an_accepted_update_stays_inside_the_trust_region():
     replay = [Task(f"r{i}", "x") for i in range(30)] + [Task(f"s{i}", "y") for i in range(70)]
     good = [MemoryEntry("b", "x", evidence=10)]
     # routing every x task to b changes 30% of the replay choices: too much for delta 0.2 ...
-    kept, rejected = trust_region_update(memory, good, follow_memory, POOL.outcome, CARDS, validation, replay, delta=0.2)
+    kept, rejected = trust_region_update(memory, good, follow_memory, POOL.outcomes, CARDS, validation, replay, delta=0.2)
     assert not rejected.accepted and rejected.change_rate == pytest.approx(0.3) and kept is memory
     # ... and within delta 0.35, where J rises
-    new, accepted = trust_region_update(memory, good, follow_memory, POOL.outcome, CARDS, validation, replay, delta=0.35)
+    new, accepted = trust_region_update(memory, good, follow_memory, POOL.outcomes, CARDS, validation, replay, delta=0.35)
     assert accepted.accepted and accepted.change_rate <= 0.35 and accepted.j_after >= accepted.j_before
     assert accepted.diff["added"] == ["use b for x"] and new.version == memory.version + 1
 
@@ -80,28 +80,45 @@ def test_distillation_orders_candidates_by_evidence():
     assert entries[1].failure_modes == "y tasks (0% success)"
 
 
-def test_monoscale_j_does_not_fall_while_naive_growth_often_does(tmp_path):
-    """100 seeds of a pool growing from 3 to 10 agents (rl/methods/monoscale/README.md's property test)."""
-    naive_drops, mono_drops, worst, finals = 0, 0, 0.0, []
+def _drops(curve, eps):
+    return any(b < a - eps for a, b in zip(curve, curve[1:]))
+
+
+def test_the_trust_region_guarantees_no_drop_where_naive_growth_and_accepting_every_update_drop(tmp_path):
+    """100 seeds of a pool growing from 3 to 10 agents (rl/methods/monoscale/README.md's property test). What
+    MonoScale guarantees is no drop from one round to the next: the same rounds without the trust region
+    (`accept_all`) and naive growth both drop on many seeds. Ending highest is not guaranteed (accept_all and
+    naive end above MonoScale on most seeds of this harness), so it is not asserted."""
+    drops, finals = {m: 0 for m in ("monoscale", "accept_all", "naive")}, []
     eps = 0.05  # the held-out estimate's error at 300 test tasks (2 standard errors of a rate near 0.5 is 0.058)
     for seed in range(100):
         pool, cards, kinds = make_growing_pool(seed)
         history = MemoryHistory(tmp_path / str(seed) if seed == 0 else None)
-        mono = grow_pool("monoscale", follow_memory, pool, cards, kinds, seed=seed, history=history)
-        naive = grow_pool("naive", follow_memory, pool, cards, kinds, seed=seed)
-        fixed = grow_pool("fixed", follow_memory, pool, cards, kinds, seed=seed)
-        steps = [b - a for a, b in zip(mono["j"], mono["j"][1:])]
-        worst = min(worst, *steps)
-        mono_drops += any(s < -eps for s in steps)
-        naive_drops += any(b < a - eps for a, b in zip(naive["j"], naive["j"][1:]))
-        for u in mono["updates"]:
-            assert not u["accepted"] or u["change_rate"] <= 0.2
-        assert mono["j"][-1] >= fixed["j"][-1] - eps
-        finals.append((mono["j"][-1], fixed["j"][-1]))
-    assert mono_drops <= 5 and naive_drops >= 30, (mono_drops, naive_drops, worst)
+        runs = {m: grow_pool(m, follow_memory, pool, cards, kinds, seed=seed, history=history if m == "monoscale"
+                             else None) for m in ("monoscale", "accept_all", "naive", "fixed")}
+        for mode in drops:
+            drops[mode] += _drops(runs[mode]["j"], eps)
+        for u in runs["monoscale"]["updates"]:  # every accepted update passed both tests of the trust region
+            assert not u["accepted"] or (u["change_rate"] <= 0.2 and u["j_after"] >= u["j_before"])
+        assert runs["monoscale"]["j"][-1] >= runs["fixed"]["j"][-1] - eps
+        finals.append((runs["monoscale"]["j"][-1], runs["fixed"]["j"][-1]))
+    assert drops["monoscale"] <= 2 and drops["accept_all"] >= 10 and drops["naive"] >= 30, drops
     assert sum(m for m, _ in finals) / 100 > sum(f for _, f in finals) / 100 + 0.05  # the grown pool helps
     logged = (tmp_path / "0" / "updates.jsonl").read_text().splitlines()
     assert len(logged) == 7  # one decision per joining agent, accepted or not
+
+
+def test_accept_all_takes_the_update_the_trust_region_refuses():
+    memory = RouterMemory((MemoryEntry("a", "x"),), version=3)
+    validation = [Task(f"v{i}", "y") for i in range(40)]
+    bad = [MemoryEntry("b", "y", evidence=9)]  # b succeeds on 10% of y tasks, a on 50%
+    from rl.methods.monoscale.core import accept_update
+    kept, refused = trust_region_update(memory, bad, follow_memory, POOL.outcomes, CARDS, validation, validation)
+    taken, record = accept_update(memory, bad, follow_memory, POOL.outcomes, CARDS, validation, validation)
+    assert kept is memory and not refused.accepted
+    assert record.accepted and taken.version == 4 and record.change_rate == 1.0 and record.j_after < record.j_before
+    assert record.diff == {"added": ["use b for y"], "removed": []}
+    assert accept_update(memory, [], follow_memory, POOL.outcomes, CARDS, validation, validation)[0] is memory
 
 
 def test_the_lm_router_reads_the_first_agent_name_it_says():
@@ -158,7 +175,8 @@ def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ra
         "replay_size: 8, n_familiarization: 4, modes: [monoscale], distiller: writer, familiarizer: writer}}]",
         "logging.progress_bar=false", "logging.tensorboard=false"])
     summary = run(cfg)
-    assert {m: len(js) for m, js in summary["monoscale"].items()} == {"monoscale": 4, "naive": 4, "fixed": 4}
+    assert {m: len(js) for m, js in summary["monoscale"].items()} == {"monoscale": 4, "accept_all": 4, "naive": 4,
+                                                                       "fixed": 4}
     stage = out / "stages" / "monoscale"
     report = json.loads((stage / "report.json").read_text())
     updates = [json.loads(x) for x in (stage / "memory" / "updates.jsonl").read_text().splitlines()]
@@ -248,3 +266,107 @@ def test_the_lm_familiarizer_reads_typed_task_lines():
                                                    ["type0", "type1", "type2"], 2, _random.Random(0))
     assert [(t.kind, t.text) for t in tasks] == [("type2", "sum the column"), ("type0", "route this elsewhere")]
     assert "agent4: a specialist for type2" in asked[0] and "type1: sample 0" in asked[0] and "Write 2 tasks" in asked[0]
+
+
+def tool_agents():
+    """The python agents of the tiny recipe's pool of real agents (rl/methods/monoscale/task.py's typed arithmetic
+    tasks): agent0 answers right when the text has an odd length (a square's `^` is Python's xor), agent1 reads
+    products as sums, agent2 always says 1; agent3 solves products, agent4 divides (a decimal answer to a
+    fraction's reference), agent5 claims sums and is off by one, agent7 squares, agent8 solves differences and
+    remainders, agent9 claims remainders and says 0."""
+    import json
+
+    from tests.cluster.test_pipeline import ROOT
+    agents = json.loads((ROOT / "recipes/monoscale_tiny_agents.json").read_text())
+    return [a for a in agents if a["kind"] == "python"]
+
+
+def test_real_agents_are_run_once_per_task_and_judged_by_equivalence():
+    from rl.methods.monoscale.core import AgentPool, answer_matches
+    from rl.methods.monoscale.env import run_tool_agent
+    calls = []
+
+    def answering(agent):
+        def run(texts):
+            calls.extend((agent["name"], t) for t in texts)
+            return [run_tool_agent(agent, t) for t in texts]
+        return run
+    pool = AgentPool({a["name"]: answering(a) for a in tool_agents()}, answer_matches)
+    tasks = [Task("r", "ratio", "3/4", "\\frac{3}{4}"), Task("p", "product", "6*7", "42"),
+             Task("s", "sum", "5+8", "13")]
+    assert pool.outcomes(tasks, ["agent4", "agent3", "agent5"]) == [1.0, 1.0, 0.0]  # 0.75 is \frac{3}{4}
+    assert pool.seen[("r", "agent4")] == ("0.75", 1.0) and pool.seen[("s", "agent5")] == ("14", 0.0)
+    assert pool.outcomes(tasks, ["agent4", "agent1", ""]) == [1.0, 0.0, 0.0]  # 6+7; naming nobody scores 0
+    assert calls == [("agent4", "3/4"), ("agent3", "6*7"), ("agent5", "5+8"), ("agent1", "6*7")]  # each pair once
+    assert answer_matches("so it is \\boxed{0.5}", "\\frac{1}{2}") and not answer_matches("0.5", "\\frac{1}{3}")
+    assert answer_matches("7 apples", "7", "contains") and not answer_matches("7.0", "7", "exact")
+    assert not answer_matches("", "")  # an empty reference is never answered
+
+
+def test_a_real_pool_grows_with_tool_agents_under_every_mode():
+    """The starting pool's J is the hand-computed share of test tasks its router choice (agent0: no generalist
+    claims a type) answers; the product specialist earns a use entry once the evidence shows it; the agents whose
+    claims do not hold never do, and lower naive growth's J when they join."""
+    from rl.methods.monoscale.core import AgentPool, answer_matches
+    from rl.methods.monoscale.env import run_tool_agent
+    from rl.methods.monoscale.task import typed_arithmetic_rows
+
+    def to_tasks(rows, split):
+        return [Task(f"{split}-{i}", r["kind"], r["prompt"], r["answer"]) for i, r in enumerate(rows)]
+    test, train = to_tasks(typed_arithmetic_rows(36, 1), "test"), to_tasks(typed_arithmetic_rows(120, 2), "train")
+    replay, bank = train[:12], {}  # two tasks of each type: one type's routing changes 1/6 of the replay
+    for t in train[12:]:
+        bank.setdefault(t.kind, []).append(t)
+    agents = tool_agents()
+    def answering(agent):
+        return lambda texts: [run_tool_agent(agent, t) for t in texts]
+    pool = AgentPool({a["name"]: answering(a) for a in agents}, answer_matches)
+    cards = [AgentCard(a["name"], a["description"]) for a in agents]
+    runs = {m: grow_pool(m, follow_memory, pool, cards, [f"type{i}" for i in range(6)], test=test, replay=replay,
+                         bank=bank, n_familiarization=8) for m in ("monoscale", "accept_all", "naive", "fixed")}
+    by_hand = sum(len(t.text) % 2 == 1 and t.kind != "type4" for t in test) / len(test)
+    assert runs["fixed"]["j"] == [by_hand] * 7
+    for mode in ("monoscale", "accept_all"):
+        assert runs[mode]["j"][0] == by_hand and len(runs[mode]["updates"]) == 6
+        added = [line for u in runs[mode]["updates"] for line in u["diff"].get("added", [])]
+        assert any(line.startswith("use agent3 for type1") for line in added), added
+        assert not any(line.startswith(("use agent5", "use agent9")) for line in added), added
+    assert runs["monoscale"]["j"][-1] > by_hand + 0.1  # specialists took their types
+    assert all(b >= a for a, b in zip(runs["monoscale"]["j"], runs["monoscale"]["j"][1:])), runs["monoscale"]["j"]
+    naive = runs["naive"]["j"]  # agent5 joins at index 3, agent9 at index 6: each takes its type and fails it
+    assert naive[3] < naive[2] and naive[6] < naive[5], naive
+
+
+def test_the_monoscale_stage_onboards_real_agents_served_by_ray(ray_cluster, tmp_path):
+    """Through Ray: the tiny recipe's pool of real agents (python tools in the sandbox and a model agent served by
+    the `solver` engine) grows under MonoScale and naive growth on the data's typed arithmetic tasks; every output
+    is recorded with its judged outcome."""
+    import json
+
+    from cluster.pipeline import run
+    from rl import config
+    from rl.methods.monoscale.core import answer_matches
+    from tests.cluster.test_pipeline import ROOT
+    out = tmp_path / "msa"
+    cfg = config.load(ROOT / "recipes/monoscale_tiny.yaml", [
+        f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+        "model.tiny.intermediate_size=64", "data.synthetic.num_train=64", "data.synthetic.num_eval=4",
+        "sft.steps=4", "sft.batch_size=16", "learner.micro_batch_size=16", "learner.threads=1",
+        "stages=[{name: model}, {name: data}, {name: sft}, {name: monoscale, params: {agents: "
+        f"{ROOT}/recipes/monoscale_tiny_agents.json, modes: [monoscale, naive], test_size: 12, replay_size: 12, "
+        "n_familiarization: 4}}]", "logging.progress_bar=false", "logging.tensorboard=false"])
+    summary = run(cfg)
+    assert {m: len(js) for m, js in summary["monoscale"].items()} == {"monoscale": 8, "naive": 8}  # 3 -> 10 agents
+    report = json.loads((out / "stages" / "monoscale" / "report.json").read_text())
+    assert len(report["runs"]["monoscale"]["updates"]) == 7 and report["kinds"] == [f"type{i}" for i in range(6)]
+    rows = [json.loads(x) for x in (out / "data" / "monoscale_tasks_eval.jsonl").read_text().splitlines()]
+    reference = {f"eval-{i}": r for i, r in enumerate(rows)} | {f"train-{i}": r for i, r in enumerate(
+        json.loads(x) for x in (out / "data" / "monoscale_tasks_train.jsonl").read_text().splitlines())}
+    by_agent = {}
+    for a in report["answers"]:
+        row = reference[a["task"]]
+        assert a["outcome"] == float(answer_matches(a["output"], row["answer"])), a
+        by_agent.setdefault(a["agent"], []).append((row, a["output"]))
+    assert "agent6" in by_agent  # the model agent answered through its engine (in forced exploration at least)
+    for row, said in by_agent.get("agent3", []):  # the product tool evaluates the task
+        assert said == str(eval(row["prompt"]))

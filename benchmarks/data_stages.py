@@ -13,7 +13,9 @@ the random arm's best held-out loss (the paper's headline, 1.7x fewer steps at 1
 
 EP-Order (`recipes/ep_order_sft_tiny.yaml`, six string-transformation domains): one SFT epoch from the same base
 model in (a) the EP order (clusters chained by centroid proximity, mixed transition regions), (b) the same
-clusters as pure blocks in a random order, (c) a full shuffle. Recorded: the training-loss jump at cluster
+clusters as pure blocks in a random order, (c) a full shuffle, (d) the EP order with replay: 30% of each segment's
+rows moved to random later positions (`rl.methods.ep_order.core.spread_replay`; the same rows, the same epoch
+length), the arm a cluster curriculum needs against forgetting. Recorded: the training-loss jump at cluster
 boundaries (mean loss of the first `--window` steps of a segment minus the last `--window` of the one before),
 the held-out loss after the epoch on the domains of the first two clusters (forgetting), and the final held-out
 loss. These are hypotheses of the reconstruction, not claims of a paper.
@@ -33,9 +35,12 @@ from pathlib import Path
 
 from recipe_runs import run_recipe, seed_sweep_parser, write_report
 
+from rl.methods.ep_order.core import spread_replay
+
 BLISS = "recipes/bliss_select_sft_tiny.yaml"
 EP = "recipes/ep_order_sft_tiny.yaml"
 CHAIN = "recipes/data_chain_tiny.yaml"
+REPLAY = 0.3  # the share of each EP segment moved later in the replay arm (DSR replays 10-30% of earlier phases)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -151,6 +156,13 @@ def ep_seed(seed: int, runs: Path, window: int, overrides: list[str]) -> dict:
     shuffle_run = run_recipe(EP, [*shared, f"data.sft_path={data / 'sft.jsonl'}", "sft.sampler=shuffle"],
                              base / "shuffle", f"shuffle seed {seed}")
     arms["shuffle"] = (shuffle_run, clusters, [])
+    # the EP order with a share of each segment moved to random later positions (replay of earlier clusters)
+    positions, spans = spread_replay(list(range(len(report["order"]))), report["segments"], REPLAY, seed)
+    replay_path = _write_rows(base / "ep_order_replay.jsonl", [
+        {k: rows[report["source_rows"][p]][k] for k in ("prompt", "target")} for p in positions])
+    replay_run = run_recipe(EP, [*shared, f"data.sft_path={replay_path}", "sft.sampler=sequential"],
+                            base / "ep_order_replay", f"EP-Order with replay seed {seed}")
+    arms["ep_order_replay"] = (replay_run, arms["ep_order"][1], [s["start"] for s in spans[1:]])
     out = {"k": report["k"], "path_length": report["path_length"],
            "random_path_length_median": report["random_path_length_median"], "arms": {}}
     for name, (run, order, starts) in arms.items():
@@ -163,7 +175,7 @@ def ep_seed(seed: int, runs: Path, window: int, overrides: list[str]) -> dict:
         per_row = _row_losses(str(folder / "sft_model"), held)
         out["arms"][name]["eval_loss_by_domain"] = {
             d: statistics.mean(x for x, r in zip(per_row, held) if r["domain"] == d) for d in sorted({r["domain"] for r in held})}
-    for name in ("ep_order", "cluster_blocks"):  # forgetting: the arm's first two domains, against the shuffle
+    for name in ("ep_order", "cluster_blocks", "ep_order_replay"):  # forgetting: the arm's first two domains, against the shuffle
         arm = out["arms"][name]
         arm["early_domains_eval_loss"] = statistics.mean(arm["eval_loss_by_domain"][d] for d in arm["first_domains"])
         arm["early_domains_eval_loss_shuffle"] = statistics.mean(
@@ -218,7 +230,7 @@ def summarize(report: dict) -> dict:
                          "early_domains_eval_loss": [x["arms"][a].get("early_domains_eval_loss") for x in e],
                          "early_domains_eval_loss_shuffle": [x["arms"][a].get("early_domains_eval_loss_shuffle")
                                                              for x in e]}
-                     for a in ("ep_order", "cluster_blocks", "shuffle")}}
+                     for a in ("ep_order", "ep_order_replay", "cluster_blocks", "shuffle")}}
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -227,7 +239,8 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (left, right, chain) = plt.subplots(1, 3, figsize=(16, 4))
     colors = {"bliss": "tab:blue", "random": "tab:gray", "proxy_loss": "tab:orange",
-              "ep_order": "tab:blue", "cluster_blocks": "tab:red", "shuffle": "tab:gray"}
+              "ep_order": "tab:blue", "ep_order_replay": "tab:green", "cluster_blocks": "tab:red",
+              "shuffle": "tab:gray"}
     for i, r in enumerate(report["per_seed"]):
         for arm, curve in r["bliss"]["eval_curves"].items():
             left.plot([s for s, _ in curve], [v for _, v in curve], color=colors[arm], alpha=0.6,
@@ -283,8 +296,22 @@ def main() -> None:
         partial = Path(args.out).with_suffix(".partial.json")
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(report, indent=2))
-    report["summary"] = summarize(report) if args.only is None else {}
-    write_report(report, args.out, _plot if args.only is None else lambda r, p: None)
+    report = merged(report, Path(args.out)) if args.only is not None else report
+    complete = all(k in r for r in report["per_seed"] for k in ("bliss", "ep", "chain"))
+    report["summary"] = summarize(report) if complete else {}
+    write_report(report, args.out, _plot if complete else lambda r, p: None)
+
+
+def merged(report: dict, out: Path) -> dict:
+    """With `--only`, the study just run replaces its part of each seed in an earlier report at `out` (the other
+    studies' figures are kept)."""
+    if not out.exists():
+        return report
+    old = json.loads(out.read_text())
+    rows = {r["seed"]: r for r in old["per_seed"]}
+    for row in report["per_seed"]:
+        rows.setdefault(row["seed"], {"seed": row["seed"]}).update(row)
+    return {**old, "seeds": sorted(rows), "per_seed": [rows[s] for s in sorted(rows)]}
 
 
 if __name__ == "__main__":

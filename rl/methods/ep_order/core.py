@@ -12,7 +12,9 @@ Pure functions over an embedding matrix, so that each step is testable alone:
   * `greedy_chain` (+ `two_opt`): the cluster path, each step to the closest unvisited centroid;
   * `mixed_order`: the epoch's sample order; cluster j holds a contiguous segment of its own size whose first and
     last `zone` share draw from (previous, current, next) cluster at `mix` ((0, 0.75, 0.25) at the ends of the
-    path), without replacement, so every sample appears exactly once.
+    path), without replacement, so every sample appears exactly once;
+  * `spread_replay` (`replay`, off by default): a share of each segment's rows moved to random later positions,
+    so that later clusters revisit earlier ones.
 """
 
 from __future__ import annotations
@@ -150,6 +152,40 @@ def mixed_order(members: dict[int, list[int]], path: Sequence[int], seed: int, z
         segments[-1]["end"] = len(order)
         segments[-1]["drawn_from"] += [path[-1]] * len(leftover)
     return order, segments
+
+
+def spread_replay(order: list[int], segments: list[dict], share: float, seed: int) -> tuple[list[int], list[dict]]:
+    """Replay of earlier clusters within one epoch [RECONSTRUCTION: the brief names no replay; this is the arm a
+    cluster curriculum needs against forgetting, as DSR's curriculum replays 10-30% of earlier phases]: a random
+    `share` of each segment's rows (all but the last segment's) leaves its segment and lands at uniform random
+    positions after it, so every later stretch of the epoch revisits the clusters before it in proportion to
+    their size. Every row still appears exactly once (the epoch's length is the same); segments keep their order,
+    with their new spans and `replayed`, the earlier rows that landed in them. `drawn_from`, when the segments
+    carry it, follows each row."""
+    if share <= 0:
+        return list(order), [dict(s) for s in segments]
+    rng, n = random.Random(seed), len(order)
+    keys = [float(p) for p in range(n)]
+    moved = set()
+    for seg in segments[:-1]:
+        span = list(range(seg["start"], seg["end"]))
+        for p in rng.sample(span, int(round(share * len(span)))):
+            keys[p] = rng.uniform(seg["end"], n)
+            moved.add(p)
+    ranked = sorted(range(n), key=lambda p: keys[p])
+    source = {}
+    for seg in segments:
+        for p, c in zip(range(seg["start"], seg["end"]), seg.get("drawn_from", [])):
+            source[p] = c
+    out = []
+    for seg in segments:
+        start = sum(k < seg["start"] for k in keys)
+        end = sum(k < seg["end"] for k in keys)
+        new = {**seg, "start": start, "end": end, "replayed": sum(ranked[i] in moved for i in range(start, end))}
+        if "drawn_from" in seg:
+            new["drawn_from"] = [source[ranked[i]] for i in range(start, end)]
+        out.append(new)
+    return [order[p] for p in ranked], out
 
 
 def zone_proportions(segments: list[dict], path: Sequence[int]) -> list[float]:

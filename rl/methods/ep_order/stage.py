@@ -6,7 +6,8 @@
    tokens) and the warm-up loss (`models.families.sequence_embeddings`).
 3. Cluster (spherical k-means, `k` or the spec's default, or the best silhouette over `k_candidates`), chain the
    clusters from the easiest (lowest mean warm-up loss; `start: farthest` begins at the cluster farthest from the
-   others) by nearest centroids (+ `two_opt`), order the samples with mixed transition regions.
+   others) by nearest centroids (+ `two_opt`), order the samples with mixed transition regions; with `replay` > 0
+   that share of each segment's rows moves to random later positions (`core.spread_replay`).
 
 Artifacts: `sft` (the rows in the new order, JSONL, read by the SFT stage with a sequential sampler under
 `sft.sampler: auto`), `sft_ordering` (the report: order, cluster of every row, the path and its length against
@@ -29,6 +30,7 @@ from rl.methods.ep_order.core import (
     mixed_order,
     path_length,
     spherical_kmeans,
+    spread_replay,
     two_opt,
     within_cluster_order,
     zone_proportions,
@@ -69,7 +71,7 @@ class EPOrderStage(Stage):
                  k_candidates: list[int] = (), restarts: int = 10, two_opt: bool = False, zone: float = 0.2,
                  mix: list[float] = (0.2, 0.6, 0.2), end_mix: list[float] = (0.0, 0.75, 0.25),
                  within: str = "shuffle", start: str = "easiest", embed_tokens: str = "response",
-                 embed_batch_size: int = 32, embed_num_gpus: float = 0.0):
+                 embed_batch_size: int = 32, embed_num_gpus: float = 0.0, replay: float = 0.0):
         if not 0 < warmup_fraction <= 1:
             raise ValueError(f"warmup_fraction must be in (0, 1], got {warmup_fraction}")
         if within not in ("shuffle", "loss") or start not in ("easiest", "farthest"):
@@ -78,7 +80,10 @@ class EPOrderStage(Stage):
             raise ValueError(f"embed_tokens must be response or all, got {embed_tokens!r}")
         if abs(sum(mix) - 1) > 1e-6 or abs(sum(end_mix) - 1) > 1e-6 or not 0 <= zone <= 0.5:
             raise ValueError(f"mix {list(mix)} and end_mix {list(end_mix)} must each sum to 1, zone {zone} be in [0, 0.5]")
-        self.warmup_fraction, self.warmup_epochs = warmup_fraction, warmup_epochs
+        if not 0 <= replay < 1:
+            raise ValueError(f"replay (the share of each segment's rows moved later, core.spread_replay) must be in "
+                             f"[0, 1), got {replay}")
+        self.warmup_fraction, self.warmup_epochs, self.replay = warmup_fraction, warmup_epochs, replay
         self.k, self.k_candidates, self.restarts, self.two_opt = k, list(k_candidates), restarts, two_opt
         self.zone, self.mix, self.end_mix = zone, tuple(mix), tuple(end_mix)
         self.within, self.start, self.embed_tokens = within, start, embed_tokens
@@ -138,6 +143,7 @@ class EPOrderStage(Stage):
         path_clusters = [present[i] for i in chain]
         members = within_cluster_order(labels, seed, losses if self.within == "loss" else None)
         order, segments = mixed_order(members, path_clusters, seed, self.zone, self.mix, self.end_mix)
+        order, segments = spread_replay(order, segments, self.replay, seed)
         random_lengths = [path_length(random.Random(seed + r).sample(range(len(present)), len(present)), sub)
                           for r in range(100)]
         return {"k": k, "path": path_clusters, "path_length": path_length(chain, sub),

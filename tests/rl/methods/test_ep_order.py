@@ -13,6 +13,7 @@ from rl.methods.ep_order.core import (
     mixed_order,
     path_length,
     spherical_kmeans,
+    spread_replay,
     two_opt,
     within_cluster_order,
     zone_proportions,
@@ -86,6 +87,32 @@ def test_mixed_order_sees_every_sample_once_with_the_zone_proportions():
         order, _ = mixed_order(within_cluster_order(uneven, 1), path, seed=1)
         assert sorted(order) == list(range(len(uneven))), path
     assert mixed_order(within_cluster_order(uneven, 1), path, seed=1)[0] == order  # deterministic
+
+
+def test_replay_moves_a_share_of_each_segment_to_later_positions_and_keeps_every_row_once():
+    labels = np.repeat(np.arange(4), 100)
+    path = [2, 0, 3, 1]
+    order, segments = mixed_order(within_cluster_order(labels, seed=0), path, seed=0, zone=0.0)  # pure blocks
+    assert spread_replay(order, segments, 0.0, seed=0) == (order, segments)
+    replayed, spans = spread_replay(order, segments, 0.3, seed=0)
+    assert sorted(replayed) == sorted(order) and len(replayed) == 400
+    # 30 rows leave each of the first three segments; the first keeps 70 and receives none, the last keeps all 100
+    assert [s["start"] for s in spans] == [0] + [s["end"] for s in spans[:-1]] and spans[-1]["end"] == 400
+    assert spans[0]["end"] == 70 and spans[0]["replayed"] == 0
+    assert sum(s["replayed"] for s in spans) == 90 and spans[-1]["end"] - spans[-1]["start"] == 100 + spans[-1]["replayed"]
+    for j, span in enumerate(spans):
+        clusters = [int(labels[i]) for i in replayed[span["start"]:span["end"]]]
+        assert clusters.count(path[j]) == (100 if j == 3 else 70)  # its own rows that stayed
+        assert set(clusters) <= set(path[:j + 1])  # what it received comes from earlier clusters only
+        assert span["drawn_from"] == clusters
+    last = [int(labels[i]) for i in replayed[spans[-1]["start"]:]]
+    assert last.count(path[0]) > 0  # the first cluster is revisited at the end of the epoch
+    # a row moves only forward: after its own segment's rows that stayed
+    own_end = {c: max(p for p, i in enumerate(replayed) if labels[i] == c and p < spans[j]["end"])
+               for j, c in enumerate(path)}
+    for j, c in enumerate(path[:-1]):
+        later = [p for p, i in enumerate(replayed) if labels[i] == c and p >= spans[j]["end"]]
+        assert len(later) == 30 and min(later) > own_end[c]
 
 
 def test_within_cluster_order_by_warm_up_loss():

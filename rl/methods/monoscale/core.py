@@ -504,7 +504,9 @@ class LMDistiller:
             lines.append(f"{kind}: {int(sum(new))}/{len(new)}; {incumbents.get(kind, 'none')} "
                          f"{int(sum(old))}/{len(old)}")
         (text,) = self.generate([DISTILL_PROMPT.format(agent=new_agent, evidence="\n".join(lines))])
-        entries = parse_memory_lines(text, {new_agent, *incumbents.values()})
+        known = {kind.lower(): kind for kind in counts}  # a model may write a type in another case
+        entries = [MemoryEntry(**{**asdict(e), "when": known.get(e.when.lower(), e.when)})
+                   for e in parse_memory_lines(text, {new_agent, *incumbents.values()})]
         tries = {kind: sum(len(v) for v in by_agent.values()) for kind, by_agent in counts.items()}
         return sorted((MemoryEntry(**{**asdict(e), "evidence": tries.get(e.when, 0)}) for e in entries),
                       key=lambda e: -e.evidence)

@@ -243,7 +243,7 @@ def test_memory_lines_round_trip_and_the_lm_distiller_reads_a_models_entries():
 
     def canned_reply(prompts):  # a fixed model answer: this checks the prompt and the parsing
         asked.extend(prompts)
-        return ["- use agent4 for type2; reliability 0.9\n- avoid agent4 for type5; fails when always"]
+        return ["- use agent4 for TYPE2; reliability 0.9\n- avoid agent4 for type5; fails when always"]
     tasks = [Task(f"t{i}", "type2") for i in range(3)] + [Task("u", "type5")]
     evidence = [(t, "agent4", 1.0) for t in tasks[:3]] + [(t, "agent0", 0.0) for t in tasks[:3]]
     evidence += [(tasks[3], "agent4", 0.0), (tasks[3], "agent0", 1.0)]

@@ -1,4 +1,4 @@
-"""`looprl` command line: run, submit, slurm, config show, plot."""
+"""`looprl` command line: run, submit, slurm, plan, config show, plot."""
 
 from __future__ import annotations
 
@@ -50,6 +50,24 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         return 0
     print(config.to_yaml(cfg), end="")
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory plan of a recipe on a cluster of the given shape; exit 1 when it does not fit."""
+    from cluster.plan import Devices, make_plan, render, suggest_fix
+    from rl import config
+    cfg = config.load(args.recipe, args.overrides)
+    devices = Devices(args.nodes, args.gpus_per_node, args.gpu_memory_gib)
+    prompt_tokens = args.prompt_tokens or cfg.cluster.plan_prompt_tokens
+    plan = make_plan(cfg, devices, prompt_tokens)
+    print(render(plan))
+    if not plan.problems:
+        print("fits")
+        return 0
+    print("does not fit:\n" + "\n".join(f"  {p}" for p in plan.problems))
+    fix = suggest_fix(cfg, devices, prompt_tokens, plan.shape)
+    print(f"it would fit with {fix}" if fix else "no single change tried makes it fit")
+    return 1
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -115,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--out", default=None, help="script path (default JOB_NAME.sbatch)")
     sl.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
     sl.set_defaults(fn=cmd_slurm)
+    pn = sub.add_parser("plan", help="memory per role and device from the model's config.json alone, and whether "
+                                     "the run fits: looprl plan RECIPE [key=value ...] --nodes 2 --gpus-per-node 8")
+    pn.add_argument("recipe")
+    pn.add_argument("overrides", nargs="*")
+    pn.add_argument("--nodes", type=int, default=1)
+    pn.add_argument("--gpus-per-node", type=int, default=8)
+    pn.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    pn.add_argument("--prompt-tokens", type=int, default=None,
+                    help="prompt length the plan assumes (default: cluster.plan_prompt_tokens)")
+    pn.set_defaults(fn=cmd_plan)
     c = sub.add_parser("config", help="inspect recipes")
     csub = c.add_subparsers(dest="config_command", required=True)
     s = csub.add_parser("show", help="print the resolved config with every default")

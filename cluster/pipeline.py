@@ -287,6 +287,18 @@ def check_recipe(cfg: DictConfig, model_path: str | None, only_stage: str | None
         if not (f.remote or is_remote(f.name)):
             lookup("reward", f.name)
     check_stages(cfg, only_stage)
+    check_memory_plan(cfg, model_path)
+
+
+def check_memory_plan(cfg: DictConfig, model_path: str | None) -> None:
+    """An RL run whose roles cannot fit its GPUs is refused now, naming the change that would make it fit
+    (`cluster.plan`); skipped without GPUs (a CPU run) or when the model's config is not on this machine."""
+    from cluster.plan import check_fits, run_devices
+    if not any(s.name == "rl" for s in cfg.stages) or not (model_path is None or Path(model_path).exists()):
+        return
+    devices = run_devices(cfg)
+    if devices is not None:
+        check_fits(cfg, devices, cfg.cluster.plan_prompt_tokens)
 
 
 def check_stages(cfg: DictConfig, only_stage: str | None = None) -> None:

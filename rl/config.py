@@ -269,6 +269,8 @@ class ClusterConfig:
     placement_strategy: str = "PACK"  # Ray placement-group strategy: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     learner_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per learner bundle, e.g. {trainer_node: 1} to pin learners to nodes started with that resource
     rollout_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per rollout bundle (split placement pins rollout workers the same way)
+    gpu_memory_gib: float = 0.0  # memory of one GPU for the memory plan `looprl run` checks before any actor starts (`looprl plan` prints it); 0: the driver's first CUDA device, and no check on a machine without one
+    plan_prompt_tokens: int = 1024  # the prompt length that plan assumes (a recipe does not state one)
 
 
 @dataclass

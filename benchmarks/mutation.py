@@ -36,6 +36,11 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "decomper": ("rl.methods.decomper.core.",),
     "guidance": ("rl.methods.guidance.core.",),
     "ulora": tuple(f"models.adapters.{name}" for name in _ULORA),
+    "monoscale": ("rl.methods.monoscale.core.",),
+    "ep_order": ("rl.methods.ep_order.core.",),
+    "bliss": ("rl.methods.bliss.core.",),
+    "agentic_proposing": ("rl.methods.agentic_proposing.core.",),
+    "memo": ("rl.methods.memo.core.",),
 }
 
 # mutants that compute the same results as the code (checked by reading them: `mutmut show NAME`)
@@ -143,6 +148,18 @@ EQUIVALENT: dict[str, str] = {
     # Guidance (rl/methods/guidance/core.py)
     **{f"rl.methods.guidance.core.xǁLLMCitationJudgeǁ{fn}__mutmut_{i}": "an answer that names no rating scores 0, as "
        "the renamed rating does" for fn, ids in (("support", (15, 16)), ("needs_citation", (9, 10))) for i in ids},
+    # EP-Order (rl/methods/ep_order/core.py)
+    **{f"rl.methods.ep_order.core.x_cosine_distances__mutmut_{i}": "the upper clip 2 -> 3 or none: 1 - cos is at "
+       "most 2 plus a rounding of 1e-16" for i in (5, 12)},
+    "rl.methods.ep_order.core.x_zone_proportions__mutmut_32": "every count doubled: the same shares",
+    "rl.methods.ep_order.core.x_zone_proportions__mutmut_38": "max(1, 0) -> max(2, 0) divides zero counts: zeros "
+                                                            "either way",
+    "rl.methods.ep_order.core.x_spherical_kmeans__mutmut_15": "init k-means++ named: it is scikit-learn's default",
+    **{f"rl.methods.ep_order.core.x_{fn}__mutmut_{i}": _PRECISION.replace("long responses", "many rows") for fn, ids in
+       (("spherical_kmeans", (5, 7)), ("choose_k", (7, 9))) for i in ids},
+    "rl.methods.ep_order.core.x_two_opt__mutmut_12": "i up to len(path): for the added i the inner range is empty",
+    "rl.methods.ep_order.core.x_two_opt__mutmut_33": "< -> <= against a bound 1e-12 below: a candidate that ties "
+                                                    "the bound exactly is a 1e-12 improvement either way",
     "rl.losses.x_rollout_importance_weights__mutmut_58": "the exponent's guard 20 -> 21: e^20 is 4.9e8, so for any "
                                                          "cap below it both cap or mask every ratio that reaches the "
                                                          "guard",

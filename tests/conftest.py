@@ -12,7 +12,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def pytest_collection_modifyitems(config, items):
     """`extended` end-to-end runs (a feature's second CI-sized run) are left out unless LOOPRL_EXTENDED=1
-    (`make test-all`), so that `make test` stays well inside the CI budget."""
+    (`make test-all`), so that `make test` stays well inside the CI budget. A test that starts Ray (the
+    `ray_cluster` fixture) is marked `ray`, so that mutation testing can run the fast tests alone."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
     if os.environ.get("LOOPRL_EXTENDED") == "1":
         return
     kept = [item for item in items if item.get_closest_marker("extended") is None]

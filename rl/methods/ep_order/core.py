@@ -146,11 +146,8 @@ def mixed_order(members: dict[int, list[int]], path: Sequence[int], seed: int, z
             order.append(pools[src].pop())
             drawn_from.append(src)
         segments.append({"cluster": c, "start": start, "end": len(order), "zone": len(lead), "drawn_from": drawn_from})
-    leftover = [i for c in path for i in reversed(pools[c])]  # only when a core was cut short by a dry pool
-    if leftover:
-        order += leftover
-        segments[-1]["end"] = len(order)
-        segments[-1]["drawn_from"] += [path[-1]] * len(leftover)
+    # every sample is placed: the plans add up to at least the rows (each zone draw from a neighbour is taken off
+    # that neighbour's core), and each step pops one while any is left
     return order, segments
 
 

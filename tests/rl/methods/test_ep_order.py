@@ -11,6 +11,7 @@ from rl.methods.ep_order.core import (
     default_k,
     greedy_chain,
     mixed_order,
+    normalize,
     path_length,
     spherical_kmeans,
     spread_replay,
@@ -113,6 +114,75 @@ def test_replay_moves_a_share_of_each_segment_to_later_positions_and_keeps_every
     for j, c in enumerate(path[:-1]):
         later = [p for p, i in enumerate(replayed) if labels[i] == c and p >= spans[j]["end"]]
         assert len(later) == 30 and min(later) > own_end[c]
+
+
+def test_segment_lengths_by_hand_and_the_path_ends():
+    """Six clusters of 200, zones of 40. A zone draws (prev, own, next) = (8, 24, 8) inside the path and
+    (0, 30, 10) at its ends (mirrored at the last); a segment is its two zones and a core of its size less its own
+    zone draws and what its neighbours' zones take from it: 80 + 200 - 60 - 16 = 204 at the ends, 80 + 200 - 48 -
+    36 = 196 next to them, 200 inside."""
+    labels = np.repeat(np.arange(6), 200)
+    path = [3, 1, 4, 0, 5, 2]
+    order, segments = mixed_order(within_cluster_order(labels, seed=0), path, seed=0)
+    assert [s["end"] - s["start"] for s in segments] == [204, 196, 200, 200, 196, 204]
+    last = segments[-1]["drawn_from"]
+    assert last.count(5) == 2 * round(0.25 * 40) and last.count(2) == 204 - 20  # no next cluster after the last
+    # a first segment asked to draw from a previous cluster has none: it draws its own, never the path's last
+    first = mixed_order(within_cluster_order(labels, seed=0), path, seed=0, end_mix=(0.2, 0.6, 0.2))[1][0]
+    assert set(first["drawn_from"]) == {3, 1}
+    # one cluster: no zones, its members in order
+    one = within_cluster_order(np.zeros(5, dtype=int), seed=0)
+    assert mixed_order(one, [0], seed=0) == (one[0], [{"cluster": 0, "start": 0, "end": 5, "zone": 0,
+                                                       "drawn_from": [0] * 5}])
+
+
+def test_zone_proportions_by_hand():
+    path = [0, 1, 2, 3]
+    segments = [{"zone": 2, "drawn_from": [0, 0, 0]},
+                {"zone": 2, "drawn_from": [0, 1, 1, 1, 2, 1]},  # zones: prev, own | next, own
+                {"zone": 2, "drawn_from": [2, 2, 2, 2, 3, 3]},  # zones: own, own | next, next
+                {"zone": 2, "drawn_from": [3, 3]}]
+    assert zone_proportions(segments, path) == [1 / 8, 4 / 8, 3 / 8]
+    assert zone_proportions(segments[:2], path[:2]) == [0.0, 0.0, 0.0]  # no interior segment
+
+
+def test_cosine_distances_and_normalize_by_hand():
+    d = cosine_distances(np.array([[2.0, 0.0], [0.0, 3.0], [-1.0, 0.0]]))
+    assert np.array_equal(d, np.array([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0], [2.0, 1.0, 0.0]]))
+    rounded = cosine_distances(np.array([[1.0, 1.0, 1.0], [3.0, 4.0, 0.0]]))
+    assert rounded[0, 0] == 0.0 and abs(rounded[0, 1] - (1 - 7 / (5 * 3 ** 0.5))) < 1e-12  # no -2e-16 self-distance
+    assert np.array_equal(normalize(np.array([[0.0, 0.0], [3.0, 4.0]])), np.array([[0.0, 0.0], [0.6, 0.8]]))
+    assert default_k(5513) == 11 and default_k(5512) == 10  # round(sqrt(N / 50)) either side of 10.5
+
+
+def test_choose_k_skips_k_outside_two_to_n_minus_one():
+    x, _ = _blobs(k=2, per=30)
+    assert choose_k(x, 0, candidates=[2, 3], restarts=2) == 2
+    six = _blobs(k=3, per=2)[0]
+    assert choose_k(six, 0, candidates=[1, 3, 6], restarts=2) == 3  # 1 and N cannot be scored
+    assert choose_k(x, 0) == default_k(len(x))
+
+
+def test_two_opt_uncrosses_a_path_to_the_shortest():
+    """Points on a line visited 0, 3, 1, 2, 4 (crossing back): 2-opt with the start fixed finds the sorted order,
+    the shortest open path (brute force agrees)."""
+    import itertools
+    pts = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
+    line = np.abs(pts[:, None] - pts[None, :])
+    best = two_opt([0, 3, 1, 2, 4], line)
+    shortest = min(path_length([0, *p], line) for p in itertools.permutations(range(1, 5)))
+    assert best == [0, 1, 2, 3, 4] and path_length(best, line) == shortest == 4.0
+    assert two_opt([0, 1, 2, 3, 4], line) == [0, 1, 2, 3, 4]  # nothing to improve: unchanged
+    assert two_opt([0, 3, 1, 2, 4], line / 100) == [0, 1, 2, 3, 4]  # improvements of any size count
+
+
+def test_replay_is_seeded_and_reads_segments_without_draws():
+    labels = np.repeat(np.arange(3), 20)
+    order, segments = mixed_order(within_cluster_order(labels, seed=0), [0, 1, 2], seed=0, zone=0.0)
+    spans = [{k: v for k, v in s.items() if k != "drawn_from"} for s in segments]  # as the stage's report keeps them
+    once = spread_replay(order, spans, 0.5, seed=3)
+    assert once == spread_replay(order, spans, 0.5, seed=3) and once != spread_replay(order, spans, 0.5, seed=4)
+    assert "drawn_from" not in once[1][0] and sorted(once[0]) == sorted(order)
 
 
 def test_within_cluster_order_by_warm_up_loss():

@@ -112,7 +112,8 @@ def learner_use(cfg: Any, shape: ModelShape, prompt_tokens: int) -> RoleUse:
     use = RoleUse("learner rank", model_states(cfg, shape, trained_params(cfg, shape)))
     tokens = micro_batch_tokens(cfg, prompt_tokens)
     use.items["activations"] = activation_bytes(shape, tokens, b, cfg.model.gradient_checkpointing)
-    use.items["backward working memory"] = layer_activation_elements(shape) * tokens * b  # one layer's gradients
+    # the gradients flowing through a layer: half a layer's activations, as measured (tests/cluster/test_plan.py)
+    use.items["backward working memory"] = layer_activation_elements(shape) * tokens * b // 2
     use.items["vocabulary projection chunk"] = logit_bytes(shape, min(tokens, lc.logprob_chunk_tokens))
     use.notes.append(f"{tokens} tokens a micro-batch"
                      f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}")

@@ -13,7 +13,7 @@ routed to): the two norms' inputs and outputs (4h), q (h) and k, v (2·kv), the 
 projection's input (2h), the residual (h), the MLP's gate, up, activation and product (4w), and a few hundred
 elements of masks and positions. Measured on the CPU in float32 (widths 128-768, MLP widths 512-3072, 3-14 layers:
 within 3%; the number of heads does not enter); tests/cluster/test_plan.py checks a whole training step. The
-backward adds about one layer's activations of working memory (the gradients flowing through a layer). Under
+backward adds about half a layer's activations of working memory (the gradients flowing through a layer). Under
 gradient checkpointing a layer keeps only its input (h) and one layer at a time holds the rest while it is
 recomputed. A looped model (Ouro) runs its layers `total_ut_steps` times: activations and KV cache scale with the
 loops. These are estimates of what the framework's kernels keep, checked against measured peaks in the tests.

@@ -102,6 +102,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    pn = sub.add_parser("plan", help="memory per role and device from the model's config.json alone, and whether "
+                                     "the run fits: looprl plan RECIPE [key=value ...] --nodes 2 --gpus-per-node 8")
+    pn.add_argument("recipe")
+    pn.add_argument("overrides", nargs="*")
+    pn.add_argument("--nodes", type=int, default=1)
+    pn.add_argument("--gpus-per-node", type=int, default=8)
+    pn.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    pn.add_argument("--prompt-tokens", type=int, default=None,
+                    help="prompt length the plan assumes (default: cluster.plan_prompt_tokens)")
+    pn.set_defaults(fn=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="looprl", description="Distributed RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,16 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--out", default=None, help="script path (default JOB_NAME.sbatch)")
     sl.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
     sl.set_defaults(fn=cmd_slurm)
-    pn = sub.add_parser("plan", help="memory per role and device from the model's config.json alone, and whether "
-                                     "the run fits: looprl plan RECIPE [key=value ...] --nodes 2 --gpus-per-node 8")
-    pn.add_argument("recipe")
-    pn.add_argument("overrides", nargs="*")
-    pn.add_argument("--nodes", type=int, default=1)
-    pn.add_argument("--gpus-per-node", type=int, default=8)
-    pn.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    pn.add_argument("--prompt-tokens", type=int, default=None,
-                    help="prompt length the plan assumes (default: cluster.plan_prompt_tokens)")
-    pn.set_defaults(fn=cmd_plan)
+    _add_plan_parser(sub)
     c = sub.add_parser("config", help="inspect recipes")
     csub = c.add_subparsers(dest="config_command", required=True)
     s = csub.add_parser("show", help="print the resolved config with every default")

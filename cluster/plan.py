@@ -96,8 +96,7 @@ def model_states(cfg: Any, shape: ModelShape, trained: int) -> dict[str, int]:
     """Weights, gradients, master weights and optimizer moments per rank at the recipe's ZeRO stage."""
     b, z, n = DTYPE_BYTES[cfg.model.dtype], cfg.learner.zero_stage, max(1, cfg.learner.world_size)
     mezo = _optimizer_is_mezo(cfg)
-    frozen = shape.params - trained if trained != shape.params else 0
-    states = {"weights": (frozen * b + trained * b) // (n if z >= 3 else 1)}
+    states = {"weights": shape.params * b // (n if z >= 3 else 1)}  # frozen and trained alike
     if not mezo:
         states["gradients"] = trained * b // (n if z >= 2 else 1)
         if b == 2:

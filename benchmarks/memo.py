@@ -1,12 +1,14 @@
 """MEMO at tiny scale: does the best prompt's win rate rise over generations, and is the run-to-run spread
-lower with the memory (and prefix replay) than without?
+lower with the memory and prefix replay than without each of them?
 
     python benchmarks/memo.py [--seeds 0 1 2] [--out benchmarks/results/memo.json] [key=value ...]
 
 A labelled synthetic harness (`rl/methods/memo/task.py`): `recipes/memo_tiny.yaml` teaches a tiny model made
 in code to play TicTacToe and Kuhn poker by the strategy hint in its context and to act as the analyzer. The
 SFT runs once (seed 0); every seed then runs the recipe's `memo` stages on that model with its own stage
-seed: per game, MEMO (memory and replay, as released) and the ablation without either. Recorded per game,
+seed: per game, MEMO (memory fed by the games and the replay buffer's decisive positions, prefix replay), the
+arm without memory and the arm without prefix replay; replayed games are played beside the schedule, so every
+arm rates the same fresh games. Recorded per game,
 seed, arm and generation: the best candidate's win rate against the baseline in the evaluation games
 (`eval_rounds` × 2 seats, fresh games), its tournament fitness, and the hints in the population. A
 calibration run per game plays every hint against the baseline (one generation, the six hints given as
@@ -25,6 +27,8 @@ import yaml
 from recipe_runs import run_recipe, seed_sweep_parser
 
 RECIPE = "recipes/memo_tiny.yaml"
+ARM_STYLE = {"no_memory": ("tab:orange", "without memory"), "no_replay": ("tab:green", "without prefix replay"),
+             "": ("tab:blue", "MEMO (memory + replay)")}  # by the arm label's ending; "" matches the full arm
 
 
 def _arms(recipe: dict) -> list[str]:
@@ -45,7 +49,7 @@ def _calibration_stages(recipe: dict) -> list[dict]:
     for s in recipe["stages"]:
         if s.get("name") == "memo" and not s["params"].get("memory", True):
             hints = list(GAMES[s["params"]["game"]].hints)
-            params = {**s["params"], "generations": 1, "population": len(hints) + 1, "rounds": 20,
+            params = {**s["params"], "replay": False, "generations": 1, "population": len(hints) + 1, "rounds": 20,
                       "initial_prompts": hints, "seed": 99}
             out.append({"name": "memo", "label": f"calibration_{s['params']['game']}", "params": params})
     return out
@@ -79,7 +83,9 @@ def _generations(run_dir: Path, arm: str, game: str) -> list[dict]:
              "best_eval_loss_rate": r["eval"]["baseline"]["loss_rate"], "best_fitness": r["best"]["fitness"],
              "best_hint": first_hint(r["best"]["prompt"], game),
              "population_hints": [first_hint(c["prompt"], game) for c in r["candidates"]],
-             "memory": r["memory"]["bank"], "replayed_games": r["replayed_games"]} for r in rows]
+             "memory": r["memory"]["bank"], "replayed_games": r["replayed_games"],
+             "rated_games": r["games"] - r["replayed_games"] - r["failed_games"],
+             "analyzer_malformed_total": r["memory"]["analyzer_malformed_total"]} for r in rows]
 
 
 def main() -> None:
@@ -126,6 +132,10 @@ def main() -> None:
         curves = [[g["best_eval_win_rate"] for g in r["arms"][arm]] for r in report["per_seed"]]
         finals = [c[-1] for c in curves]
         summary[arm] = {"mean_by_generation": [statistics.mean(c[g] for c in curves) for g in range(gens)],
+                        "rated_games_per_generation": statistics.mean(
+                            g["rated_games"] for r in report["per_seed"] for g in r["arms"][arm]),
+                        "replayed_games_per_generation": statistics.mean(
+                            g["replayed_games"] for r in report["per_seed"] for g in r["arms"][arm]),
                         "final_mean": statistics.mean(finals),
                         "final_std_over_seeds": statistics.stdev(finals) if len(finals) > 1 else 0.0,
                         "gain_first_to_last": [c[-1] - c[0] for c in curves],
@@ -145,8 +155,7 @@ def _plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(games), figsize=(6.0 * len(games), 4.0), squeeze=False)
     for ax, game in zip(axes[0], games):
         for arm in (a for a, g in report["games"].items() if g == game):
-            color = "tab:orange" if arm.endswith("no_memory") else "tab:blue"
-            label = "without memory and replay" if arm.endswith("no_memory") else "MEMO (memory + replay)"
+            color, label = ARM_STYLE[next(k for k in ARM_STYLE if arm.endswith(k))]
             for r in report["per_seed"]:
                 ys = [g["best_eval_win_rate"] for g in r["arms"][arm]]
                 ax.plot(range(len(ys)), ys, color=color, alpha=0.3, linewidth=1)

@@ -10,7 +10,7 @@ memory of insights — by self-play tournaments; it changes no weights. The stag
   defaults otherwise), match by match in game order, ranks from rewards; replayed games are left out.
 * `PrefixReplayBuffer`: prioritized prefix replay — SHA-256 of the action prefix, inverse-frequency
   priority `1/count`, `P ∝ priority^α`, FIFO capacity — and the strategic states
-  `|win_rate − loss_rate| · ln(1 + count)` (count ≥ 2, wins ≥ 1).
+  `|win_rate − loss_rate| · ln(1 + count)` (count ≥ 2, wins ≥ 1) with the move that won most from each.
 * `parse_crud` / `apply_crud`: the memory bank's CRUD merge (`<add>`, `<edit number="k">`,
   `<remove number="k">`, applied remove → edit → add; an ADD whose word overlap with a kept insight
   exceeds 0.6 × the shorter is dropped; the newest `max_insights` are kept).
@@ -186,13 +186,18 @@ class PrefixReplayBuffer:
 
     def strategic_states(self, topk: int = 10) -> list[tuple[str, dict[str, Any]]]:
         """Decisive states: grouped by exact state, kept with count ≥ 2 and wins ≥ 1 (for the player to move),
-        scored `|win_rate − loss_rate| · ln(1 + count)`, best `topk` first."""
+        scored `|win_rate − loss_rate| · ln(1 + count)`, best `topk` first. Each state's `moves` maps the
+        actions played from it to `[wins, plays]` of the player who played them (what `decisive_move` reads)."""
         stats: dict[str, dict[str, Any]] = {}
         for e in self.entries:
-            s = stats.setdefault(e.state, {"wins": 0, "losses": 0, "draws": 0, "count": 0, "player": e.player})
+            s = stats.setdefault(e.state, {"wins": 0, "losses": 0, "draws": 0, "count": 0, "player": e.player,
+                                           "moves": {}})
             s["count"] += 1
+            move = s["moves"].setdefault(e.played[-1][1], [0, 0])
+            move[1] += 1
             if e.player in e.winners:
                 s["wins"] += 1
+                move[0] += 1
             elif not e.winners:
                 s["draws"] += 1
             else:
@@ -209,6 +214,14 @@ class PrefixReplayBuffer:
 
 def strategic_score(wins: int, losses: int, count: int) -> float:
     return abs(wins / count - losses / count) * math.log1p(count)
+
+
+def decisive_move(stats: dict[str, Any]) -> tuple[str, int, int]:
+    """The move that won most often from a strategic state: `(action, wins, plays)`, most wins first, then the
+    higher win share, then the move seen first. [DEVIATION] The released code has an analyzer write a free-text
+    abstract of each state; rendering the winning move gives a small-context analyzer the same information."""
+    action, (wins, plays) = max(stats["moves"].items(), key=lambda kv: (kv[1][0], kv[1][0] / kv[1][1]))
+    return action, wins, plays
 
 
 # ------------------------------------------------------------------ insight memory (CRUD)

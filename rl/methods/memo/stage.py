@@ -34,7 +34,11 @@ candidate's prompt followed by the memory, a text file an RL recipe can use as i
 Deviations from the released code, kept as recipe knobs: the strategic states go into the analyzer's
 insight prompt (the released code turns them into separate state abstracts); for small-context models,
 `observation_chars` cuts the game's observation to its last characters (0 keeps all of it) and
-`requests: compact` asks the analyzer in short forms of the released requests.
+`requests: compact` asks the analyzer in short forms of the released requests (game lines without the end
+message, decisive positions without the state snapshot); `replay_mode: extra` plays every scheduled game fresh
+and adds each replayed game after it, so that an arm without replay rates as many games as one with it (the
+released code, `within`, turns a scheduled game into the replayed one). Each decisive position is shown with
+the move that won most from it (the released code writes a free-text abstract per state).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from rl.methods.memo.core import (
     BASE_PROMPT,
     PrefixReplayBuffer,
     apply_crud,
+    decisive_move,
     merge_insights,
     parse_crud,
     population_plan,
@@ -115,12 +120,27 @@ def parse_insight_lines(text: str, k: int) -> list[str]:
     return out[:k]
 
 
-def summarize_game(game: dict[str, Any], agent: str, max_moves: int = 40) -> str:
+def summarize_game(game: dict[str, Any], agent: str, max_moves: int = 40, compact: bool = False) -> str:
+    """One line per game for the analyzer: the agent's seat, the outcome and the moves (`*`: refused); the
+    game's end message too unless `compact` (small-context analyzers)."""
     seat = game["agents"].index(agent)
     outcome = ("failed" if game["failed"] else "win" if seat in game["winners"] else
                "draw" if not game["winners"] else "loss")
     moves = ", ".join(f"P{s['player']}{'*' if s['invalid'] else ''}:{s['action']}" for s in game["steps"][:max_moves])
-    return f"seat {seat}, {outcome}; moves {moves}" + (f"; end: {game['reason'][:160]}" if game["reason"] else "")
+    end = f"; end: {game['reason'][:160]}" if game.get("reason") and not compact else ""
+    return f"seat {seat}, {outcome}; moves {moves}{end}"
+
+
+def decisive_text(states: list[tuple[str, dict[str, Any]]], compact: bool = False) -> str:
+    """The replay buffer's strategic states for the analyzer, one line each with the move that won most from
+    it (`core.decisive_move`); `compact` leaves out the state itself (a JSON snapshot of the game)."""
+    lines = []
+    for key, st in states:
+        move, wins, plays = decisive_move(st)
+        said = f"P{st['player']} played {move}: won {wins} of {plays}"
+        lines.append(f"- {said}" if compact else
+                     f"- state {key[:300]}: {st['wins']} wins, {st['losses']} losses in {st['count']} visits; {said}")
+    return "\n".join(lines)
 
 
 # The analyzer's requests. `compact` is a short form of each for small-context models (`requests: compact`);
@@ -277,12 +297,16 @@ class MemoStage(Stage):
                  temperature: float = 1.0, max_new_tokens: int = 256, analyzer: str | None = None,
                  analyzer_temperature: float = 1.0, analyzer_max_new_tokens: int = 512,
                  base_prompt: str = BASE_PROMPT, initial_prompts: list[str] | None = None,
-                 observation_chars: int = 0, requests: str = "released", seed: int = 0):
+                 observation_chars: int = 0, requests: str = "released", replay_mode: str = "within",
+                 seed: int = 0):
         from rl.methods.memo.textarena import GAMES
         if fitness not in ("winrate", "trueskill"):
             raise ValueError(f"memo fitness {fitness!r}: expected winrate | trueskill")
         if requests not in ("released", "compact"):
             raise ValueError(f"memo requests {requests!r}: expected released | compact")
+        if replay_mode not in ("within", "extra"):
+            raise ValueError(f"memo replay_mode {replay_mode!r}: expected within | extra")
+        self.replay_mode = replay_mode
         self.compact = requests == "compact"
         if memory_merge not in ("no_merge", "basic", "crud"):
             raise ValueError(f"memo memory_merge {memory_merge!r}: expected no_merge | basic | crud")
@@ -482,15 +506,25 @@ class MemoStage(Stage):
 
     def _tournament(self, player: ModelClient, population: list[Candidate], buffer: PrefixReplayBuffer,
                     memory: list[str], rng: random.Random, gen: int) -> list[dict[str, Any]]:
-        specs = []
-        for agents in tournament_schedule([c.id for c in population], self.rounds, BASELINE):
-            entry = buffer.sample(rng) if self.replay and len(buffer) and rng.random() < self.replay_prob else None
-            specs.append({"agents": list(agents), "seed": entry.seed if entry else rng.randint(0, 1000),
-                          "replay": entry.played if entry else None})
+        specs = self.tournament_specs([c.id for c in population], buffer, rng)
         mem = memory if self.memory else []
         prompts = {c.id: (lambda obs, p=c.prompt: agent_prompt(p, mem, obs)) for c in population}
         prompts[BASELINE] = baseline_prompt
         return self._play(player, specs, prompts, {}, seed=self.seed * 1000 + gen)
+
+    def tournament_specs(self, candidates: list[str], buffer: PrefixReplayBuffer,
+                         rng: random.Random) -> list[dict[str, Any]]:
+        """The generation's games (`agents`, `seed`, `replay` prefix or None): the schedule, each game started
+        from a replayed prefix with probability `replay_prob` (`replay_mode: within`, the released code) or
+        played fresh with such a replayed game added after it (`extra`: every arm rates as many fresh games)."""
+        specs = []
+        for agents in tournament_schedule(candidates, self.rounds, BASELINE):
+            entry = buffer.sample(rng) if self.replay and len(buffer) and rng.random() < self.replay_prob else None
+            if entry is not None and self.replay_mode == "extra":
+                specs.append({"agents": list(agents), "seed": rng.randint(0, 1000), "replay": None})
+            specs.append({"agents": list(agents), "seed": entry.seed if entry else rng.randint(0, 1000),
+                          "replay": entry.played if entry else None})
+        return specs
 
     def _evaluate(self, player: ModelClient, opponents: dict[str, ModelClient], best: Candidate, memory: list[str],
                   rng: random.Random, gen: int) -> dict[str, dict[str, float]]:
@@ -549,10 +583,10 @@ class MemoStage(Stage):
         for c in ranked:
             mine = [g for g in games if c.id in g["agents"] and not g["failed"]][:self.reflection_games]
             if mine:
-                blocks.append(f"Agent: {c.prompt}\n" + "\n".join(f"- {summarize_game(g, c.id)}" for g in mine))
+                blocks.append(f"Agent: {c.prompt}\n" + "\n".join(
+                    f"- {summarize_game(g, c.id, compact=self.compact)}" for g in mine))
         decisive = state["buffer"].strategic_states(self.strategic_topk) if self.strategic_topk > 0 else []
-        states = "\n".join(f"- state {k[:300]}: {s['wins']} wins, {s['losses']} losses in {s['count']} visits"
-                           for k, s in decisive)
+        states = decisive_text(decisive, self.compact)
         k, bank = self.insights_per_generation, state["memory"]
         crud = self.memory_merge == "crud"
         ask = insight_request(self.game, agents, "\n\n".join(blocks), states, k, bank if crud else None,

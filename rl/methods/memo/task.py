@@ -17,9 +17,12 @@ builders, so the stage asks exactly what was taught):
 * **Analyzer** (the stage's requests in their compact form, `requests: compact`): a style variation or a
   random prompt → a uniformly random hint of the game; a memory-guided prompt → the first hint among the
   listed insights; a crossover or trajectory rewrite → the first hint of the prompts it is given; the
-  insight request → three lines: the hint of the best-ranked agent that has one, a format insight, the hint
-  of the next such agent. The analyzer never sees which hint is good: the tournaments' ranking is its only
-  signal, as in MEMO.
+  insight request (agents ranked by fitness, a game line per agent, the replay buffer's decisive positions
+  with the move that won most from each) → three lines: the hint of the best-ranked agent that has one, a
+  format insight, and the hint that plays the decisive positions' winning moves earliest (`decisive_hint`;
+  without positions, the hint of the next-ranked agent). The analyzer never sees which hint is good: the
+  tournaments' ranking and the moves that won in the replayed positions are its only signals, as in MEMO.
+  The game lines are in its requests (reflection on) but its taught answer does not depend on them.
 """
 
 from __future__ import annotations
@@ -57,6 +60,18 @@ def _kuhn_move(rule: dict[str, dict[str, str]], observation: str) -> str:
     return rule["facing" if "call" in _kuhn_legal(observation) else "open"][card]
 
 
+def _ttt_rank(rule: list[int], move: str) -> int:
+    """How early a TicTacToe rule plays `move` ('[4]' or '4'): its place in the rule's order."""
+    cell = move.strip("[]")
+    return rule.index(int(cell)) if cell.isdigit() and int(cell) in rule else len(rule)
+
+
+def _kuhn_rank(rule: dict[str, dict[str, str]], move: str) -> int:
+    """How readily a Kuhn rule plays `move`: minus the number of (situation, card) cells it plays it in."""
+    action = move.strip("[]")
+    return -sum(a == action for table in rule.values() for a in table.values())
+
+
 def _kuhn(open_: str, facing: str) -> dict[str, dict[str, str]]:
     """A Kuhn rule from the actions with J, Q, K: opening (check/bet) and facing a bet (fold/call)."""
     word = {"c": "check", "b": "bet", "f": "fold", "a": "call"}
@@ -68,6 +83,8 @@ class GameSpec:
     hints: dict[str, Any]  # strategy sentence -> the rule the taught player follows
     legal: Callable[[str], list[str]]  # the legal moves an observation lists
     move: Callable[[Any, str], str]  # (rule, observation) -> the move
+    rank: Callable[[Any, str], int]  # (rule, move) -> how readily the rule plays it (lower: more)
+    moves: tuple[str, ...]  # the moves as games record them (for the harness's game lines)
     format_insight: str
     observation_chars: int  # the observation tail the stage shows the player (the recipe's setting)
 
@@ -80,7 +97,8 @@ GAMES = {
                "Fill the board from the bottom right.": [8, 7, 6, 5, 4, 3, 2, 1, 0],
                "Fill the board from the top left.": [0, 1, 2, 3, 4, 5, 6, 7, 8],
                "Play the edges first, then the rest.": [1, 3, 5, 7, 4, 0, 2, 6, 8]},
-        legal=_ttt_legal, move=_ttt_move, format_insight="Answer with boxed n, n a free cell.",
+        legal=_ttt_legal, move=_ttt_move, rank=_ttt_rank, moves=tuple(f"[{i}]" for i in range(9)),
+        format_insight="Answer with boxed n, n a free cell.",
         observation_chars=80),
     "KuhnPoker-v0-short": GameSpec(
         hints={"Bet with a King or Queen, call with them, fold a Jack.": _kuhn("cbb", "faa"),
@@ -89,7 +107,8 @@ GAMES = {
                "Bet a King or a Jack, call only with a King.": _kuhn("bcb", "ffa"),
                "Check everything, call only with a King.": _kuhn("ccc", "ffa"),
                "Always check and fold to any bet.": _kuhn("ccc", "fff")},
-        legal=_kuhn_legal, move=_kuhn_move, format_insight="Answer with boxed action, a listed action.",
+        legal=_kuhn_legal, move=_kuhn_move, rank=_kuhn_rank, moves=("[check]", "[bet]", "[fold]", "[call]"),
+        format_insight="Answer with boxed action, a listed action.",
         observation_chars=260),
 }
 
@@ -98,6 +117,13 @@ def first_hint(text: str, game: str) -> str | None:
     """The hint of `game` that appears first in `text` (None when none does)."""
     found = [(text.find(h), h) for h in GAMES[game].hints if h in text]
     return min(found)[1] if found else None
+
+
+def decisive_hint(game: str, moves: list[str]) -> str:
+    """The hint whose rule plays the decisive positions' winning moves most readily: compared on the first
+    (best-scored) position's move, ties broken by the next ones, then by the hints' order."""
+    hints = GAMES[game].hints
+    return min(hints, key=lambda h: ([GAMES[game].rank(hints[h], m) for m in moves], list(hints).index(h)))
 
 
 def hint_move(hint: str | None, observation: str, game: str, rng: random.Random) -> str:
@@ -151,11 +177,57 @@ def player_rows(game: str, num: int, rng: random.Random, seed_base: int) -> list
     return rows
 
 
+def _game_line(game: str, agent: str, rng: random.Random) -> str:
+    """A game line as the stage writes it for a compact request (random moves and outcome)."""
+    from rl.methods.memo.stage import summarize_game
+    moves = GAMES[game].moves
+    steps = [{"player": i % 2, "action": rng.choice(moves), "invalid": rng.random() < 0.05}
+             for i in range(rng.randint(2, 9))]
+    record = {"agents": [agent, "baseline"] if rng.random() < 0.5 else ["baseline", agent], "failed": False,
+              "winners": rng.choice([[0], [1], []]), "steps": steps}
+    return summarize_game(record, agent, compact=True)
+
+
+def _decisive_states(game: str, rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
+    """Strategic states as the replay buffer returns them (random moves and counts), best first."""
+    out = []
+    for i in range(rng.randint(1, 3)):
+        plays = rng.randint(2, 9)
+        wins = rng.randint(1, plays)
+        moves = {rng.choice(GAMES[game].moves): [wins, plays]}
+        out.append((f"s{i}", {"player": rng.randint(0, 1), "wins": wins, "losses": plays - wins, "count": plays,
+                              "moves": moves}))
+    return out
+
+
+def insight_row(game: str, rng: random.Random) -> tuple[str, str, bool]:
+    """An insight request (agents ranked, maybe game lines, maybe decisive positions) and its taught answer:
+    the best-ranked agent's hint, the format insight, the decisive positions' hint (else the next agent's)."""
+    from rl.methods.memo.core import decisive_move
+    from rl.methods.memo.stage import decisive_text, insight_request
+    spec = GAMES[game]
+    agents = []
+    for _ in range(rng.randint(2, 6)):
+        n = rng.randint(2, 10)
+        agents.append((random_prompt_text(rng, game), rng.randint(0, n), n))
+    agents.sort(key=lambda a: a[1], reverse=True)
+    games_text = ""
+    if rng.random() < 0.6:
+        games_text = "\n\n".join(f"Agent: {p}\n- {_game_line(game, 'c', rng)}" for p, _, _ in agents)
+    states = _decisive_states(game, rng) if rng.random() < 0.75 else []
+    found = [h for h in (first_hint(p, game) for p, _, _ in agents) if h is not None]
+    best = found[0] if found else rng.choice(list(spec.hints))
+    third = (decisive_hint(game, [decisive_move(st)[0] for _, st in states]) if states else
+             found[1] if len(found) > 1 else best)
+    prompt = insight_request(game, agents, games_text, decisive_text(states, compact=True), 3, compact=True)
+    return prompt, f"1. {best}\n2. {spec.format_insight}\n3. {third}", bool(found) and (bool(states) or
+                                                                                      len(found) > 1)
+
+
 def analyzer_rows(game: str, num: int, rng: random.Random) -> list[dict[str, Any]]:
     from rl.methods.memo.stage import (
         STYLES,
         crossover_request,
-        insight_request,
         memory_guided_request,
         random_request,
         style_request,
@@ -186,16 +258,7 @@ def analyzer_rows(game: str, num: int, rng: random.Random) -> list[dict[str, Any
             found = first_hint(a, game)
             prompt, target, determined = trajectory_request(game, a, "", True), found or rng.choice(hints), bool(found)
         else:
-            agents = []
-            for _ in range(rng.randint(2, 4)):
-                n = rng.randint(2, 10)
-                agents.append((random_prompt_text(rng, game), rng.randint(0, n), n))
-            agents.sort(key=lambda a: a[1], reverse=True)
-            found = [h for h in (first_hint(p, game) for p, _, _ in agents) if h is not None]
-            best = found[0] if found else rng.choice(hints)
-            second = found[1] if len(found) > 1 else best
-            prompt = insight_request(game, agents, "", "", 3, compact=True)
-            target, determined = f"1. {best}\n2. {spec.format_insight}\n3. {second}", bool(found)
+            prompt, target, determined = insight_row(game, rng)
         rows.append({"prompt": prompt, "target": target, "kind": f"analyzer:{kind}", "game": game,
                      "determined": determined})
     return rows
@@ -235,12 +298,15 @@ def harness_tokens() -> list[str]:
                 " prompt: ", "\nGames:\n", "Improve the prompt in 1-3 sentences.", "Combine two ",
                 " strategies in 1-3 sentences.", " agents, best first:\n", " (won ", " of ",
                 "Write 3 insights, one per line.\nInsights:",
+                "\nGames (moves marked * were invalid):\n", "\nDecisive positions:\n", "Agent: ", "- seat 0, ",
+                "- seat 1, ", "win; moves ", "loss; moves ", "draw; moves ", " played ", ": won ", "P0:", "P1:",
+                "- P0", "- P1",
                 # the games' own text (TextArena)
                 "Available Moves: ", "---+---+---", " | ", "[GAME] ", "Current Board:", "Your card is: ",
                 "Your available actions are: ", "[Player 0] ", "[Player 1] ", "submitted move: ", "### Starting round ",
                 " out of 5 rounds. ", "Showdown: ", "Current scores: ", "Player 0", "Player 1", " wins pot of ",
                 " chips.", "has folded.", "attempted an invalid move.", "[check]", "[bet]", "[fold]", "[call]"]
-    phrases += [f"'[{i}]'" for i in range(9)]
+    phrases += [f"'[{i}]'" for i in range(9)] + [f"[{i}]" for i in range(9)]
     return [p for p in dict.fromkeys(phrases) if len(p) > 1]
 
 

@@ -207,3 +207,42 @@ def test_an_empty_analyzer_answer_stands_in_with_the_base_prompt_and_is_counted_
     stage._next_population(_EmptyAnalyzer([""]), population, fitness, [], state, random.Random(1), 0)
     elites = int(stage.population * stage.shares["keep"])
     assert state["analyzer_malformed"] == 2 + stage.population - elites
+
+
+def test_a_strategic_state_records_the_move_that_won_most_from_it():
+    from rl.methods.memo.core import decisive_move
+    buf = PrefixReplayBuffer()
+    # from state S, player 0 played [4] three times (won twice) and [0] twice (won twice)
+    for action, winners in [("[4]", (0,)), ("[0]", (0,)), ("[4]", (1,)), ("[0]", (0,)), ("[4]", (0,))]:
+        buf.push(_entry([(1, "[8]"), (0, action)], state="S", winners=winners))
+    (key, stats), = buf.strategic_states()
+    assert stats["moves"] == {"[4]": [2, 3], "[0]": [2, 2]}
+    assert decisive_move(stats) == ("[0]", 2, 2)  # equal wins: the higher share
+    buf.push(_entry([(1, "[8]"), (0, "[4]")], state="S", winners=(0,)))
+    assert decisive_move(buf.strategic_states()[0][1]) == ("[4]", 3, 4)  # most wins first
+
+
+def test_the_analyzer_reads_each_decisive_position_with_its_winning_move():
+    from rl.methods.memo.stage import decisive_text
+    stats = {"player": 1, "wins": 3, "losses": 1, "count": 4, "moves": {"[2]": [1, 2], "[5]": [2, 2]}}
+    assert decisive_text([("{board}", stats)], compact=True) == "- P1 played [5]: won 2 of 2"
+    assert decisive_text([("{board}", stats)]) == "- state {board}: 3 wins, 1 losses in 4 visits; P1 played [5]: won 2 of 2"
+
+
+def test_extra_replay_keeps_every_scheduled_game_fresh_and_adds_the_replayed_ones():
+    from rl.methods.memo.stage import MemoStage
+    buf = PrefixReplayBuffer()
+    buf.push(_entry([(0, "[4]")]))
+    within = MemoStage(rounds=10, replay_prob=0.4).tournament_specs(["c0", "c1"], buf, random.Random(5))
+    extra = MemoStage(rounds=10, replay_prob=0.4, replay_mode="extra").tournament_specs(["c0", "c1"], buf,
+                                                                                        random.Random(5))
+    off = MemoStage(rounds=10, replay=False, replay_mode="extra").tournament_specs(["c0", "c1"], buf,
+                                                                                  random.Random(5))
+    replayed_within = sum(s["replay"] is not None for s in within)
+    assert len(within) == len(off) == 40 and 0 < replayed_within < 40
+    fresh = [s for s in extra if s["replay"] is None]
+    assert len(fresh) == 40 and len(extra) == 40 + sum(s["replay"] is not None for s in extra)
+    assert [s["agents"] for s in fresh] == [s["agents"] for s in off]  # the same schedule is rated in both arms
+    assert all(s["replay"] == [(0, "[4]")] for s in extra if s["replay"] is not None)
+    with pytest.raises(ValueError, match="replay_mode 'sometimes'"):
+        MemoStage(replay_mode="sometimes")

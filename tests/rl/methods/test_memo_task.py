@@ -7,7 +7,7 @@ import random
 import pytest
 
 from rl.methods.memo.stage import baseline_prompt
-from rl.methods.memo.task import GAMES, first_hint, hint_move, write_memo_task
+from rl.methods.memo.task import GAMES, decisive_hint, first_hint, hint_move, write_memo_task
 
 TTT, KUHN = "TicTacToe-v0", "KuhnPoker-v0-short"
 CENTER, EDGES = "Take the center first, then the corners.", "Play the edges first, then the rest."
@@ -62,6 +62,24 @@ def test_the_sft_rows_are_the_stages_prompts_with_the_taught_targets(tmp_path, g
         assert len(lines) == 3 and lines[1] == f"2. {spec.format_insight}"
         if first_hint(ranked, game):
             assert lines[0] == f"1. {first_hint(ranked, game)}"
+        if "Decisive positions:\n" in r["prompt"]:
+            listed = r["prompt"].split("Decisive positions:\n", 1)[1].split("Write 3 insights", 1)[0]
+            moves = [line.split(" played ", 1)[1].split(":", 1)[0] for line in listed.strip().splitlines()]
+            assert lines[2] == f"3. {decisive_hint(game, moves)}"
+    assert sum("Decisive positions:" in r["prompt"] for r in insight) > len(insight) / 2
+    assert sum("Games (moves marked" in r["prompt"] for r in insight) > len(insight) / 3
+
+
+def test_the_decisive_positions_hint_is_the_rule_that_plays_their_winning_moves_earliest():
+    assert decisive_hint(TTT, ["[4]"]) == CENTER
+    # [0] opens the diagonal, the corners and the top-left orders; [8] comes third in the first two, and the
+    # diagonal is listed first; [2] comes second in the corners order
+    assert decisive_hint(TTT, ["[0]", "[8]"]) == "Claim the main diagonal, starting top left."
+    assert decisive_hint(TTT, ["[0]", "[2]"]) == "Take the corners first, then the center."
+    assert decisive_hint(TTT, ["[1]"]) == EDGES
+    # Kuhn: the rule that plays the action with the most (situation, card) cells
+    assert decisive_hint(KUHN, ["[fold]"]) == "Always check and fold to any bet."
+    assert decisive_hint(KUHN, ["[bet]"]) == "Always bet and always call."
 
 
 def test_an_unknown_game_has_no_harness(tmp_path):

@@ -40,7 +40,7 @@ class RayRLRoles:
         # of 3+ synchronous steps measures the ceilings again after its first step and keeps the better ones.
         self.ceilings_to_check = cfg.trainer.steps >= 3 and cfg.trainer.max_staleness == 0
         self.version = 0  # the policy version the engines hold (or are loading)
-        self.pending_loads: list[Any] = []  # weight loads not yet waited for (max_staleness > 0)
+        self.pending_loads: list[tuple[Any, bool]] = []  # (call, is a load) not yet waited for (max_staleness > 0)
         self.rollout_restarts = 0  # rollouts regenerated because a rollout worker died
         self.sync_bytes: float | None = None  # bytes one weight sync sends (logged as rollout/sync_bytes)
         r = cfg.rollout
@@ -201,15 +201,15 @@ class RayRLRoles:
             except (ray.exceptions.RayActorError, RolloutWorkerStuck):  # restart it with these weights
                 self._resync_rollout_workers()
                 return 0.0
-        done, self.pending_loads = self.pending_loads, loads + waits
+        done, self.pending_loads = self.pending_loads, [(ref, True) for ref in loads] + [(ref, False) for ref in waits]
         times = []
-        for ref in done:
+        for ref, is_load in done:
             try:
                 t = ray.get(ref)
             except ray.exceptions.RayActorError:  # a rollout worker died: recovered when its rollout is gathered
                 continue
-            if isinstance(t, float):
-                times.append(t)
+            if is_load:
+                times.append(float(t))
         return max(times) if times else 0.0
 
     # ------------------------------------------------------------------ accounting

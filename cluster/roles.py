@@ -66,7 +66,8 @@ def adapter_kwargs(cfg: DictConfig) -> dict[str, Any]:
 def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement, wait: bool = True) -> list[Any]:
     """One rollout worker per rollout bundle; `wait=False` returns while they still start (wait on `pid`)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    cls = ray.remote(RolloutWorker)
+    # weights arrive on a thread of their own while the engine generates (RolloutWorker.receive_weights_staged)
+    cls = ray.remote(concurrency_groups={"weight_sync": 1})(RolloutWorker)
     workers = []
     # vLLM must be built with sleep mode to free its memory between phases
     sleep_kwargs = {"enable_sleep_mode": True} if cfg.rollout.sleep_between_phases and cfg.rollout.engine == "vllm" else {}

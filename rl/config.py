@@ -129,7 +129,7 @@ class RolloutConfig:
     generation_batch_size: int = 256  # prompts*n per generate call inside a worker
     num_cpus: float = 0.5  # CPUs reserved per worker in the placement group
     # NCCL cannot join two ranks on one GPU, hence cuda_ipc for colocated GPU roles
-    weight_sync: str = "object_store"  # object_store (numpy buffers through Ray; any placement) | collective (rank 0 broadcasts in buckets: gloo on CPU, NCCL on GPU with split placement) | cuda_ipc (GPU, colocated: rollout worker i reads learner rank i's weights through CUDA IPC handles)
+    weight_sync: str = "object_store"  # object_store (numpy buffers through Ray; any placement) | collective (rank 0 broadcasts in buckets: gloo on CPU, NCCL on GPU with split placement; with max_staleness > 0 received beside the generation and swapped in between two) | cuda_ipc (GPU, colocated: rollout worker i reads learner rank i's weights through CUDA IPC handles)
     sync_bucket_mb: int = 256  # bucket size of the collective / cuda_ipc weight transfer
     max_restarts: int = 3  # Ray restarts of a dead rollout worker (its rollout is then generated again)
     sleep_between_phases: bool = False  # colocated GPU roles take turns: the engine frees GPU memory while the learner trains (vLLM sleep mode level 1, the hf engine moves its model to host memory; a no-op on CPU)

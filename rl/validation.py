@@ -57,8 +57,6 @@ def _check_rollout_values(cfg: DictConfig) -> None:
          "rollout.weight_sync", "cuda_ipc needs cluster.placement: colocated and rollout.num_workers <= "
          "learner.world_size (each rollout worker shares a GPU with a learner rank)")
     # a broadcast waits for every receiver, i.e. for the rollout in flight: it would serialise the pipeline
-    need(r.weight_sync != "collective" or cfg.trainer.max_staleness == 0, "rollout.weight_sync",
-         "collective needs trainer.max_staleness: 0 (use object_store or cuda_ipc with asynchronous rollout)")
     for key in ("decoding", "eval_decoding"):
         method = r[key]
         need(method is None or r.engine != "vllm", f"rollout.{key}",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from typing import Any
 
+import ray
 import torch
 
 from rl.batch import Batch
@@ -28,10 +30,13 @@ class RolloutWorker(ActorProbes):
     """Generates samples with the engine named in the recipe and receives weight updates."""
 
     def __init__(self, engine: str, model_path: str, threads: int = 1, **engine_kwargs: Any):
-        import ray
         torch.set_num_threads(threads)
         self.engine = lookup("engine", engine)(model_path, **engine_kwargs)
         self.policy_version = 0
+        # weights received in the background while the engine generates (`receive_weights_staged`): (version,
+        # tensors, seconds the transfer took), installed between two generations by `install_staged`
+        self.staged: tuple[int, dict[str, torch.Tensor], float] | None = None
+        self.staged_ready = threading.Condition()
         # A restarted actor is rebuilt from its constructor arguments, i.e. the initial weights: it
         # must not generate until the trainer has sent the current ones.
         with warnings.catch_warnings():  # Ray's property uses a deprecated accessor internally
@@ -99,6 +104,38 @@ class RolloutWorker(ActorProbes):
             named.update(part)
         self._install(named, version)
         return time.perf_counter() - t0
+
+    @ray.method(concurrency_group="weight_sync")
+    def receive_weights_staged(self, version: int, meta: list, bucket_bytes: int) -> float:
+        """Receive learner rank 0's broadcast on the weight-sync thread while the engine may be generating
+        (`rollout.weight_sync: collective` with `trainer.max_staleness > 0`): the tensors wait beside the
+        engine's (one more copy of the weights) until `install_staged` swaps them in between two generations."""
+        from rollout.weight_sync import receive_state
+        t0 = time.perf_counter()
+        named: dict[str, torch.Tensor] = {}
+        for part in receive_state(self.sync_group, meta, bucket_bytes, self.sync_device):
+            named.update(part)
+        seconds = time.perf_counter() - t0
+        with self.staged_ready:
+            self.staged = (version, named, seconds)
+            self.staged_ready.notify_all()
+        return seconds
+
+    def install_staged(self, version: int, timeout_s: float = 600.0) -> float:
+        """Swap in the staged weights of `version` (or newer), waiting for their transfer to end; queued behind
+        the generation in flight, so that the next one samples from them. Returns transfer + load seconds."""
+        with self.staged_ready:
+            if self.policy_version >= version and self.staged is None:
+                return 0.0  # a newer transfer already installed (it overtook this one's install)
+            if not self.staged_ready.wait_for(lambda: self.staged is not None and self.staged[0] >= version,
+                                              timeout=timeout_s):
+                raise RuntimeError(f"rollout worker: the weights of version {version} did not arrive within "
+                                   f"{timeout_s:g} s")
+            staged_version, named, seconds = self.staged
+            self.staged = None
+        t0 = time.perf_counter()
+        self._install(named, staged_version)
+        return seconds + time.perf_counter() - t0
 
     def load_weights_ipc(self, shared: dict, version: int) -> float:
         """Load the weights of the learner rank on this GPU from its CUDA IPC handles

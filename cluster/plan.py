@@ -109,12 +109,13 @@ def learner_use(cfg: Any, shape: ModelShape, prompt_tokens: int) -> RoleUse:
     """One policy learner rank (and the reference model it holds)."""
     b, lc = DTYPE_BYTES[cfg.model.dtype], cfg.learner
     use = RoleUse("learner rank", model_states(cfg, shape, trained_params(cfg, shape)))
-    tokens = micro_batch_tokens(cfg, prompt_tokens)
+    sp = max(1, lc.sequence_parallel_size)
+    tokens = micro_batch_tokens(cfg, prompt_tokens) // sp  # each rank of a sequence-parallel group: 1/s of them
     use.items["activations"] = activation_bytes(shape, tokens, b, cfg.model.gradient_checkpointing)
     # the gradients flowing through a layer: half a layer's activations, as measured (tests/cluster/test_plan.py)
     use.items["backward working memory"] = layer_activation_elements(shape) * tokens * b // 2
     use.items["vocabulary projection chunk"] = logit_bytes(shape, min(tokens, lc.logprob_chunk_tokens))
-    use.notes.append(f"{tokens} tokens a micro-batch"
+    use.notes.append(f"{tokens} tokens a micro-batch{f' per rank (sequence parallelism over {sp})' if sp > 1 else ''}"
                      f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}")
     if cfg.algorithm.kl_coef > 0 and lc.adapter is None:
         use.items["reference weights"] = shape.params * b // (max(1, lc.world_size) if lc.zero_stage >= 3 else 1)
@@ -253,6 +254,8 @@ def _fixes(cfg: Any) -> list[str]:
     tokens = lc.max_tokens_per_micro_batch or lc.micro_batch_size * 2048
     out += [f"learner.max_tokens_per_micro_batch={tokens // f}" for f in (2, 4, 8)]
     out += [f"learner.world_size={lc.world_size * f}" for f in (2, 4) if lc.zero_stage >= 1]
+    out += [f"learner.sequence_parallel_size={s}" for s in (2, 4, 8)
+            if s > lc.sequence_parallel_size and lc.world_size % s == 0]
     return out
 
 

@@ -43,7 +43,7 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         logprob_chunk_tokens=lc.logprob_chunk_tokens,
         adapter=as_container(lc.adapter) if lc.adapter and policy else None,  # the policy's adapter
         share_prompts=lc.share_prompts and policy, compile_position_wise=lc.compile_position_wise and policy,
-        wait=wait)
+        sequence_parallel_size=lc.sequence_parallel_size if policy else 1, wait=wait)
 
 
 def make_critic_group(cfg: DictConfig, model_path: str, placement: Placement, grad_accum: int,

@@ -349,8 +349,8 @@ def shared_prompt_hidden(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1.0,
                       with_entropy: bool = False, entropy_grad: bool = False, *, top_k: int = 0, top_p: float = 1.0,
-                      pack: bool = False, share_prompts: bool = False, chunk_tokens: int = 512
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      pack: bool = False, share_prompts: bool = False, chunk_tokens: int = 512,
+                      sequence_parallel: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[N, L]` logprobs of `batch.response_ids` under a causal `model` (and entropy `[N, L]` if asked),
     of the distribution the rollout sampled from: logits at `temperature`, truncated by `top_k`/`top_p`.
 
@@ -358,8 +358,13 @@ def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1
     `share_prompts` once per distinct prompt and then on the responses (`shared_prompt_hidden`); the vocabulary
     projection then runs only at generated response positions, chunk by chunk (`chunked_token_stats`).
     The entropy is a metric unless `entropy_grad` (an entropy bonus in the loss): then it keeps its graph.
-    Positions past a response's end get 0.
+    Positions past a response's end get 0. With `sequence_parallel` (`models.sequence_parallel.SequenceParallel`)
+    each rank of the group runs its share of every sequence and all get the whole result.
     """
+    stats = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy,
+             "entropy_grad": entropy_grad, "chunk_tokens": chunk_tokens}
+    if sequence_parallel is not None:
+        return _sequence_parallel_logprobs(model, batch, sequence_parallel, stats)
     module = _unwrap(model)
     device = _device(module)
     rows, cols = response_positions(batch)
@@ -374,10 +379,36 @@ def response_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1
         P = batch.prompt_ids.shape[1]
         h = _last_hidden(model, inputs)[rows.to(device), (P - 1 + cols).to(device)]
     labels = batch.response_ids[rows, cols].to(device)
-    logp, entropy = chunked_token_stats(output_head(module), h, labels, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                        chunk_tokens=chunk_tokens)
+    logp, entropy = chunked_token_stats(output_head(module), h, labels, **stats)
     return _scatter(logp, rows, cols, batch), (_scatter(entropy, rows, cols, batch) if entropy is not None else None)
+
+
+def _sequence_parallel_logprobs(model: torch.nn.Module, batch: Any, sp: Any, stats: dict[str, Any]
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_logprobs` with each row's columns split over the sequence-parallel group
+    (`models.sequence_parallel`): this rank projects the response tokens its columns predict, and a sum over
+    the group gives every rank all of them."""
+    from models.sequence_parallel import gather_over_group, local_columns, right_padded_rows
+    module = _unwrap(model)
+    device = _device(module)
+    rows, cols = response_positions(batch)
+    ids, positions, src = right_padded_rows(batch, sp.size)
+    part = local_columns(ids.shape[1], sp)
+    h = _last_hidden(model, {"input_ids": ids[:, part].to(device), "position_ids": positions[:, part].to(device)})
+    mine = ((src >= part.start) & (src < part.stop)).nonzero(as_tuple=True)[0]
+    rows, cols, src = rows[mine], cols[mine], src[mine] - part.start
+    # a rank whose columns predict no response token still projects one position (its result unused): under
+    # ZeRO-3 the head's gathers are collectives that every rank joins, forward and backward
+    picked = h[rows.to(device), src.to(device)] if len(mine) else h[:1, 0]
+    labels = batch.response_ids[rows, cols].to(device) if len(mine) else torch.zeros(1, dtype=torch.long,
+                                                                                       device=device)
+    logp, entropy = chunked_token_stats(output_head(module), picked, labels, **stats)
+    keep = len(mine)
+    local = _scatter(logp[:keep], rows, cols, batch) + 0.0 * logp.sum()  # the graph reaches the head on every rank
+    full = gather_over_group(local, sp)
+    if entropy is None:
+        return full, None
+    return full, gather_over_group(_scatter(entropy[:keep], rows, cols, batch) + 0.0 * entropy.sum(), sp)
 
 
 @torch.no_grad()
@@ -463,9 +494,13 @@ class CausalFamily:
     supports_packing = True
     supports_shared_prompts = True
 
+    supports_sequence_parallel = True
+
     def __init__(self, chunk_tokens: int = 512, share_prompts: bool = False):
         self.chunk_tokens = chunk_tokens
         self.share_prompts = share_prompts
+        # set by the learner with learner.sequence_parallel_size > 1 (`models.sequence_parallel.SequenceParallel`)
+        self.sequence_parallel: Any = None
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:
@@ -484,7 +519,8 @@ class CausalFamily:
             raise ValueError(f"model family {self.name!r} cannot run packed sequences (learner.pack_sequences)")
         logp, entropy = response_logprobs(model, batch, temperature, with_entropy="entropy" in outputs,
                                           entropy_grad=entropy_grad, top_k=top_k, top_p=top_p, pack=pack,
-                                          share_prompts=self.share_prompts, chunk_tokens=self.chunk_tokens)
+                                          share_prompts=self.share_prompts, chunk_tokens=self.chunk_tokens,
+                                          sequence_parallel=self.sequence_parallel)
         return {"logp": logp, "entropy": entropy} if entropy is not None else {"logp": logp}
 
 
@@ -501,6 +537,7 @@ class LoopedFamily(CausalFamily):
     model_types = (OuroConfig.model_type,)
     supports_packing = False
     supports_shared_prompts = False  # a loop's cache is its own kind
+    supports_sequence_parallel = False  # its attention builds its own masks
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:

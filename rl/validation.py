@@ -174,6 +174,28 @@ def check_learner(family_name: str, family: Any, *, share_prompts: bool, pack_se
                           f"(its attention builds its own masks); set learner.pack_sequences false")
 
 
+def check_sequence_parallel(family_name: str, family: Any, size: int, *, world_size: int, share_prompts: bool,
+                            pack_sequences: bool, attn_implementation: str | None, forward_only: bool = False) -> None:
+    """What `learner.sequence_parallel_size` needs: a family that runs it, ranks it divides, an attention kernel
+    that takes no mask (right padding is masked by causality), padded rows and gradients."""
+    if size == 1:
+        return
+    key = "learner.sequence_parallel_size"
+    if size < 1 or world_size % size:
+        raise ConfigError(f"{key} {size}: must be at least 1 and divide learner.world_size ({world_size})")
+    if not getattr(family, "supports_sequence_parallel", False):
+        raise ConfigError(f"{key}: model family {family_name!r} runs its own attention (the causal family runs "
+                          f"sequence parallelism); set it to 1")
+    if share_prompts or pack_sequences:
+        raise ConfigError(f"{key}: runs one sequence per row; set learner.share_prompts and learner.pack_sequences "
+                          f"false")
+    if attn_implementation in (None, "eager"):
+        raise ConfigError(f"{key}: needs learner.attn_implementation sdpa or a flash-attention kernel (DeepSpeed's "
+                          f"Ulysses attention takes no mask), not {attn_implementation!r}")
+    if forward_only:
+        raise ConfigError(f"{key}: a forward-only optimizer steps outside DeepSpeed; set it to 1")
+
+
 def check_weight_sync(weight_sync: str, gpus: bool, colocated: bool) -> None:
     """What a weight-sync transport needs from the placement the run got (known once Ray has placed it)."""
     if weight_sync == "cuda_ipc" and not gpus:
@@ -201,6 +223,9 @@ def check_components(cfg: DictConfig, model_path: str) -> None:
     check_learner(family_name, family, share_prompts=lc.share_prompts, pack_sequences=lc.pack_sequences,
                   gradient_checkpointing=cfg.model.gradient_checkpointing,
                   attn_implementation=lc.attn_implementation)
+    check_sequence_parallel(family_name, family, lc.sequence_parallel_size, world_size=lc.world_size,
+                            share_prompts=lc.share_prompts, pack_sequences=lc.pack_sequences,
+                            attn_implementation=lc.attn_implementation)
     _check_plugins(cfg)
 
 

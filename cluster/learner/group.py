@@ -35,15 +35,20 @@ class LearnerGroup:
     def __init__(self, world_size: int, model_path: str, *, placement_group=None, bundle_indices=None,
                  num_cpus: float = 0.5, num_gpus: float = 0.0, env: dict[str, str] | None = None,
                  max_tokens_per_micro_batch: int = 0, deadline_s: float = 0.0, wait: bool = True,
-                 share_prompts: bool = False, **worker_kwargs: Any):
+                 share_prompts: bool = False, sequence_parallel_size: int = 1, **worker_kwargs: Any):
         """`max_tokens_per_micro_batch > 0` forms micro-batches by token count (`rl.batch.plan_micro_batches`)
         instead of `grad_accum` equal splits of each rank's share; logprob passes use it too. `share_prompts`: the
         rows that repeat a prompt share its forward, so a token budget keeps them in one micro-batch and counts the
-        prompt once. `deadline_s > 0`
+        prompt once. `sequence_parallel_size`: groups of that many consecutive ranks get the same micro-batches
+        (`models.sequence_parallel`); the batch is split over `world_size / s` data-parallel shares. `deadline_s > 0`
         bounds every call on the ranks (`LearnerStuck` past it). `wait=False` returns while the ranks still start
         (other actors can start meanwhile); call `wait_ready` before using them."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         self.world_size = world_size
+        self.sp = sequence_parallel_size
+        self.data_ranks = world_size // sequence_parallel_size
+        if sequence_parallel_size > 1:
+            worker_kwargs["sequence_parallel_size"] = sequence_parallel_size
         self.max_tokens = max_tokens_per_micro_batch
         self.share_prompts = share_prompts
         if share_prompts:
@@ -95,23 +100,29 @@ class LearnerGroup:
 
     def plan(self, batch: Batch, micro_batches: int) -> list[list[list[int]]]:
         """Row indices per rank and micro-batch: by token budget when one is set, else contiguous shards
-        split into `micro_batches` each."""
+        split into `micro_batches` each; the ranks of a sequence-parallel group get the same."""
         if self.max_tokens and self.share_prompts:
-            return plan_prompt_groups(batch, self.world_size, self.max_tokens)
-        if self.max_tokens:
-            return plan_micro_batches(sequence_tokens(batch), self.world_size, self.max_tokens)
-        return contiguous_plan(len(batch), self.world_size, micro_batches)
+            shares = plan_prompt_groups(batch, self.data_ranks, self.max_tokens)
+        elif self.max_tokens:
+            shares = plan_micro_batches(sequence_tokens(batch), self.data_ranks, self.max_tokens)
+        else:
+            shares = contiguous_plan(len(batch), self.data_ranks, micro_batches)
+        return [share for share in shares for _ in range(self.sp)]
+
+    def _one_per_group(self, results: list[Any]) -> list[Any]:
+        """One result per data-parallel share (the ranks of a sequence-parallel group return the same)."""
+        return results[::self.sp]
 
     def compute_logprobs(self, batch: Batch, which: str = "policy", temperature: float = 1.0, top_k: int = 0,
                          top_p: float = 1.0, output: str = "logp") -> torch.Tensor:
         """`[N, L]` sampled-token logprobs of `batch` (or the family's `output`, e.g. a critic's `values`, a
         looped model's `[N, L, T]` `loop_logp`)."""
-        per_rank = -(-len(batch) // self.world_size)
+        per_rank = -(-len(batch) // self.data_ranks)
         plan = self.plan(batch, max(1, -(-per_rank // self.logprob_micro_batch_size)))
         futures = [w.compute_logprobs.remote(mbs, which, temperature, top_k, top_p, output)
                    for w, mbs in zip(self.workers, micro_batches_of(batch, plan))]
         out = None
-        for bins, parts in zip(plan, self.get_all(futures, f"{which} logprobs")):
+        for bins, parts in zip(plan[::self.sp], self._one_per_group(self.get_all(futures, f"{which} logprobs"))):
             for rows, logp in zip(bins, parts):
                 if out is None:
                     out = torch.zeros((*batch.response_ids.shape, *logp.shape[2:]))
@@ -131,7 +142,7 @@ class LearnerGroup:
         futures = [w.train_step.remote(mbs, loss_fn_spec, params, temperature, need_entropy, rollout_correction,
                                        top_k, top_p)
                    for w, mbs in zip(self.workers, micro_batches_of(batch, self.plan(batch, grad_accum)))]
-        results = self.get_all(futures, "a training step")
+        results = self._one_per_group(self.get_all(futures, "a training step"))
         out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         out["loss"] = sum(r["loss"] for r in results)
         out["grad_norm"] = results[0]["grad_norm"]
@@ -139,9 +150,9 @@ class LearnerGroup:
 
     def sft_step(self, batch: Batch, grad_accum: int, loop_readouts: str = "final") -> dict[str, float]:
         num_tokens = float(batch.response_mask.sum())
-        results = self.get_all([w.sft_step.remote(mbs, num_tokens, loop_readouts)
-                                for w, mbs in zip(self.workers, micro_batches_of(batch, self.plan(batch, grad_accum)))],
-                               "an SFT step")
+        results = self._one_per_group(self.get_all(
+            [w.sft_step.remote(mbs, num_tokens, loop_readouts)
+             for w, mbs in zip(self.workers, micro_batches_of(batch, self.plan(batch, grad_accum)))], "an SFT step"))
         # a forward-only optimizer's figures (`zo/...`: the same step on every rank) come along
         return {"loss": sum(r["loss"] for r in results), "grad_norm": results[0]["grad_norm"],
                 "lr": results[0]["lr"], **{k: v for k, v in results[0].items() if k.startswith("zo/")}}

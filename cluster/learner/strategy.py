@@ -76,12 +76,19 @@ class DeepSpeedStrategy:
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
                  trust_remote_code: bool = False, offload_between_phases: bool = False,
                  attn_implementation: str | None = None, adapter: dict[str, Any] | None = None,
-                 shared_packed: bool = False, compile_position_wise: bool = False):
+                 shared_packed: bool = False, compile_position_wise: bool = False, sequence_parallel_size: int = 1):
         check_compile_position_wise(compile_position_wise, zero_stage)
         self.family, self.lr = family, lr
         self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
         self.backward_passes = 0
         init_distributed(rank, world_size, master_addr, master_port, backend, threads)
+        # Ulysses groups of `sequence_parallel_size` ranks (`models.sequence_parallel`); gradients are averaged over
+        # every rank, the data-parallel size is world / s
+        self.sp_size, self.sequence_parallel = sequence_parallel_size, None
+        if sequence_parallel_size > 1:
+            from models.sequence_parallel import register
+            self.sequence_parallel = register(model_path, attn_implementation or "sdpa", sequence_parallel_size,
+                                              micro_batch_size)
         torch.manual_seed(seed)
         bf16 = dtype == "bfloat16"
         # Plain fp32 data parallelism (stage 0): we clip ourselves, which also yields the norm that
@@ -186,11 +193,13 @@ class DeepSpeedStrategy:
     def backward_and_step(self, loss: torch.Tensor, last: bool) -> float | None:
         """Backward of one micro-batch's share of the global loss, then DeepSpeed's step (which only
         updates at the accumulation boundary). DeepSpeed averages gradients over ranks, hence
-        `* world_size`; the loss is already a share, hence no division by the accumulation steps. The
+        `* world_size` (over data-parallel ranks: a sequence-parallel group's `s` ranks each backpropagate `s x`
+        their tokens' share, `models.sequence_parallel`); the loss is already a share, hence no division by the
+        accumulation steps. The
         boundary is set explicitly, so a step may have any number of micro-batches (token budgets).
         Returns the stage-0 pre-clip gradient norm on the last micro-batch, else None."""
         self.engine.set_gradient_accumulation_boundary(last)
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.engine.backward(loss * (self.world_size // self.sp_size), scale_wrt_gas=False)
         self.backward_passes += 1
         norm = self._grad_norm_before_step() if last else None
         self.engine.step()

@@ -23,7 +23,7 @@ from cluster.weight_sync import SENDERS
 from models.adapters import reference_forward
 from rl.batch import Batch
 from rl.registry import lookup
-from rl.validation import check_learner
+from rl.validation import check_learner, check_sequence_parallel
 from rollout.probes import ActorProbes
 
 
@@ -37,16 +37,24 @@ class LearnerWorker(ActorProbes):
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
                  family: str = "causal", logprob_chunk_tokens: int = 512, share_prompts: bool = False,
-                 pack_sequences: bool = False, **strategy_options: Any):
+                 pack_sequences: bool = False, sequence_parallel_size: int = 1, **strategy_options: Any):
         family_cls = lookup("family", family)
+        attn = strategy_options.get("attn_implementation")
         check_learner(family, family_cls, share_prompts=share_prompts, pack_sequences=pack_sequences,
                       gradient_checkpointing=strategy_options.get("gradient_checkpointing", False),
-                      attn_implementation=strategy_options.get("attn_implementation"))
+                      attn_implementation=attn)
+        check_sequence_parallel(family, family_cls, sequence_parallel_size, world_size=world_size,
+                                share_prompts=share_prompts, pack_sequences=pack_sequences, attn_implementation=attn)
         self.family = family_cls(chunk_tokens=logprob_chunk_tokens, **({"share_prompts": True} if share_prompts
                                                                        else {}))
         self.pack = pack_sequences
         self.strategy = DeepSpeedStrategy(rank, world_size, master_addr, master_port, model_path, family=self.family,
-                                          shared_packed=share_prompts and pack_sequences, **strategy_options)
+                                          shared_packed=share_prompts and pack_sequences,
+                                          sequence_parallel_size=sequence_parallel_size, **strategy_options)
+        check_sequence_parallel(family, family_cls, sequence_parallel_size, world_size=world_size,
+                                share_prompts=False, pack_sequences=False, attn_implementation=attn,
+                                forward_only=self.strategy.forward_only)
+        self.family.sequence_parallel = self.strategy.sequence_parallel
         self.loss_parameters = LossParameters(self.strategy.lr, self.strategy.device, self.strategy.all_reduce,
                                               world_size)
         self.senders: dict[str, Any] = {}  # weight-sync transport name -> this rank's sender

@@ -168,3 +168,16 @@ def test_looprl_run_checks_the_plan_before_start_up_and_plan_prints_it(tmp_path,
     assert main(["plan", str(ROOT / "recipes/quickstart.yaml"), f"model.path={tmp_path}", "model.dtype=bfloat16"]) == 1
     out = capsys.readouterr().out
     assert "70.55B parameters (meta), 80 layers" in out and "does not fit" in out
+
+
+def test_sequence_parallelism_divides_the_learners_activations_over_its_group():
+    from cluster.plan import learner_use
+    shape = ModelShape("llama", 10**9, 2048, 24, 16, 16, 5504, 32000, 24)
+    one = learner_use(_cfg("learner.world_size=4", "learner.micro_batch_size=1", "rollout.max_new_tokens=16384"),
+                      shape, 1024)
+    two = learner_use(_cfg("learner.world_size=4", "learner.micro_batch_size=1", "rollout.max_new_tokens=16384",
+                           "learner.sequence_parallel_size=2", "learner.attn_implementation=sdpa"), shape, 1024)
+    for item in ("activations", "backward working memory"):
+        assert two.items[item] == pytest.approx(one.items[item] / 2, rel=1e-3), item
+    assert two.items["weights"] == one.items["weights"]  # the model states do not change
+    assert "8704 tokens a micro-batch per rank (sequence parallelism over 2)" in two.notes[0]

@@ -122,6 +122,23 @@ def test_learner_options_the_model_family_or_loss_cannot_serve_fail_at_start_up(
                      None)  # the causal family packs, and the ppo loss works on the truncated distribution
 
 
+SP = ["learner.sequence_parallel_size=2", "learner.world_size=2", "learner.attn_implementation=sdpa"]
+
+
+@pytest.mark.parametrize("recipe,overrides,match", [
+    ("quickstart", ["learner.sequence_parallel_size=3", *SP[1:]], r"sequence_parallel_size 3: must .* divide"),
+    ("rltt_tiny", SP, r"sequence_parallel_size: model family 'looped' runs its own attention"),
+    ("quickstart", [*SP, "learner.pack_sequences=true"], r"sequence_parallel_size: runs one sequence per row"),
+    ("quickstart", SP[:2], r"sequence_parallel_size: needs learner.attn_implementation sdpa"),
+    ("quickstart", [*SP[:2], "learner.attn_implementation=eager"], r"attn_implementation sdpa .* not 'eager'"),
+])
+def test_sequence_parallelism_is_refused_where_it_cannot_run(recipe, overrides, match):
+    from cluster.pipeline import check_recipe
+    with pytest.raises(ValueError, match=match):
+        check_recipe(config.load(ROOT / f"recipes/{recipe}.yaml", overrides), None)
+    check_recipe(config.load(ROOT / "recipes/quickstart.yaml", SP), None)
+
+
 @pytest.mark.parametrize("recipe,overrides,match", [
     ("rltt_tiny", [], r"learner.share_prompts: model family 'looped' runs its own forward"),
     ("quickstart", ["learner.pack_sequences=true", "learner.attn_implementation=flash_attention_2"],

@@ -85,6 +85,8 @@ def main() -> None:
                 "tokens_per_s_median": statistics.median(r["perf/tokens_per_s"] for r in steady),
                 "peak_rss_gib": json.loads((out / "summary.json").read_text()).get("peak_rss_gib"),
             })
+            if "rollout/sync_bytes" in rows[0]:  # the transfer's rate, beside benchmarks/weight_sync.py's CPU figures
+                entry["sync_gib_per_s"] = rows[0]["rollout/sync_bytes"] / (1 << 30) / entry["weight_load_s_median"]
             if "time/swap" in rows[0]:  # what the learner keeps on the GPU while the engine generates
                 entry["learner_gpu_gib_loaded_offloaded"] = [rows[-1]["memory/learner_gpu_gib_loaded"],
                                                              rows[-1]["memory/learner_gpu_gib_offloaded"]]

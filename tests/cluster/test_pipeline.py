@@ -339,16 +339,18 @@ def test_missing_column_is_named(ray_cluster, tmp_path, capsys):
      "algorithm.mini_batches=2", "algorithm.loss_agg=seq-mean-token-sum-norm",
      "algorithm.is_correction=sequence", "rollout.top_p=0.9", "learner.max_tokens_per_micro_batch=48",
      "learner.pack_sequences=true"],
-    # DAPO options: dynamic sampling, truncated completions masked, soft overlong penalty; GSPO loss
+    # DAPO options: dynamic sampling, truncated completions masked, soft overlong penalty; GSPO loss (a sequence-level
+    # ratio), its policy and reference run with Ulysses sequence parallelism over two ranks
     ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", "algorithm.mask_truncated=true",
      "algorithm.overlong_buffer=4", "algorithm.kl_coef=0.05", "algorithm.loss=gspo",
-     "algorithm.advantage=rloo"],
+     "algorithm.advantage=rloo", "learner.world_size=2", "learner.sequence_parallel_size=2",
+     "learner.attn_implementation=sdpa"],
     # weights broadcast from learner rank 0 (ZeRO-3 over two ranks) to two rollout workers over gloo; the learner
     # and the reference run each prompt once for its samples (token-budget micro-batches keep them together)
     ["learner.world_size=2", "learner.zero_stage=3", "learner.micro_batch_size=4", "rollout.num_workers=2",
      "rollout.weight_sync=collective", "rollout.sync_bucket_mb=1", "algorithm.kl_coef=0.05",
      "learner.share_prompts=true", "learner.max_tokens_per_micro_batch=64"],
-], ids=["zero3-2ranks-split-kl-loss", "kl-reward-ppo-epochs-top-p-packed", "dapo-options-gspo-rloo",
+], ids=["zero3-2ranks-split-kl-loss", "kl-reward-ppo-epochs-top-p-packed", "dapo-options-gspo-rloo-sp2",
                                 "collective-sync-shared-prompts"])
 def test_variants_run(ray_cluster, tmp_path, variant):
     cfg = _cfg(tmp_path, "v", "trainer.steps=2", "learner.lr=5e-3", _digit_reward(tmp_path), *variant)
@@ -368,6 +370,9 @@ def test_variants_run(ray_cluster, tmp_path, variant):
         # after every broadcast both engines sample from exactly the learner's weights (whose logprobs come from
         # the shared-prompt forward here)
         assert all(m["actor/mismatch_abs_diff"] < 1e-4 for m in metrics) and metrics[1]["rollout/weight_load_s"] > 0
+    if "learner.sequence_parallel_size=2" in variant:
+        # rollout and learner agree on-policy with the sequence split over two ranks (and the reference's KL > 0)
+        assert metrics[0]["actor/mismatch_abs_diff"] < 1e-4
     if "algorithm.dynamic_sampling=true" in variant:
         assert all(1 <= m["sampling/rounds"] <= 3 for m in metrics)
         assert all(0 <= m["sampling/informative_frac"] <= 1 for m in metrics)

@@ -108,8 +108,26 @@ def local_columns(width: int, sp: SequenceParallel) -> slice:
     return slice(sp.rank * local, (sp.rank + 1) * local)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """Sum over a process group, forward and backward (each rank's input gets the summed output gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+        ctx.group = group
+        out = local.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def gather_over_group(local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """The sum over the group of tensors that are zero outside each rank's own entries (so: every rank's
     entries), with autograd (its backward sums the ranks' gradients)."""
-    import torch.distributed.nn.functional as dist_fn
-    return dist_fn.all_reduce(local, group=sp.group)
+    return _SumOverGroup.apply(local, sp.group)

@@ -134,11 +134,14 @@ def critic_use(cfg: Any, shape: ModelShape, prompt_tokens: int) -> RoleUse | Non
 
 
 def engine_use(cfg: Any, shape: ModelShape, prompt_tokens: int, devices: Devices) -> RoleUse:
-    """One rollout engine: weights and KV cache (see the module docstring)."""
+    """One device of a rollout engine: weights and KV cache (see the module docstring); a tensor-parallel engine's
+    `k` ranks each hold `1/k` of the weights and of every token's keys and values."""
     from rl.recipe import engine_options
     b, ro = DTYPE_BYTES[cfg.model.dtype], cfg.rollout
-    seq, kv_token = sequence_tokens(cfg, prompt_tokens), kv_bytes_per_token(shape, b)
-    use = RoleUse(f"rollout engine ({ro.engine})", {"weights": shape.params * b})
+    k = max(1, ro.tensor_parallel_size)
+    seq, kv_token = sequence_tokens(cfg, prompt_tokens), kv_bytes_per_token(shape, b) // k
+    use = RoleUse(f"rollout engine ({ro.engine}{f', tensor parallel over {k}' if k > 1 else ''}), per device",
+                  {"weights": shape.params * b // k})
     if ro.engine != "vllm":
         batch = ro.generation_batch_size
         use.items["KV cache"] = batch * seq * kv_token
@@ -232,7 +235,7 @@ def make_plan(cfg: Any, devices: Devices, prompt_tokens: int = 1024, shape: Mode
     critic = critic_use(cfg, shape, prompt_tokens)
     engine = engine_use(cfg, shape, prompt_tokens, devices)
     ws, nw = cfg.learner.world_size, cfg.rollout.num_workers
-    bundles = max(ws, nw) if cfg.cluster.placement == "colocated" else ws + nw
+    bundles = max(ws, nw) if cfg.cluster.placement == "colocated" else ws + nw * cfg.rollout.tensor_parallel_size
     judges = judge_uses(cfg, shape)
     loads = device_loads(cfg, learner, critic, engine)
     loads += [(f"judge {name} worker ({gpus:g} GPU)", use.total // max(1, int(gpus))) for name, (gpus, _, use)

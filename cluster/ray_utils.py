@@ -114,6 +114,7 @@ class Placement:
     learner_bundles: list[int]
     rollout_bundles: list[int]
     gpus_per_actor: float = 0.0  # colocated roles share a bundle's GPU
+    rollout_gpus_per_actor: float = 0.0  # a rollout worker's GPUs: its share when colocated, its bundle's when split
 
 
     def remove(self) -> None:
@@ -175,7 +176,7 @@ def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollo
                    mode: str = "colocated", strategy: str = "PACK", use_gpu: bool = False,
                    timeout_s: float = 120.0, learner_resources: dict[str, float] | None = None,
                    rollout_resources: dict[str, float] | None = None, learner_roles: int = 1,
-                   can_grow: bool = True) -> Placement:
+                   can_grow: bool = True, rollout_gpus: int = 1) -> Placement:
     """One placement group for learners and rollout workers.
 
     colocated: bundle i holds learner rank i and rollout worker i (they take turns on the same
@@ -184,7 +185,7 @@ def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollo
     (custom node resources such as `{"trainer_node": 1}` pin roles to the nodes that offer them).
     `learner_roles`: actors per learner bundle (2 with PPO's critic beside each policy rank); a GPU bundle's
     device is shared evenly by the actors of its most crowded bundle. `timeout_s` and `can_grow`: see
-    `wait_for_bundles`.
+    `wait_for_bundles`. `rollout_gpus` (split placement): GPUs of each rollout bundle, one tensor-parallel engine's.
     """
     gpu = {"GPU": 1} if use_gpu else {}
     extra_l, extra_r = dict(learner_resources or {}), dict(rollout_resources or {})
@@ -194,11 +195,13 @@ def make_placement(world_size: int, num_rollout: int, learner_cpus: float, rollo
         learner, rollout = list(range(world_size)), list(range(num_rollout))
     elif mode == "split":
         bundles = [{"CPU": learner_cpus, **gpu, **extra_l} for _ in range(world_size)] + \
-                  [{"CPU": rollout_cpus, **gpu, **extra_r} for _ in range(num_rollout)]
+                  [{"CPU": rollout_cpus, **({"GPU": rollout_gpus} if use_gpu else {}), **extra_r}
+                   for _ in range(num_rollout)]
         learner = list(range(world_size))
         rollout = list(range(world_size, world_size + num_rollout))
     else:
         raise ValueError(f"cluster.placement must be colocated or split, got {mode!r}")
     pg = wait_for_bundles(bundles, strategy, timeout_s, can_grow)
     share = 1.0 / (learner_roles + 1) if mode == "colocated" else 1.0 / learner_roles
-    return Placement(pg, learner, rollout, gpus_per_actor=share if use_gpu else 0.0)
+    return Placement(pg, learner, rollout, gpus_per_actor=share if use_gpu else 0.0,
+                     rollout_gpus_per_actor=(share if mode == "colocated" else float(rollout_gpus)) if use_gpu else 0.0)

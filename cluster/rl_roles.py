@@ -21,7 +21,7 @@ from cluster.weight_sync.object_store import ObjectStoreTransport
 from rl.algorithm import RLAlgorithm
 from rl.batch import Batch
 from rl.step import reward_items
-from rl.validation import check_weight_sync
+from rl.validation import check_tensor_parallel, check_weight_sync
 from rollout.probes import peak_rss_gib
 from rollout.worker import RolloutWorkerRestarted, RolloutWorkerStuck
 
@@ -33,6 +33,8 @@ class RayRLRoles:
                  placement: Placement, reward_service: Any):
         check_weight_sync(cfg.rollout.weight_sync, bool(placement.gpus_per_actor),
                           cfg.cluster.placement == "colocated")
+        check_tensor_parallel(cfg.rollout.tensor_parallel_size, bool(placement.gpus_per_actor),
+                              cfg.cluster.placement == "colocated")
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, reward_service
         self._start(algorithm, model_path, placement)
         self.hardware = self._measure_hardware()

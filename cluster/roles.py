@@ -75,13 +75,14 @@ def make_rollout_workers(cfg: DictConfig, model_path: str, placement: Placement,
         opts: dict[str, Any] = {"num_cpus": cfg.rollout.num_cpus, "runtime_env": {"env_vars": actor_env()},
                                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                                     placement_group=placement.group, placement_group_bundle_index=b)}
-        if placement.gpus_per_actor:
-            opts["num_gpus"] = placement.gpus_per_actor
+        if placement.rollout_gpus_per_actor:
+            opts["num_gpus"] = placement.rollout_gpus_per_actor
         # restarted by Ray if its process dies; the trainer then resends the weights and regenerates
         opts["max_restarts"] = cfg.rollout.max_restarts
         workers.append(cls.options(**opts).remote(
             cfg.rollout.engine, model_path, threads=cfg.rollout.threads, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
             batch_size=cfg.rollout.generation_batch_size,
+            **({"tensor_parallel_size": cfg.rollout.tensor_parallel_size} if cfg.rollout.tensor_parallel_size > 1 else {}),
             device="cuda" if placement.gpus_per_actor else "cpu", **{**sleep_kwargs, **adapter_kwargs(cfg),
                                                                      **engine_options(cfg.rollout.engine_params, cfg.rollout.engine, "rollout.engine_params")}))
     if wait:

@@ -62,7 +62,7 @@ class Runtime:
                 learner_resources=as_container(cfg.cluster.learner_resources),
                 rollout_resources=as_container(cfg.cluster.rollout_resources),
                 learner_roles=2 if needs_critic(cfg) else 1, timeout_s=cfg.cluster.wait_for_resources_s,
-                can_grow=self.ray.mode == "connected")
+                can_grow=self.ray.mode == "connected", rollout_gpus=cfg.rollout.tensor_parallel_size)
         return self._placement
 
     def close(self) -> None:

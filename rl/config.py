@@ -106,6 +106,7 @@ class RolloutConfig:
     engine: str = "hf"  # generation engine (registry kind "engine"): hf | vllm
     engine_params: dict[str, Any] = field(default_factory=dict)  # engine options, one section per engine: {hf: {attn_implementation: eager}, vllm: {max_model_len: 512}}; the configured engine takes its own section (switching rollout.engine switches the options with it)
     num_workers: int = 1  # rollout worker actors
+    tensor_parallel_size: int = 1  # devices each rollout engine spans (vLLM's tensor parallelism; its worker processes start inside the rollout actor): with GPUs each rollout bundle reserves this many on one node (cluster.placement: split), on CPU the engine splits the actor's cores between its ranks. The weight sync hands every rank the full tensors and each loads its shard. vllm engine only (hf runs on one device)
     n: int = 8  # samples per prompt (group size)
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling

@@ -56,7 +56,11 @@ def _check_rollout_values(cfg: DictConfig) -> None:
                                          and r.num_workers <= cfg.learner.world_size),
          "rollout.weight_sync", "cuda_ipc needs cluster.placement: colocated and rollout.num_workers <= "
          "learner.world_size (each rollout worker shares a GPU with a learner rank)")
-    # a broadcast waits for every receiver, i.e. for the rollout in flight: it would serialise the pipeline
+    need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
+    need(r.tensor_parallel_size == 1 or r.engine == "vllm", "rollout.tensor_parallel_size",
+         f"the {r.engine} engine runs on one device; tensor parallelism needs rollout.engine vllm")
+    need(r.tensor_parallel_size == 1 or r.weight_sync != "cuda_ipc", "rollout.tensor_parallel_size",
+         "cuda_ipc pairs each rollout engine with one learner rank's GPU; use collective or object_store")
     for key in ("decoding", "eval_decoding"):
         method = r[key]
         need(method is None or r.engine != "vllm", f"rollout.{key}",
@@ -194,6 +198,13 @@ def check_sequence_parallel(family_name: str, family: Any, size: int, *, world_s
                           f"Ulysses attention takes no mask), not {attn_implementation!r}")
     if forward_only:
         raise ConfigError(f"{key}: a forward-only optimizer steps outside DeepSpeed; set it to 1")
+
+
+def check_tensor_parallel(size: int, gpus: bool, colocated: bool) -> None:
+    """Where a tensor-parallel rollout engine can run (known once Ray has placed the run)."""
+    if size > 1 and gpus and colocated:
+        raise ConfigError(f"rollout.tensor_parallel_size {size} on GPUs needs cluster.placement: split (an engine "
+                          f"spans {size} GPUs of a bundle of its own; colocated bundles hold one GPU each)")
 
 
 def check_weight_sync(weight_sync: str, gpus: bool, colocated: bool) -> None:

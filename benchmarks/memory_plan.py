@@ -6,7 +6,8 @@
 Scenarios (GRPO, bf16, prompts of 1,024 and responses of 3,072 tokens, 4 sequences a micro-batch, gradient
 checkpointing, colocated learner and vLLM engine at 40% of the device, as OpenRLHF's colocated examples run):
 Qwen2.5-7B full fine-tuning at ZeRO 1/2/3 on 8 GPUs; Llama-3.1-70B full fine-tuning at ZeRO-3 on 8, 32 and 64
-GPUs. Recorded: each role's items and each device's peak, whether it fits, and the change `looprl plan` names.
+GPUs, and with tensor-parallel engines (32 learner GPUs beside 4 engines of 8 GPUs, split placement); Qwen2.5-7B
+with 16k-token responses without and with sequence parallelism over 4 ranks. Recorded: each role's items and each device's peak, whether it fits, and the change `looprl plan` names.
 Published figures to compare with: 16 bytes a trained parameter for mixed-precision Adam (the ZeRO paper, Rajbhandari
 et al. 2020), the models' parameter counts and their KV cache per token (bf16).
 """
@@ -32,8 +33,16 @@ PUBLISHED = {"Qwen2.5-7B": {"params": 7.61e9, "kv_bytes_per_token_bf16": 57344},
 COMMON = ["model.dtype=bfloat16", "model.gradient_checkpointing=true", "rollout.engine=vllm",
           "rollout.max_new_tokens=3072", "learner.micro_batch_size=4", "algorithm.kl_coef=0.001",
           "rollout.engine_params={vllm: {gpu_memory_utilization: 0.4}}"]
-SCENARIOS = [("Qwen2.5-7B", 8, 1), ("Qwen2.5-7B", 8, 2), ("Qwen2.5-7B", 8, 3),
-             ("Llama-3.1-70B", 8, 3), ("Llama-3.1-70B", 32, 3), ("Llama-3.1-70B", 64, 3)]
+LONG = ["rollout.max_new_tokens=16384", "learner.micro_batch_size=1", "learner.attn_implementation=sdpa"]
+# (model, GPUs, ZeRO stage, overrides beyond COMMON); colocated unless the overrides say split
+SCENARIOS = [("Qwen2.5-7B", 8, 1, []), ("Qwen2.5-7B", 8, 2, []), ("Qwen2.5-7B", 8, 3, []),
+             ("Llama-3.1-70B", 8, 3, []), ("Llama-3.1-70B", 32, 3, []), ("Llama-3.1-70B", 64, 3, []),
+             # 70B with tensor-parallel engines: 32 learner GPUs and 4 engines of 8 GPUs each, split placement
+             ("Llama-3.1-70B", 64, 3, ["cluster.placement=split", "learner.world_size=32", "rollout.num_workers=4",
+                                       "rollout.tensor_parallel_size=8",
+                                       "rollout.engine_params={vllm: {gpu_memory_utilization: 0.9}}"]),
+             # 7B with 16k-token responses, one sequence a micro-batch: without and with sequence parallelism
+             ("Qwen2.5-7B", 8, 3, LONG), ("Qwen2.5-7B", 8, 3, [*LONG, "learner.sequence_parallel_size=4"])]
 
 
 def main() -> None:
@@ -49,22 +58,23 @@ def main() -> None:
             folder = Path(tmp) / name
             folder.mkdir()
             (folder / "config.json").write_text(json.dumps(cfg))
-        for name, gpus, zero in SCENARIOS:
+        for name, gpus, zero, extra in SCENARIOS:
             folder = Path(tmp) / name
             recipe = config.load(ROOT / "recipes/quickstart.yaml", [
                 f"model.path={folder}", *COMMON, f"learner.world_size={gpus}", f"rollout.num_workers={gpus}",
-                f"learner.zero_stage={zero}"])
+                f"learner.zero_stage={zero}", *extra])
             devices = Devices(gpus // 8, 8, 80.0)
             plan = make_plan(recipe, devices, 1024)
             report["models"][name] = {"params": plan.shape.params, "counted": plan.shape.counted,
                                       "kv_bytes_per_token_bf16": kv_bytes_per_token(plan.shape, 2)}
-            row = {"model": name, "gpus": gpus, "zero_stage": zero,
+            row = {"model": name, "gpus": gpus, "zero_stage": zero, "overrides": extra,
                    "roles": {r.role: {k: round(v / GIB, 2) for k, v in r.items.items()} for r in plan.roles},
                    "device_peak_gib": {what: round(need / GIB, 1) for what, need in plan.loads},
                    "problems": plan.problems,
                    "fix": suggest_fix(recipe, devices, 1024, plan.shape) if plan.problems else None}
             report["scenarios"].append(row)
-            print(json.dumps({k: row[k] for k in ("model", "gpus", "zero_stage", "device_peak_gib", "fix")}), flush=True)
+            print(json.dumps({k: row[k] for k in ("model", "gpus", "zero_stage", "overrides", "device_peak_gib", "problems",
+                                                  "fix")}), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 

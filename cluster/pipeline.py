@@ -294,11 +294,24 @@ def check_memory_plan(cfg: DictConfig, model_path: str | None) -> None:
     """An RL run whose roles cannot fit its GPUs is refused now, naming the change that would make it fit
     (`cluster.plan`); skipped without GPUs (a CPU run) or when the model's config is not on this machine."""
     from cluster.plan import check_fits, run_devices
-    if not any(s.name == "rl" for s in cfg.stages) or not (model_path is None or Path(model_path).exists()):
+    if not any(s.name == "rl" for s in cfg.stages) or not _config_here(model_path if model_path is not None
+                                                                         else cfg.model.path):
         return
     devices = run_devices(cfg)
     if devices is not None:
         check_fits(cfg, devices, cfg.cluster.plan_prompt_tokens)
+
+
+def _config_here(path: str | None) -> bool:
+    """Whether the model's `config.json` can be read without a download (the tiny model's is built in code)."""
+    if path is None or Path(path).exists():
+        return True
+    from transformers import AutoConfig
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def check_stages(cfg: DictConfig, only_stage: str | None = None) -> None:

@@ -197,3 +197,31 @@ def test_a_tensor_parallel_engine_holds_a_share_of_the_weights_on_each_of_its_de
     assert (one.gpus_needed, two.gpus_needed) == (6, 8)
     assert "the placement needs 12 GPUs, the cluster has 8" in make_plan(
         _cfg(*base, "rollout.tensor_parallel_size=4"), Devices(1, 8, 80.0), shape=shape).problems
+
+
+# released config.json values of the models the real-scale recipes name (nothing is downloaded in tests)
+RECIPE_MODELS = {
+    "models/Qwen2.5-32B-Instruct": {"model_type": "qwen2", "hidden_size": 5120, "num_hidden_layers": 64,
+                                    "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
+                                    "vocab_size": 152064, "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(p for p in (ROOT / "recipes").glob("*.yaml")
+                                          if "looprl plan" in p.read_text().split("\noutput_dir")[0]),
+                         ids=lambda p: p.name)
+def test_a_real_scale_recipe_fits_the_cluster_its_header_names(recipe, tmp_path, capsys):
+    """The `looprl plan ... --nodes N --gpus-per-node G --gpu-memory-gib M` line of a recipe's header is what it was
+    sized for: the plan of its model's released config on that cluster fits."""
+    import re
+
+    from cluster.cli import main
+    from rl import config as rl_config
+    line = next(x for x in recipe.read_text().splitlines() if "looprl plan" in x)
+    cluster = re.search(r"--nodes (\d+) --gpus-per-node (\d+) --gpu-memory-gib (\d+)", line).groups()
+    path = rl_config.load(recipe).model.path
+    (tmp_path / "config.json").write_text(json.dumps(RECIPE_MODELS[path]))
+    assert main(["plan", str(recipe), f"model.path={tmp_path}", "--nodes", cluster[0], "--gpus-per-node", cluster[1],
+                 "--gpu-memory-gib", cluster[2]]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("fits") and f"GPUs: {int(cluster[0]) * int(cluster[1])} of" in out

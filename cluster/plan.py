@@ -41,10 +41,12 @@ VLLM_RUNTIME_BYTES = GIB  # CUDA graphs, the allocator's reserve and the runtime
 
 @dataclass(frozen=True)
 class Devices:
-    """The cluster's GPUs (`gpus_per_node` 0: their number is not known, and only each device's load is checked)."""
+    """The cluster's GPUs (`gpus_per_node` 0: their number is not known, and only each device's load is checked).
+    `cpu`: the roles run on CPUs instead (what the `hf` engine then holds besides: see `engine_use`)."""
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
+    cpu: bool = False
 
     @property
     def count(self) -> int:
@@ -147,6 +149,9 @@ def engine_use(cfg: Any, shape: ModelShape, prompt_tokens: int, devices: Devices
         use.items["KV cache"] = batch * seq * kv_token
         use.items["sampling logits"] = batch * shape.vocab * 4
         use.notes.append(f"KV cache of {batch} sequences of {seq} tokens")
+        if devices.cpu:  # the CPU decode loop's packed copy of the weights and its reused KV storage (rollout/hf_engine)
+            use.items["packed weights (CPU decode)"] = use.items["weights"]
+            use.items["KV storage kept for reuse (CPU)"] = use.items["KV cache"]
         return use
     opts = engine_options(ro.engine_params, "vllm", "rollout.engine_params")
     share = float(opts.get("gpu_memory_utilization", 0.9))

@@ -442,16 +442,19 @@ def _scatter(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, batch
 
 
 def response_loop_logprobs(model: torch.nn.Module, batch: Any, temperature: float = 1.0,
-                           with_entropy: bool = False, chunk_tokens: int = 512
+                           with_entropy: bool = False, chunk_tokens: int = 512, sequence_parallel: Any = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For a looped model: `[N, L, T]` logprobs of the response tokens under each loop's readout at
     `temperature`, the `[N, L, T]` exit pdf at those positions, and the final loop's entropy `[N, L]` as a
     metric (no graph) if asked. Every loop's readout is projected at the generated positions only, `chunk_tokens`
     at a time and recomputed in backward (`chunked_token_stats`), so no `[N, L, V]` logits exist for any loop,
-    nor for the entropy."""
+    nor for the entropy. With `sequence_parallel` each rank of the group runs its share of every sequence."""
     module = _unwrap(model)
     if not hasattr(module, "loop_states"):
         raise TypeError(f"per-loop logprobs need a looped model (model_type ouro); {type(module).__name__} has none")
+    if sequence_parallel is not None:
+        return _sequence_parallel_loop_logprobs(model, batch, sequence_parallel, temperature, with_entropy,
+                                                chunk_tokens)
     device = _device(module)
     inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
     states, gate_logits = model(**inputs, use_cache=False, return_loop_states=True)  # through a DeepSpeed engine
@@ -471,6 +474,44 @@ def response_loop_logprobs(model: torch.nn.Module, batch: Any, temperature: floa
                                          chunk_tokens=chunk_tokens)
         entropy = _scatter(ent, rows, cols, batch)
     return loop_logp, exit_pdf(gate_logits[:, P - 1:P + L - 1]), entropy
+
+
+def _sequence_parallel_loop_logprobs(model: torch.nn.Module, batch: Any, sp: Any, temperature: float,
+                                     with_entropy: bool, chunk_tokens: int
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`response_loop_logprobs` with each row's columns split over the sequence-parallel group: this rank reads
+    out every loop and the exit gates at the response tokens its columns predict; sums over the group give every
+    rank all of them (`models.sequence_parallel`)."""
+    from models.sequence_parallel import gather_over_group, local_columns, right_padded_rows
+    module = _unwrap(model)
+    device = _device(module)
+    rows, cols = response_positions(batch)
+    ids, positions, src = right_padded_rows(batch, sp.size)
+    part = local_columns(ids.shape[1], sp)
+    states, gate_logits = model(input_ids=ids[:, part].to(device), position_ids=positions[:, part].to(device),
+                                use_cache=False, return_loop_states=True)
+    mine = ((src >= part.start) & (src < part.stop)).nonzero(as_tuple=True)[0]
+    rows, cols, src = rows[mine], cols[mine], src[mine] - part.start
+    # a rank whose columns predict no response token still projects one position (see _sequence_parallel_logprobs)
+    at = (rows.to(device), src.to(device)) if len(mine) else (torch.zeros(1, dtype=torch.long, device=device),) * 2
+    labels = batch.response_ids[rows, cols].to(device) if len(mine) else torch.zeros(1, dtype=torch.long,
+                                                                                       device=device)
+    head, keep, temp = output_head(module), len(mine), temperature if temperature > 0 else 1.0
+
+    def gathered(values: torch.Tensor) -> torch.Tensor:  # `[M, ...]` at this rank's tokens -> `[N, L, ...]`
+        local = values.new_zeros((*batch.response_ids.shape, *values.shape[1:]))
+        local = local.index_put((rows.to(device), cols.to(device)), values[:keep]) + 0.0 * values.sum()
+        return gather_over_group(local, sp)
+
+    loop_logp = gathered(torch.stack([chunked_token_stats(head, h[at], labels, temperature=temp,
+                                                          chunk_tokens=chunk_tokens)[0] for h in states], dim=-1))
+    pdf = gathered(exit_pdf(gate_logits[at]))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = gathered(chunked_token_stats(head, states[-1][at], labels, temperature=temp, with_entropy=True,
+                                                   chunk_tokens=chunk_tokens)[1])
+    return loop_logp, pdf, entropy
 
 
 def _attn_kwargs(attn_implementation: str | None) -> dict[str, str]:
@@ -501,6 +542,9 @@ class CausalFamily:
         self.share_prompts = share_prompts
         # set by the learner with learner.sequence_parallel_size > 1 (`models.sequence_parallel.SequenceParallel`)
         self.sequence_parallel: Any = None
+
+    def prepare_sequence_parallel(self, model: torch.nn.Module, sp: Any) -> None:
+        """What a loaded model needs for sequence parallelism beyond transformers' attention (nothing here)."""
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:
@@ -537,7 +581,11 @@ class LoopedFamily(CausalFamily):
     model_types = (OuroConfig.model_type,)
     supports_packing = False
     supports_shared_prompts = False  # a loop's cache is its own kind
-    supports_sequence_parallel = False  # its attention builds its own masks
+
+    def prepare_sequence_parallel(self, model: torch.nn.Module, sp: Any) -> None:
+        """Ouro's attention is its own module: DeepSpeed's exchange goes around each layer's sdpa call."""
+        from models.sequence_parallel import attach_looped
+        attach_looped(model, sp)
 
     def load(self, path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
              attn_implementation: str | None = None) -> torch.nn.Module:
@@ -564,7 +612,8 @@ class LoopedFamily(CausalFamily):
             raise ValueError("per-loop outputs are logprobs of each loop's full distribution; rollout.top_k/top_p "
                              "truncation is not supported with them")
         loop_logp, pdf, entropy = response_loop_logprobs(model, batch, temperature, "entropy" in outputs,
-                                                         chunk_tokens=self.chunk_tokens)
+                                                         chunk_tokens=self.chunk_tokens,
+                                                         sequence_parallel=self.sequence_parallel)
         out = {"logp": loop_logp[..., -1], "loop_logp": loop_logp, "exit_pdf": pdf}  # the final loop samples
         if entropy is not None:
             out["entropy"] = entropy

@@ -23,6 +23,8 @@ Importing this module registers the model with `AutoConfig` / `AutoModelForCausa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import transformers
@@ -119,6 +121,9 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         self.dropout = config.attention_dropout
+        # set by the learner under sequence parallelism (`models.sequence_parallel.attach_looped`): attention over
+        # the whole sequence from this rank's share of the positions, heads exchanged across the group
+        self.sequence_parallel: Any = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                 cache: Cache | None, cache_idx: int) -> torch.Tensor:
@@ -127,6 +132,8 @@ class OuroAttention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+        if self.sequence_parallel is not None and cache is None:
+            return self.o_proj(self.sequence_parallel(self, q, k, v).reshape(b, s, -1))
         if cache is not None:
             k, v = cache.update(k, v, cache_idx)
         k, v = repeat_kv(k, self.num_heads // self.num_kv), repeat_kv(v, self.num_heads // self.num_kv)

@@ -74,6 +74,51 @@ def register(model_path: str, attn_implementation: str, size: int, micro_batch_s
     return SequenceParallel(group, dist.get_rank(group=group), size)
 
 
+def _causal_core(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention over the gathered sequence (`[bs, hc, sl, hs]` in, `[bs, sl, hc, hs]` out), key and value
+    heads repeated to the query's: the looped model's own sdpa call, without its mask (rows are right-padded)."""
+    import torch.nn.functional as F
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                         dropout_p=module.dropout if module.training else 0.0)
+    return out.transpose(1, 2), None
+
+
+def attach_looped(model: torch.nn.Module, sp: SequenceParallel) -> None:
+    """Give every attention layer of a looped model (`models.ouro`: its own attention, not transformers') DeepSpeed's
+    Ulysses exchange around its causal sdpa call. Sliding-window layers are refused (their mask is not causal
+    alone)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    config = getattr(model, "config", None) or model.module.config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ValueError("learner.sequence_parallel_size: this looped model has sliding-window layers, whose mask "
+                         "sequence parallelism does not build; set it to 1")
+    heads = config.num_attention_heads
+    uattn = UlyssesSPAttentionHF(
+        attn=_causal_core, batch_size=1, attn_head_count=heads, attn_head_size=config.head_dim,
+        kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
+        process_group=sp.group, seq_length_is_variable=True)
+
+    def attention(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rows, local = q.shape[0], q.shape[2]
+        if rows != uattn.batch_size:
+            uattn.batch_size = rows
+            uattn.required_query_shape = _with_rows(uattn.required_query_shape, rows)
+            uattn.required_key_value_shape = _with_rows(uattn.required_key_value_shape, rows)
+            uattn.required_context_shape = _with_rows(uattn.required_context_shape, rows)
+        # DeepSpeed gathers position ids for transformers' kernels; the causal core needs none but the shape
+        positions = torch.zeros((rows, local), dtype=torch.long, device=q.device)
+        out, _ = uattn(module, q, k, v, None, position_ids=positions)
+        return out
+
+    for layer in model.modules():
+        if hasattr(layer, "sequence_parallel") and hasattr(layer, "o_proj"):
+            layer.sequence_parallel = attention
+
+
 def _with_rows(shape: torch.Size, rows: int) -> torch.Size:
     """`[sl, bs, ...]` with `bs = rows`."""
     return torch.Size([shape[0], rows, *shape[2:]])

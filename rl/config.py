@@ -279,6 +279,8 @@ class ClusterConfig:
 class LoggingConfig:
     tensorboard: bool = True  # write TensorBoard events to output_dir/tensorboard
     wandb_project: str | None = None  # W&B project (needs the wandb extra); null disables
+    mlflow_tracking_uri: str | None = None  # MLflow tracking URI (needs the mlflow extra): a server (http://host:5000), a database (sqlite:///mlflow.db, full mlflow) or a local file store (file:./mlruns; MLflow 3 keeps that backend in maintenance, looprl opts in for it); null disables. Metrics per step, the resolved recipe as parameters; a resumed run continues its MLflow run
+    mlflow_experiment: str = "looprl"  # the MLflow experiment the run is logged under
     progress_bar: bool = True  # tqdm progress bar on stderr
 
 

@@ -188,8 +188,8 @@ def check_sequence_parallel(family_name: str, family: Any, size: int, *, world_s
     if size < 1 or world_size % size:
         raise ConfigError(f"{key} {size}: must be at least 1 and divide learner.world_size ({world_size})")
     if not getattr(family, "supports_sequence_parallel", False):
-        raise ConfigError(f"{key}: model family {family_name!r} runs its own attention (the causal family runs "
-                          f"sequence parallelism); set it to 1")
+        raise ConfigError(f"{key}: model family {family_name!r} runs its own attention (the causal and looped "
+                          f"families run sequence parallelism); set it to 1")
     if share_prompts or pack_sequences:
         raise ConfigError(f"{key}: runs one sequence per row; set learner.share_prompts and learner.pack_sequences "
                           f"false")

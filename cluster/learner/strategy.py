@@ -107,6 +107,10 @@ class DeepSpeedStrategy:
         self.ref = self._load_reference(model_path, load) if with_ref and not self.adapted else None
         self.with_ref = with_ref
         model = self._load_policy(model_path, load, shared_packed, compile_position_wise, gradient_checkpointing)
+        if self.sequence_parallel is not None:  # what the family's own attention needs (a looped model's)
+            for loaded in (model, self.ref):
+                if loaded is not None:
+                    self.family.prepare_sequence_parallel(loaded, self.sequence_parallel)
         self.offload_between_phases, self.offloaded = offload_between_phases, False
         optim, sched = self._optimizer_and_scheduler(model, lr, weight_decay, optimizer, scheduler, warmup_steps,
                                                      total_steps)

@@ -87,7 +87,9 @@ class RLRun:
         cfg, tc, trainer, last = self.cfg, self.cfg.trainer, self.trainer, {}
         logger = MetricsLogger(self.out, tc.steps, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
-                               config=as_container(cfg), start_step=trainer.step_idx)
+                               config=as_container(cfg), start_step=trainer.step_idx,
+                               mlflow_tracking_uri=cfg.logging.mlflow_tracking_uri,
+                               mlflow_experiment=cfg.logging.mlflow_experiment)
         t0 = time.perf_counter()
         try:
             while trainer.step_idx < tc.steps:

@@ -198,3 +198,32 @@ def test_sequence_parallel_ranks_give_the_single_rank_loss_gradient_and_update(r
             assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), (case, k)
     mask = long_batch.response_mask.bool()
     assert mask.sum(-1).max() > 24  # responses long enough that each rank holds response tokens
+
+
+@pytest.mark.slow
+def test_sequence_parallel_ranks_give_a_looped_models_single_rank_step(ray_cluster, tmp_path, long_batch):
+    """A looped model (Ouro: its own attention, DeepSpeed's Ulysses exchange around each layer's sdpa call):
+    every loop's logprobs, the exit pdf, RLTT's loss, gradient norm and updated weights of two sequence-parallel
+    ranks equal the one-rank step's."""
+    path = str(save_tiny(tmp_path / "ouro", arch="ouro", loops=3, hidden_size=32, num_layers=2, num_heads=2,
+                         intermediate_size=64))
+    params = {"agg": "token-mean", "loop_weighting": "exit_pdf"}
+    results = {}
+    for world, sp in [(1, 1), (2, 2)]:
+        group = LearnerGroup(world, path, num_cpus=0.25, env=actor_env(), lr=1.0, family="looped",
+                             optimizer={"name": "adamw", "params": {"eps": 1.0}}, micro_batch_size=4, grad_accum=2,
+                             grad_clip=0.0, attn_implementation="sdpa", sequence_parallel_size=sp)
+        try:
+            outs = [group.compute_logprobs(long_batch, output=o) for o in ("loop_logp", "exit_pdf")]
+            m = group.train_step(long_batch, 2, "rltt", params)
+            results[sp] = (outs, m, group.full_state_dict())
+        finally:
+            group.shutdown()
+    (ref_outs, ref_m, ref_state), (outs, m, state) = results[1], results[2]
+    mask = long_batch.response_mask.bool()  # past a response's end the one-rank forward reads padding
+    for a, b in zip(outs, ref_outs):
+        assert a.shape[-1] == 3 and torch.allclose(a[mask], b[mask], atol=1e-5)
+    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
+    assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4) and ref_m["grad_norm"] > 0
+    for k, v in ref_state.items():
+        assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), k

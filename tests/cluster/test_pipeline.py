@@ -226,9 +226,15 @@ def test_failing_reward_plugin_marks_samples_and_run_completes(ray_cluster, tmp_
     cfg = _cfg(tmp_path, "flaky", "trainer.steps=2", "trainer.save_hf=true", "trainer.eval_every=1",
                "rollout.eval_runs=3", "rollout.eval_temperature=1.0", "rollout.eval_top_p=0.9",
                "trainer.select_by=eval/accuracy", "trainer.keep_checkpoints=1",
-               f"reward.functions=[{{name: '{plugin}:flaky'}}]")
+               f"reward.functions=[{{name: '{plugin}:flaky'}}]", f"logging.mlflow_tracking_uri=file:{tmp_path}/mlruns")
     summary = run(cfg)
     metrics = read_metrics(tmp_path / "flaky")
+    # the run's metrics also went to MLflow (a local file store), step by step
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"file:{tmp_path}/mlruns")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("looprl").experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, "reward/mean")] == [
+        (m["step"], m["reward/mean"]) for m in metrics]
     assert sum(m["reward/failures"] for m in metrics) > 0
     assert metrics[0]["eval/accuracy_std_over_runs"] >= 0 and 0 <= metrics[0]["eval/accuracy"] <= 1
     for key in ("time/generate", "time/reward", "time/train", "time/sync", "time/other", "perf/tokens_per_s",

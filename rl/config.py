@@ -140,7 +140,7 @@ class RolloutConfig:
 @dataclass
 class LearnerConfig:
     world_size: int = 1  # DeepSpeed data-parallel ranks (one Ray actor each)
-    sequence_parallel_size: int = 1  # Ulysses sequence parallelism (DeepSpeed's ALST attention): groups of this many ranks share each micro-batch, every rank runs 1/s of each sequence's positions and the attention layers exchange heads for positions (attention heads divisible by it), so activations per rank shrink with s for long responses. Divides world_size (data-parallel size = world_size / s); causal family, padded rows (not pack_sequences or share_prompts), attn_implementation sdpa or flash_attention_2
+    sequence_parallel_size: int = 1  # Ulysses sequence parallelism (DeepSpeed's ALST attention): groups of this many ranks share each micro-batch, every rank runs 1/s of each sequence's positions and the attention layers exchange heads for positions (attention heads divisible by it), so activations per rank shrink with s for long responses. Divides world_size (data-parallel size = world_size / s); causal and looped families, padded rows (not pack_sequences or share_prompts), attn_implementation sdpa or flash_attention_2 (sdpa for looped models, without sliding-window layers)
     zero_stage: int = 0  # ZeRO stage 0-3
     micro_batch_size: int = 64  # sequences per forward/backward per rank (when max_tokens_per_micro_batch is 0)
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches are formed by token count (prompt + response real tokens, at most this many each; a longer sequence goes alone), balanced across ranks, instead of micro_batch_size sequences; every rank runs the same number

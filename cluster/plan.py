@@ -121,6 +121,8 @@ def learner_use(cfg: Any, shape: ModelShape, prompt_tokens: int) -> RoleUse:
                      f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}")
     if cfg.algorithm.kl_coef > 0 and lc.adapter is None:
         use.items["reference weights"] = shape.params * b // (max(1, lc.world_size) if lc.zero_stage >= 3 else 1)
+    if cfg.algorithm.get("teacher_path"):  # assumed shaped like the policy (its own size is not read here)
+        use.items["teacher weights"] = shape.params * b // (max(1, lc.world_size) if lc.zero_stage >= 3 else 1)
     return use
 
 

@@ -58,7 +58,8 @@ class RayRLRoles:
         together = not lc.offload_between_phases
         self.learners = make_learner_group(
             cfg, model_path, placement, lr=lc.lr, weight_decay=lc.weight_decay, micro_batch_size=lc.micro_batch_size,
-            grad_accum=algorithm.grad_accum, with_ref=algorithm.need_ref, scheduler=lc.scheduler,
+            grad_accum=algorithm.grad_accum, with_ref=algorithm.need_ref, teacher_path=algorithm.teacher_path,
+            scheduler=lc.scheduler,
             warmup_steps=lc.warmup_steps, total_steps=algorithm.total_updates, wait=not together)
         self.critic = (make_critic_group(cfg, model_path, placement, algorithm.grad_accum, wait=not together)
                        if algorithm.critic else None)

@@ -29,7 +29,8 @@ def shared_learner_options(cfg: DictConfig, placement: Placement) -> dict[str, A
 
 def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *, lr: float, weight_decay: float,
                        micro_batch_size: int, grad_accum: int, scheduler: Any, warmup_steps: int, total_steps: int,
-                       with_ref: bool = False, family: str | None = None, wait: bool = True) -> LearnerGroup:
+                       with_ref: bool = False, teacher_path: str | None = None, family: str | None = None,
+                       wait: bool = True) -> LearnerGroup:
     """A DeepSpeed learner group on the placement's learner bundles; stage-specific optimisation
     settings are arguments, everything else comes from the recipe's `learner`/`model` sections (`family`:
     another model family than the policy's, e.g. a reward model's `sequence_score`)."""
@@ -39,6 +40,7 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         lr=lr, weight_decay=weight_decay, scheduler=as_container(scheduler),
         family=family or model_family(cfg, model_path), micro_batch_size=micro_batch_size,
         grad_accum=grad_accum, grad_clip=lc.grad_clip, with_ref=with_ref, warmup_steps=warmup_steps,
+        **({"teacher_path": teacher_path} if teacher_path else {}),
         total_steps=total_steps, offload_between_phases=lc.offload_between_phases,
         logprob_chunk_tokens=lc.logprob_chunk_tokens,
         adapter=as_container(lc.adapter) if lc.adapter and policy else None,  # the policy's adapter

@@ -53,7 +53,7 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
         if r.env is not None:  # multi-turn episodes of an environment
             env = {"name": r.env, "params": as_container(r.env_params), "max_turns": r.max_turns,
                    "max_episode_tokens": r.max_episode_tokens, "opponent_path": r.env_opponent_path,
-                   "step_timeout_s": r.env_step_timeout_s}
+                   "step_timeout_s": r.env_step_timeout_s, "schedule": r.agent_loop, "env_workers": r.env_workers}
             rows_w = [{**row, "answer": row.get(d.answer_column)} for row in rows[lo:hi]]
             futures.append(workers[w].run_episodes.remote(prompts[lo:hi], rows_w, sampling, groups, env, meta))
         else:

@@ -42,6 +42,19 @@ def compute_grpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, respo
     return (adv.to(torch.float32).unsqueeze(-1) * response_mask).to(torch.float32)
 
 
+def distillation_advantages(advantages: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                            response_mask: torch.Tensor, coef: float = 1.0, reward_weight: float = 1.0
+                            ) -> torch.Tensor:
+    """On-policy distillation: `reward_weight * A + coef * (log pi_teacher(y_t) - log pi_student(y_t))` on each
+    response token. The second term is minus the one-sample estimate of the reverse KL `KL(student || teacher)` at
+    the token the student sampled, used as that token's own advantage (discount 0), as on-policy distillation does
+    (TRL's GKD with student-generated data and beta = 1, prime-rl's teacher logprobs): the policy gradient of these
+    advantages is the gradient of the per-token reverse KL, so the student moves toward the teacher on the text it
+    writes itself. `advantages` is the reward's `[N, L]` (or `[N, 1]`) advantage."""
+    gap = (teacher_logp - student_logp) * response_mask
+    return (reward_weight * advantages * response_mask + coef * gap).to(torch.float32)
+
+
 @register("advantage", "dr_grpo")
 def compute_dr_grpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor, response_mask: torch.Tensor,
                                ) -> torch.Tensor:

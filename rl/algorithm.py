@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rl.advantages import gae_advantages_and_returns, outcome_token_rewards
+from rl.advantages import distillation_advantages, gae_advantages_and_returns, outcome_token_rewards
 from rl.batch import Batch
 from rl.losses import kl_in_reward, kl_penalty
 from rl.recipe import as_container, needs_critic, policy_loss_params
@@ -34,6 +34,8 @@ class RLAlgorithm:
         self.seed = cfg.seed
         self.kl_coef, self.kl_estimator, self.kl_in_reward = a.kl_coef, a.kl_estimator, a.kl_in_reward
         self.need_ref = a.kl_coef > 0
+        self.teacher_path, self.distill_coef, self.distill_reward_weight = (a.teacher_path, a.distill_coef,
+                                                                            a.distill_reward_weight)
         self.ppo_epochs, self.mini_batch_count = a.ppo_epochs, a.mini_batches
         self.need_old_logp = a.ppo_epochs * a.mini_batches > 1  # the PPO ratio's denominator after the first update
         self.adv_fn = lookup("advantage", a.advantage)
@@ -69,9 +71,24 @@ class RLAlgorithm:
         token_rewards = self.token_rewards(batch) if self.needs_token_rewards else None
         batch.advantages = estimate_advantages(batch, rewards, token_rewards, self.adv_fn, self.adv_params,
                                                self.failed_samples)
+        if self.teacher_path is not None:
+            self.distill(batch, metrics)
         if "step_verified_frac" in self.loss_inputs and any(batch.step_rewards):
             batch.set_extra("step_verified_frac", step_verified_fraction(batch.step_rewards))
         return token_rewards
+
+    def distill(self, batch: Batch, metrics: dict[str, float]) -> None:
+        """Add the teacher's per-token term to `batch.advantages` (`distillation_advantages`): the student's
+        logprobs are the behaviour policy's (old policy's after the first update, else the engine's); logs the
+        sampled tokens' mean reverse KL `distill/reverse_kl` (falls as the student nears the teacher)."""
+        teacher = batch.extras["teacher_logp"].value
+        student = batch.old_logp if batch.old_logp is not None else batch.rollout_logp
+        mask = batch.response_mask
+        batch.advantages = distillation_advantages(batch.advantages, student, teacher, mask, self.distill_coef,
+                                                   self.distill_reward_weight)
+        tokens = mask.sum().clamp(min=1)
+        metrics["distill/reverse_kl"] = float(((student - teacher) * mask).sum() / tokens)
+        metrics["distill/teacher_logp"] = float((teacher * mask).sum() / tokens)
 
     def kl_shaped_rewards(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
         """The rewards the advantages are computed from: minus the KL to the reference when `kl_in_reward`;

@@ -120,6 +120,8 @@ class RolloutConfig:
     env_params: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment class
     max_turns: int = 4  # env: policy turns per episode
     max_episode_tokens: int = 256  # env: response tokens per episode, actions and observations together
+    agent_loop: str = "lockstep"  # env: how episodes advance. lockstep: turn t of every unfinished episode in one generate call, then all of turn t's steps (reproducible for a seed) | per_episode: each episode joins the next generate call as soon as its step returns, so a slow tool holds only its own episode (which episodes share a call depends on timing)
+    env_workers: int = 8  # env: environment steps (tool calls) running at once per rollout worker, on threads; model-written code still runs in rollout.sandbox, one sandbox per call
     env_step_timeout_s: float = 60.0  # env: wall time of one environment step; a step past it ends its episode as failed (0: none)
     sandbox: str = "bwrap"  # where model-written code (the Python tool of calculator, agentic_proposing, monoscale) runs: bwrap (bubblewrap: own namespaces, unprivileged, read-only interpreter, no network, limits for the whole process tree; refused when bubblewrap is missing) | process (a plain child process with per-process limits: NOT a boundary, trusted code only)
     env_opponent_path: str | None = None  # env: model folder of a frozen engine playing the environment's 'frozen' seat
@@ -173,6 +175,9 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     kl_in_reward: bool = False  # subtract kl_coef*sum(KL) from the reward instead of adding KL to the loss
     entropy_coef: float = 0.0  # entropy bonus coefficient
+    teacher_path: str | None = None  # on-policy distillation: HF folder of a frozen teacher (the policy's tokenizer and vocabulary) whose log-probabilities of the student's own sampled tokens are the learning signal; each learner rank holds it like the reference (partitioned under ZeRO-3). null: no teacher
+    distill_coef: float = 1.0  # teacher: weight of the per-token term log pi_teacher(y_t) - log pi_student(y_t) (minus the sampled token's reverse KL) added to each response token's advantage
+    distill_reward_weight: float = 1.0  # teacher: weight of the reward's advantage beside the teacher's term (0: distillation alone, the rewards are still computed and logged)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more prompts
     max_sampling_rounds: int = 4  # cap on generation rounds per step with dynamic sampling
     mask_truncated: bool = False  # DAPO: completions that hit max_new_tokens leave the loss

@@ -68,6 +68,9 @@ def _check_rollout_values(cfg: DictConfig) -> None:
              f"loop): set rollout.engine: hf")
     need(r.max_turns >= 1, "rollout.max_turns", "must be >= 1")
     need(r.max_episode_tokens >= 1, "rollout.max_episode_tokens", "must be >= 1")
+    need(r.agent_loop in ("lockstep", "per_episode"), "rollout.agent_loop",
+         f"must be lockstep or per_episode, got {r.agent_loop!r}")
+    need(r.env_workers >= 1, "rollout.env_workers", "must be >= 1")
     need(r.env_step_timeout_s >= 0, "rollout.env_step_timeout_s", "must be >= 0 (0: no deadline)")
     need(r.sandbox in ("bwrap", "process"), "rollout.sandbox", f"must be bwrap or process, got {r.sandbox!r}")
 
@@ -103,6 +106,8 @@ def _check_algorithm_values(cfg: DictConfig) -> None:
     need(a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", "must be >= 1")
     need(0 <= a.overlong_buffer <= cfg.rollout.max_new_tokens, "algorithm.overlong_buffer",
          "must be between 0 and rollout.max_new_tokens")
+    need(a.distill_coef >= 0, "algorithm.distill_coef", "must be >= 0")
+    need(a.distill_reward_weight >= 0, "algorithm.distill_reward_weight", "must be >= 0 (0: distillation alone)")
 
 
 def _check_trainer_values(cfg: DictConfig) -> None:

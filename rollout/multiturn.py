@@ -1,17 +1,23 @@
 """The multi-turn rollout loop: episodes of an environment (`rl.env`) on token ids.
 
-Each turn, the engine continues every unfinished episode from its token ids so far (`generate_ids`:
-prompt ids in, new ids and their logprobs out); the sampled ids are appended as they are, the action's
-text goes to the environment, and its observation is tokenised once and appended as ids. So the ids the
-learner trains on are exactly those the engine produced, with no re-tokenisation across turns.
+Each turn, the engine continues an unfinished episode from its token ids so far (`generate_ids`: prompt
+ids in, new ids and their logprobs out); the sampled ids are appended as they are, the action's text goes
+to the environment, and its observation is tokenised once and appended as ids. So the ids the learner
+trains on are exactly those the engine produced, with no re-tokenisation across turns.
 Budgets: `max_turns` turns and `max_episode_tokens` response tokens (actions and observations) per
 episode; each turn at most `sampling.max_new_tokens` new tokens.
+
+Scheduling (`rollout.agent_loop`): environment steps always run concurrently on a thread pool
+(`rollout.env_workers`); `lockstep` generates turn t of every unfinished episode in one call and waits for
+all of turn t's steps, `per_episode` lets each episode advance on its own (a slow tool call holds only its
+own episode, the wall time of a rollout approaches its slowest single episode).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +58,8 @@ class Seats:
     def __init__(self, engine: Any, frozen: Any = None, sampling: SamplingParams | None = None):
         self.engine, self.frozen = engine, frozen
         self.sampling = sampling or SamplingParams(temperature=0.0)
+        # the engines serve one call at a time: the rollout loop's generate calls and the seats' asks take turns
+        self.lock = threading.Lock()
 
     def ask(self, text: str, seat: str = "policy", max_new_tokens: int | None = None) -> str:
         engine = {"policy": self.engine, "frozen": self.frozen}.get(seat)
@@ -60,7 +68,8 @@ class Seats:
         tok = engine.tokenizer
         sp = dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens or self.sampling.max_new_tokens)
         ids = tok(text, add_special_tokens=False)["input_ids"] or [tok.bos_token_id or tok.eos_token_id]
-        (out,) = engine.generate_ids([ids], sp, seeds=[sp.seed or 0])
+        with self.lock:
+            (out,) = engine.generate_ids([ids], sp, seeds=[sp.seed or 0])
         return tok.decode(out.ids, skip_special_tokens=True)
 
 
@@ -95,11 +104,36 @@ def step_within(env: Any, action: str, timeout_s: float) -> Any:
 
 def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[dict], sampling: SamplingParams, *,
                  max_turns: int, max_episode_tokens: int, seats: Seats, group_ids: list[int] | None = None,
-                 metadata: list[dict] | None = None, step_timeout_s: float = 60.0) -> Batch:
+                 metadata: list[dict] | None = None, step_timeout_s: float = 60.0, schedule: str = "lockstep",
+                 env_workers: int = 8) -> Batch:
     """`sampling.n` episodes per prompt (prompt-major rows) of the environment `env_factory()`; each step of an
-    environment ends at `step_timeout_s` (a step past it fails its episode)."""
-    tok, n = engine.tokenizer, sampling.n
+    environment ends at `step_timeout_s` (a step past it fails its episode). Environment steps run on
+    `env_workers` threads at once. `schedule`: `lockstep` (every unfinished episode takes turn t in one
+    generate call, then all of turn t's steps run concurrently: reproducible for a seed on both engines) or
+    `per_episode` (each episode advances on its own: as soon as its step returns it joins the next generate
+    call, so an episode waiting on a slow tool holds no other; which episodes share a call depends on timing)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"rollout.agent_loop: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    tok = engine.tokenizer
     padded = encode_prompts(tok, prompts)
+    episodes = _start(env_factory, prompts, rows, seats, tok, padded, sampling.n)
+    loop = _AgentLoop(engine, episodes, sampling, seats, max_turns, max_episode_tokens, step_timeout_s)
+    with ThreadPoolExecutor(max(1, env_workers), thread_name_prefix="looprl-env") as pool:
+        (loop.lockstep if schedule == "lockstep" else loop.per_episode)(pool)
+    for e in episodes:
+        finish = getattr(e.env, "finish", None)
+        restated = finish() if finish is not None else None
+        if restated is not None:  # the env restates its turns' rewards now that the episode is over
+            e.rewards[:len(restated)] = [float(r) for r in restated][:len(e.rewards)]
+    return _to_batch(episodes, tok, prompts, padded, sampling.n, group_ids, rows, metadata)
+
+
+SCHEDULES = ("lockstep", "per_episode")
+
+
+def _start(env_factory: Any, prompts: list[str], rows: list[dict], seats: Seats, tok: Any, padded: dict,
+           n: int) -> list[Episode]:
+    """`n` fresh episodes per prompt, each prompted with its environment's first observation as ids."""
     episodes: list[Episode] = []
     for i, (prompt, row) in enumerate(zip(prompts, rows)):
         for _ in range(n):
@@ -108,44 +142,93 @@ def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[d
             ids = padded["input_ids"][i][padded["attention_mask"][i].bool()].tolist() if first == prompt else \
                 tok(first, add_special_tokens=False)["input_ids"]
             episodes.append(Episode(env, ids))
-    base_seed = sampling.seed if sampling.seed is not None else 0
-    for turn in range(max_turns):
-        active = [e for e in episodes if not e.done]
-        if not active:
-            break
-        budgets = [min(sampling.max_new_tokens, max_episode_tokens - len(e.ids)) for e in active]
-        sp = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
-        outs = engine.generate_ids([e.prompt_ids + e.ids for e in active], sp,
-                                   seeds=[base_seed * 1_000_003 + turn * 7919 + k for k in range(len(active))])
-        for e, out, budget in zip(active, outs, budgets):
-            _take_turn(e, out.ids[:budget], out.logprobs[:budget], turn, tok, step_timeout_s, max_episode_tokens)
-    for e in episodes:
-        finish = getattr(e.env, "finish", None)
-        restated = finish() if finish is not None else None
-        if restated is not None:  # the env restates its turns' rewards now that the episode is over
-            e.rewards[:len(restated)] = [float(r) for r in restated][:len(e.rewards)]
-    return _to_batch(episodes, tok, prompts, padded, n, group_ids, rows, metadata)
+    return episodes
 
 
-def _take_turn(e: Episode, ids: list[int], logp: list[float], turn: int, tok: Any, step_timeout_s: float,
-               max_episode_tokens: int) -> None:
-    """Append the policy's action `ids` to episode `e`, step its environment and append the observation it
-    answers with (masked out of the loss); a step that fails ends the episode."""
+class _AgentLoop:
+    """Generation on the calling thread, environment steps on a thread pool. Only the calling thread touches
+    the tokenizer and the episodes' ids (fast tokenizers are not safe to share across threads); the pool
+    threads run `env.step` alone. The engine is used under `seats.lock`, which an environment's `seats.ask`
+    takes too, so a step that asks the policy waits for the generate call in flight."""
+
+    def __init__(self, engine: Any, episodes: list[Episode], sampling: SamplingParams, seats: Seats,
+                 max_turns: int, max_episode_tokens: int, step_timeout_s: float):
+        self.engine, self.tok, self.episodes, self.sampling, self.seats = (engine, engine.tokenizer, episodes,
+                                                                           sampling, seats)
+        self.max_turns, self.max_episode_tokens, self.step_timeout_s = max_turns, max_episode_tokens, step_timeout_s
+        self.turns = [0] * len(episodes)
+        self.base_seed = sampling.seed if sampling.seed is not None else 0
+
+    def lockstep(self, pool: ThreadPoolExecutor) -> None:
+        for _ in range(self.max_turns):
+            active = [i for i, e in enumerate(self.episodes) if not e.done]
+            if not active:
+                return
+            steps = self._act(pool, active)
+            for i, future in steps.items():
+                self._observe(i, future)
+
+    def per_episode(self, pool: ThreadPoolExecutor) -> None:
+        ready = [i for i, e in enumerate(self.episodes) if not e.done]
+        stepping: dict[Future, int] = {}
+        while ready or stepping:
+            if ready:
+                stepping.update({f: i for i, f in self._act(pool, ready).items()})
+                ready = []
+            # take every step that has returned; wait for one only when no episode is ready to generate
+            finished, _ = wait(stepping, timeout=None if not ready else 0, return_when=FIRST_COMPLETED)
+            for future in finished:
+                i = stepping.pop(future)
+                self._observe(i, future)
+                if not self.episodes[i].done and self.turns[i] < self.max_turns:
+                    ready.append(i)
+
+    def _act(self, pool: ThreadPoolExecutor, which: list[int]) -> dict[int, Future]:
+        """One generate call continuing the episodes `which`; each action is appended and its step submitted."""
+        active = [self.episodes[i] for i in which]
+        budgets = [min(self.sampling.max_new_tokens, self.max_episode_tokens - len(e.ids)) for e in active]
+        sp = dataclasses.replace(self.sampling, n=1, max_new_tokens=max(budgets))
+        # an episode's seed depends on its index and turn alone, not on which episodes share the call
+        seeds = [self.base_seed * 1_000_003 + self.turns[i] * 7919 + i for i in which]
+        with self.seats.lock:
+            outs = self.engine.generate_ids([e.prompt_ids + e.ids for e in active], sp, seeds=seeds)
+        steps = {}
+        for i, e, out, budget in zip(which, active, outs, budgets):
+            ids, logp = out.ids[:budget], out.logprobs[:budget]
+            _append_action(e, ids, logp, self.turns[i])
+            self.turns[i] += 1
+            action = self.tok.decode(ids, skip_special_tokens=True)
+            steps[i] = pool.submit(step_within, e.env, action, self.step_timeout_s)
+        return steps
+
+    def _observe(self, i: int, step: Future) -> None:
+        try:
+            result = step.result()
+        except SandboxUnavailable:  # the host, not the model: every step would fail the same way
+            raise
+        except Exception as exc:  # a failed step ends the episode; the rollout goes on
+            _fail(self.episodes[i], exc)
+            return
+        _append_observation(self.episodes[i], result, self.tok, self.max_episode_tokens)
+
+
+def _append_action(e: Episode, ids: list[int], logp: list[float], turn: int) -> None:
     e.ids += ids
     e.logp += logp
     e.observation += [0] * len(ids)
     e.step += [turn] * len(ids)
-    try:
-        result = step_within(e.env, tok.decode(ids, skip_special_tokens=True), step_timeout_s)
-    except SandboxUnavailable:  # the host, not the model: every step would fail the same way
-        raise
-    except Exception as exc:  # a failed step ends the episode; the rollout goes on
-        e.error = f"{type(exc).__name__}: {exc}"
-        e.rewards.append(0.0)
-        e.types.append("failed")
-        e.failed += 1
-        e.done = True
-        return
+
+
+def _fail(e: Episode, exc: BaseException) -> None:
+    e.error = f"{type(exc).__name__}: {exc}"
+    e.rewards.append(0.0)
+    e.types.append("failed")
+    e.failed += 1
+    e.done = True
+
+
+def _append_observation(e: Episode, result: Any, tok: Any, max_episode_tokens: int) -> None:
+    """Record the step's reward and type; append its observation (masked out of the loss) unless it ended."""
     e.rewards.append(float(result.reward))
     e.types.append(result.step_type or ("failed" if result.failed else "action"))
     e.failed += int(result.failed)

@@ -55,7 +55,7 @@ class RolloutWorker(ActorProbes):
     def run_episodes(self, prompts: list[str], rows: list[dict], sampling: dict, group_ids: list[int],
                      env: dict[str, Any], metadata: list[dict] | None = None) -> Batch:
         """Multi-turn episodes of the environment `env` ({name, params, max_turns, max_episode_tokens,
-        opponent_path, step_timeout_s}) from `prompts` (see `rollout.multiturn`)."""
+        opponent_path, step_timeout_s, schedule, env_workers}) from `prompts` (see `rollout.multiturn`)."""
         from rollout.multiturn import Seats, run_episodes
         if self.needs_weights:
             raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
@@ -69,7 +69,8 @@ class RolloutWorker(ActorProbes):
         batch = run_episodes(self.engine, lambda: env_cls(**params), prompts, rows, sp,
                              max_turns=env["max_turns"], max_episode_tokens=env["max_episode_tokens"],
                              seats=Seats(self.engine, getattr(self, "frozen_engine", None)), group_ids=group_ids,
-                             metadata=metadata, step_timeout_s=env.get("step_timeout_s", 60.0))
+                             metadata=metadata, step_timeout_s=env.get("step_timeout_s", 60.0),
+                             schedule=env.get("schedule", "lockstep"), env_workers=env.get("env_workers", 8))
         batch.policy_version = self.policy_version
         return batch
 

@@ -41,6 +41,15 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def check_teacher(policy: torch.nn.Module, teacher: torch.nn.Module, teacher_path: str) -> None:
+    """The teacher scores the student's token ids: it must read them with the same vocabulary."""
+    def vocab(model: torch.nn.Module) -> int | None:
+        return getattr(getattr(getattr(model, "module", model), "config", None), "vocab_size", None)
+    if vocab(policy) != vocab(teacher):
+        raise ValueError(f"algorithm.teacher_path {teacher_path}: a vocabulary of {vocab(teacher)} tokens, the "
+                         f"policy's has {vocab(policy)}; the teacher must use the policy's tokenizer")
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
                      threads: int) -> None:
     """This rank's process group (gloo on CPU, nccl on CUDA) through DeepSpeed."""
@@ -76,7 +85,8 @@ class DeepSpeedStrategy:
                  gradient_checkpointing: bool = False, seed: int = 0, threads: int = 1,
                  trust_remote_code: bool = False, offload_between_phases: bool = False,
                  attn_implementation: str | None = None, adapter: dict[str, Any] | None = None,
-                 shared_packed: bool = False, compile_position_wise: bool = False, sequence_parallel_size: int = 1):
+                 shared_packed: bool = False, compile_position_wise: bool = False, sequence_parallel_size: int = 1,
+                 teacher_path: str | None = None):
         check_compile_position_wise(compile_position_wise, zero_stage)
         self.family, self.lr = family, lr
         self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
@@ -106,9 +116,15 @@ class DeepSpeedStrategy:
                 **({"attn_implementation": attn_implementation} if attn_implementation else {})}
         self.ref = self._load_reference(model_path, load) if with_ref and not self.adapted else None
         self.with_ref = with_ref
+        # on-policy distillation's frozen teacher (algorithm.teacher_path), held like the reference
+        if teacher_path and not Path(teacher_path, "config.json").exists():
+            raise FileNotFoundError(f"algorithm.teacher_path: {teacher_path} holds no model (no config.json)")
+        self.teacher = self._load_reference(teacher_path, load) if teacher_path else None
         model = self._load_policy(model_path, load, shared_packed, compile_position_wise, gradient_checkpointing)
+        if self.teacher is not None:
+            check_teacher(model, self.teacher, teacher_path)
         if self.sequence_parallel is not None:  # what the family's own attention needs (a looped model's)
-            for loaded in (model, self.ref):
+            for loaded in (model, self.ref, self.teacher):
                 if loaded is not None:
                     self.family.prepare_sequence_parallel(loaded, self.sequence_parallel)
         self.offload_between_phases, self.offloaded = offload_between_phases, False

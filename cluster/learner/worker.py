@@ -64,15 +64,16 @@ class LearnerWorker(ActorProbes):
     @torch.no_grad()
     def compute_logprobs(self, micro_batches: list[Batch], which: str = "policy", temperature: float = 1.0,
                          top_k: int = 0, top_p: float = 1.0, output: str = "logp") -> list[torch.Tensor]:
-        """Sampled-token logprobs `[n, L]` of each micro-batch under the policy or the reference, of the
+        """Sampled-token logprobs `[n, L]` of each micro-batch under the policy, the reference or the teacher, of the
         distribution the rollout sampled from (`temperature`, `top_k`, `top_p`) — or another per-token output
         of the family (`values` of a critic)."""
         ds = self.strategy
         ds.reload_states()  # every entry point that computes with the model first brings offloaded states back
         base_as_ref = which == "ref" and ds.adapted and ds.with_ref
-        model = ds.engine if which != "ref" or base_as_ref else ds.ref
+        model = {"policy": ds.engine, "ref": ds.engine if base_as_ref else ds.ref, "teacher": ds.teacher}[which]
         if model is None:
-            raise RuntimeError("reference logprobs requested but no reference model was loaded (kl_coef is 0)")
+            raise RuntimeError(f"{which} logprobs requested but no {which} model was loaded "
+                               f"({'kl_coef is 0' if which == 'ref' else 'algorithm.teacher_path is null'})")
         was_training = model.training
         model.eval()
         with reference_forward(model) if base_as_ref else contextlib.nullcontext():

@@ -87,6 +87,8 @@ class RLTrainer:
             batch.old_logp = learners.compute_logprobs(batch, "policy", **algo.sampling)
         if algo.need_ref:
             batch.ref_logp = learners.compute_logprobs(batch, "ref", **algo.sampling)
+        if algo.teacher_path is not None:  # the teacher's own distribution (temperature 1, no truncation)
+            batch.set_extra("teacher_logp", learners.compute_logprobs(batch, "teacher"), pad="right")
         if critic is not None:
             batch.set_extra("values", critic.compute_logprobs(batch, output="values"), pad="right")
 
@@ -129,7 +131,8 @@ class RLTrainer:
         metrics.update(episode_metrics(batch))
         metrics.update(self.roles.perf_metrics(
             batch, timing, step_s, train_passes=len(train_metrics),
-            logprob_passes=int(batch.old_logp is not None) + int(batch.ref_logp is not None)))
+            logprob_passes=int(batch.old_logp is not None) + int(batch.ref_logp is not None)
+            + int("teacher_logp" in batch.extras)))
         for k, v in timing.items():
             metrics[f"time/{k}"] = v
         return metrics

@@ -263,3 +263,15 @@ def test_a_masked_diffusion_sft_step_is_the_same_on_two_ranks_as_in_two_micro_ba
     for k, v in one_state.items():
         assert torch.allclose(two_state[k], v, atol=1e-6), k
     assert any(not torch.equal(start[k], one_state[k]) for k in start)  # the step moved the weights
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_naming_the_key(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from cluster.learner.strategy import check_teacher
+    policy = AutoModelForCausalLM.from_pretrained(tiny)
+    check_teacher(policy, AutoModelForCausalLM.from_pretrained(tiny), tiny)  # the same tokenizer: accepted
+    other = save_tiny(tmp_path / "other", added_tokens=["<tool>", "</tool>"], hidden_size=32, num_layers=1,
+                      num_heads=2, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"algorithm.teacher_path .*other: a vocabulary of \d+ tokens"):
+        check_teacher(policy, AutoModelForCausalLM.from_pretrained(other), str(other))

@@ -95,6 +95,37 @@ def test_ppo_with_a_critic_trains_both(ray_cluster, tmp_path):
     assert (tmp_path / "full" / "checkpoints" / "step_2" / "critic").is_dir()  # the critic is checkpointed too
 
 
+def _sharpened(model_dir, path, factor):
+    """The model of `model_dir` with its output logits scaled by `factor`: itself at temperature 1/factor."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_pulls_the_student_toward_its_teacher(ray_cluster, tmp_path):
+    """Distillation alone (`distill_reward_weight: 0`). A teacher with the student's own starting weights (the
+    model stage's output) gives advantages of 0: the first update moves nothing. A teacher that is the student at
+    temperature 1/20: the reverse KL of the sampled tokens to it falls and the student's entropy with it."""
+    alone = ["learner.lr=2e-2", "algorithm.distill_reward_weight=0", _digit_reward(tmp_path)]
+    run(_cfg(tmp_path, "self", *alone, "trainer.steps=1", f"algorithm.teacher_path={tmp_path / 'self'}/base_model"))
+    (first,) = read_metrics(tmp_path / "self")
+    assert abs(first["distill/reverse_kl"]) < 1e-5 and first["actor/grad_norm"] < 1e-4
+    teacher = _sharpened(tmp_path / "self" / "base_model", tmp_path / "teacher", 20.0)
+    run(_cfg(tmp_path, "distill", *alone, "trainer.steps=20", "trainer.prompts_per_step=16",
+             f"algorithm.teacher_path={teacher}"))
+    m = read_metrics(tmp_path / "distill")
+    kl = [sum(x["distill/reverse_kl"] for x in part) / 3 for part in (m[:3], m[-3:])]
+    assert kl[0] > 1.0 and kl[1] < 0.7 * kl[0]
+    assert m[-1]["distill/teacher_logp"] > m[0]["distill/teacher_logp"] + 1.0  # the teacher likes its tokens more
+    assert m[-1]["actor/entropy"] < m[0]["actor/entropy"] and m[0]["actor/grad_norm"] > 1e-2
+
+
 @pytest.mark.extended  # exact resume runs in CI with the killed driver (tests/cluster/test_fault_tolerance.py)
 @pytest.mark.slow
 def test_ppo_resumed_from_a_checkpoint_of_policy_and_critic_reproduces_the_uninterrupted_run(ray_cluster, tmp_path):
@@ -462,6 +493,8 @@ def test_a_three_turn_calculator_env_trains_end_to_end(ray_cluster, tmp_path, en
     extra = vllm_model(engine)
     if engine == "vllm":
         extra += ["rollout.engine=vllm", "rollout.engine_params={vllm: {max_model_len: 128}}"]
+    else:  # episodes advance on their own, two tool calls at a time (the vLLM run keeps the lockstep default)
+        extra += ["rollout.agent_loop=per_episode", "rollout.env_workers=2"]
     cfg = _cfg(tmp_path, engine, "trainer.steps=2", "learner.lr=5e-3", "rollout.env=calculator",
                "rollout.max_turns=3", "rollout.max_new_tokens=8", "rollout.max_episode_tokens=40",
                "model.tiny.max_position_embeddings=128",

@@ -288,3 +288,18 @@ def test_a_failed_sample_takes_no_part_in_its_groups_statistics(estimator):
     trained = estimate_advantages(batch, rewards, None, fn, {}, "train")
     assert torch.allclose(trained, fn(rewards, batch.group_id, batch.response_mask))
     assert not torch.allclose(trained[0], excluded[0])  # the failure's 0 would have shaped the group
+
+
+def test_distillation_advantages_hand_values():
+    """reward_weight * A + coef * (teacher - student) on response tokens; padding stays 0."""
+    from rl.advantages import distillation_advantages
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    student = torch.tensor([[-1.0, -2.0, -7.0]])
+    teacher = torch.tensor([[-0.5, -3.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    out = distillation_advantages(adv, student, teacher, mask, coef=2.0, reward_weight=0.5)
+    assert torch.allclose(out, torch.tensor([[0.5 + 2 * 0.5, 0.5 + 2 * -1.0, 0.0]]))
+    alone = distillation_advantages(adv, student, teacher, mask, coef=1.0, reward_weight=0.0)
+    assert torch.allclose(alone, torch.tensor([[0.5, -1.0, 0.0]]))
+    same = distillation_advantages(torch.zeros(1, 3), student, student.clone(), mask)
+    assert torch.equal(same, torch.zeros(1, 3))  # a teacher equal to the student teaches nothing

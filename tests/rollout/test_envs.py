@@ -1,5 +1,6 @@
 """Environments and the multi-turn rollout loop on token ids; the sandboxed Python tool."""
 
+import threading
 import time
 
 import pytest
@@ -66,8 +67,9 @@ def _episodes(engine, factory, **kw):
                         max_episode_tokens=kw.pop("max_episode_tokens", 64), seats=Seats(engine), **kw)
 
 
-def test_episodes_keep_the_engine_ids_and_mask_observations(engine):
-    b = _episodes(engine, Script)
+@pytest.mark.parametrize("schedule", ["lockstep", "per_episode"])
+def test_episodes_keep_the_engine_ids_and_mask_observations(engine, schedule):
+    b = _episodes(engine, Script, schedule=schedule)
     assert len(b) == 4 and b.group_id.tolist() == [0, 0, 1, 1]
     tok = engine.tokenizer
     for i in range(len(b)):
@@ -164,8 +166,9 @@ class AskTheOtherSeat(Env):
         return EnvStep(observation=self.seats.ask(action, "policy", max_new_tokens=3) + "|", done=len(action) > 100)
 
 
-def test_another_seat_is_played_by_the_policy_and_not_trained_on(engine):
-    b = _episodes(engine, AskTheOtherSeat, max_turns=2)
+@pytest.mark.parametrize("schedule", ["lockstep", "per_episode"])
+def test_another_seat_is_played_by_the_policy_and_not_trained_on(engine, schedule):
+    b = _episodes(engine, AskTheOtherSeat, max_turns=2, schedule=schedule)
     for i in range(len(b)):
         n = int(b.response_attn[i].sum())
         obs = b.observation_mask[i, :n].bool()
@@ -194,3 +197,62 @@ def test_the_router_env_asks_a_model_agent_through_its_seat_and_runs_in_the_epis
                      max_episode_tokens=400, seats=Seats(engine))
     assert all(t == ["route", "route"] for t in b.step_types) and [m["turns"] for m in b.metadata] == [2, 2]
     assert (b.observation_mask.sum(dim=1) > 0).all()  # the second subtask's routing prompt came back as observation
+
+
+def _gated_env(fast_episodes: int):
+    """Episodes of the first prompt take three quick turns; the first step of every other episode waits until
+    all `fast_episodes` of them have ended (up to 20 s): it returns only if episodes advance independently."""
+    ended, lock, gate = [0], threading.Lock(), threading.Event()
+
+    class Gated(Env):
+        def reset(self, prompt, row, seats):
+            self.fast, self.t = prompt == PROMPTS[0], 0
+            return prompt
+
+        def step(self, action):
+            self.t += 1
+            if self.fast and self.t == 3:
+                with lock:
+                    ended[0] += 1
+                    if ended[0] == fast_episodes:
+                        gate.set()
+                return EnvStep(reward=1.0, done=True)
+            if not self.fast and self.t == 1 and not gate.wait(20):
+                raise TimeoutError("the fast episodes never ended")
+            return EnvStep(observation="[ok]", reward=0.5, done=not self.fast and self.t == 2)
+    return Gated
+
+
+@pytest.mark.timeout(120)
+def test_per_episode_loops_let_an_episode_finish_while_another_waits_on_its_step(engine):
+    """The slow episodes' first step returns only once the fast episodes have taken all three of their turns:
+    per episode, every episode completes; in lockstep, turn 2 waits for turn 1's slowest step, so that step
+    hits its deadline instead."""
+    b = _episodes(engine, _gated_env(2), schedule="per_episode", step_timeout_s=30)
+    assert b.step_rewards == [[0.5, 0.5, 1.0]] * 2 + [[0.5, 0.5]] * 2
+    assert all(t == ["action"] * len(t) for t in b.step_types) and "env_error" not in b.metadata[2]
+    held = _episodes(engine, _gated_env(2), schedule="lockstep", step_timeout_s=1)
+    assert held.step_types[2:] == [["failed"]] * 2
+    assert all("did not return within 1 s" in m["env_error"] for m in held.metadata[2:])
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "per_episode"])
+def test_environment_steps_run_concurrently_up_to_env_workers(engine, schedule):
+    """Every first step waits at a barrier of all four episodes: it passes only when four steps run at once."""
+    barrier = threading.Barrier(4)
+
+    class Meeting(Env):
+        def step(self, action):
+            barrier.wait(timeout=3)
+            return EnvStep(reward=1.0, done=True)
+    together = _episodes(engine, Meeting, schedule=schedule, env_workers=4)
+    assert together.step_rewards == [[1.0]] * 4
+    barrier.reset()
+    one_at_a_time = _episodes(engine, Meeting, schedule=schedule, env_workers=1)
+    assert one_at_a_time.step_types == [["failed"]] * 4
+    assert all("BrokenBarrierError" in m["env_error"] for m in one_at_a_time.metadata)
+
+
+def test_a_lockstep_rollout_repeats_for_its_seed(engine):
+    first, again = _episodes(engine, Script), _episodes(engine, Script)
+    assert torch.equal(first.response_ids, again.response_ids) and first.step_rewards == again.step_rewards

@@ -122,6 +122,9 @@ class RolloutConfig:
     max_episode_tokens: int = 256  # env: response tokens per episode, actions and observations together
     agent_loop: str = "lockstep"  # env: how episodes advance. lockstep: turn t of every unfinished episode in one generate call, then all of turn t's steps (reproducible for a seed) | per_episode: each episode joins the next generate call as soon as its step returns, so a slow tool holds only its own episode (which episodes share a call depends on timing)
     env_workers: int = 8  # env: environment steps (tool calls) running at once per rollout worker, on threads; model-written code still runs in rollout.sandbox, one sandbox per call
+    agent: str | None = None  # an agent program written outside looprl (rollout.agent_programs): a .py file, module:function or a shell command, started per episode against the rollout worker's OpenAI-compatible endpoint (OPENAI_BASE_URL: /v1/chat/completions, /v1/completions); the tokens the endpoint served are trained on, the reward the program reports is the env_return reward. Exclusive with rollout.env
+    agent_timeout_s: float = 300.0  # agent: wall time of one episode's program; past it its process group is killed and the episode fails
+    openai_port: int = 0  # agent: port of each rollout worker's endpoint on 127.0.0.1 (0: a free one)
     env_step_timeout_s: float = 60.0  # env: wall time of one environment step; a step past it ends its episode as failed (0: none)
     sandbox: str = "bwrap"  # where model-written code (the Python tool of calculator, agentic_proposing, monoscale) runs: bwrap (bubblewrap: own namespaces, unprivileged, read-only interpreter, no network, limits for the whole process tree; refused when bubblewrap is missing) | process (a plain child process with per-process limits: NOT a boundary, trusted code only)
     env_opponent_path: str | None = None  # env: model folder of a frozen engine playing the environment's 'frozen' seat

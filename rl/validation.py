@@ -71,6 +71,9 @@ def _check_rollout_values(cfg: DictConfig) -> None:
     need(r.agent_loop in ("lockstep", "per_episode"), "rollout.agent_loop",
          f"must be lockstep or per_episode, got {r.agent_loop!r}")
     need(r.env_workers >= 1, "rollout.env_workers", "must be >= 1")
+    need(r.agent is None or r.env is None, "rollout.agent",
+         "an agent program drives its own episodes: set rollout.env or rollout.agent, not both")
+    need(r.agent_timeout_s > 0, "rollout.agent_timeout_s", "must be > 0")
     need(r.env_step_timeout_s >= 0, "rollout.env_step_timeout_s", "must be >= 0 (0: no deadline)")
     need(r.sandbox in ("bwrap", "process"), "rollout.sandbox", f"must be bwrap or process, got {r.sandbox!r}")
 

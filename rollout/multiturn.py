@@ -125,7 +125,7 @@ def run_episodes(engine: Any, env_factory: Any, prompts: list[str], rows: list[d
         restated = finish() if finish is not None else None
         if restated is not None:  # the env restates its turns' rewards now that the episode is over
             e.rewards[:len(restated)] = [float(r) for r in restated][:len(e.rewards)]
-    return _to_batch(episodes, tok, prompts, padded, sampling.n, group_ids, rows, metadata)
+    return episodes_to_batch(episodes, tok, prompts, padded, sampling.n, group_ids, rows, metadata)
 
 
 SCHEDULES = ("lockstep", "per_episode")
@@ -195,7 +195,7 @@ class _AgentLoop:
         steps = {}
         for i, e, out, budget in zip(which, active, outs, budgets):
             ids, logp = out.ids[:budget], out.logprobs[:budget]
-            _append_action(e, ids, logp, self.turns[i])
+            append_action(e, ids, logp, self.turns[i])
             self.turns[i] += 1
             action = self.tok.decode(ids, skip_special_tokens=True)
             steps[i] = pool.submit(step_within, e.env, action, self.step_timeout_s)
@@ -212,7 +212,7 @@ class _AgentLoop:
         _append_observation(self.episodes[i], result, self.tok, self.max_episode_tokens)
 
 
-def _append_action(e: Episode, ids: list[int], logp: list[float], turn: int) -> None:
+def append_action(e: Episode, ids: list[int], logp: list[float], turn: int) -> None:
     e.ids += ids
     e.logp += logp
     e.observation += [0] * len(ids)
@@ -245,7 +245,7 @@ def _append_observation(e: Episode, result: Any, tok: Any, max_episode_tokens: i
         e.done = True
 
 
-def _to_batch(episodes: list[Episode], tok: Any, prompts: list[str], padded: dict, n: int,
+def episodes_to_batch(episodes: list[Episode], tok: Any, prompts: list[str], padded: dict, n: int,
               group_ids: list[int] | None, rows: list[dict], metadata: list[dict] | None) -> Batch:
     B, L = len(episodes), max(1, max(len(e.ids) for e in episodes))
 

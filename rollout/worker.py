@@ -33,6 +33,7 @@ class RolloutWorker(ActorProbes):
         torch.set_num_threads(threads)
         self.engine = lookup("engine", engine)(model_path, **engine_kwargs)
         self.policy_version = 0
+        self.engine_lock = threading.Lock()  # the endpoint's generate calls and weight loads take turns
         # weights received in the background while the engine generates (`receive_weights_staged`): (version,
         # tensors, seconds the transfer took), installed between two generations by `install_staged`
         self.staged: tuple[int, dict[str, torch.Tensor], float] | None = None
@@ -74,6 +75,32 @@ class RolloutWorker(ActorProbes):
         batch.policy_version = self.policy_version
         return batch
 
+    def run_agent_episodes(self, prompts: list[str], rows: list[dict], sampling: dict, group_ids: list[int],
+                           agent: dict[str, Any], metadata: list[dict] | None = None) -> Batch:
+        """Episodes of the agent program `agent["program"]` against this worker's OpenAI-compatible endpoint
+        (see `rollout.agent_programs`), `sampling["n"]` per prompt."""
+        from rollout.agent_programs import run_agent_episodes
+        if self.needs_weights:
+            raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
+        batch = run_agent_episodes(self.openai_server(agent.get("port", 0)), agent["program"], prompts, rows,
+                                   SamplingParams(**sampling), group_ids=group_ids, metadata=metadata,
+                                   workers=agent["workers"], timeout_s=agent["timeout_s"],
+                                   max_episode_tokens=agent["max_episode_tokens"])
+        batch.policy_version = self.policy_version
+        return batch
+
+    def openai_server(self, port: int = 0) -> Any:
+        """The OpenAI-compatible endpoint on this worker's engine (`rollout.openai_server`), started on first use;
+        it serves while the worker lives, each response tagged with the policy version the engine holds."""
+        if getattr(self, "_openai", None) is None:
+            from rollout.openai_server import OpenAIServer
+            self._openai = OpenAIServer(self.engine, lock=self.engine_lock, version=lambda: self.policy_version,
+                                        port=port)
+        return self._openai
+
+    def openai_address(self) -> str:
+        return self.openai_server().address
+
     def accept_initial_weights(self) -> None:
         """Let a restarted worker generate with the weights it was built from: right for a stage that serves
         the model it started the workers with (MEMO), never after the trainer has sent other weights."""
@@ -87,8 +114,9 @@ class RolloutWorker(ActorProbes):
 
     def _install(self, named: dict[str, torch.Tensor], version: int) -> None:
         """Copy `named` into the engine and tag the new policy version (every weight-sync path ends here)."""
-        self.engine.load_weights(named)
-        self.policy_version = version
+        with self.engine_lock:
+            self.engine.load_weights(named)
+            self.policy_version = version
         self.needs_weights = False
 
     def init_weight_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:

@@ -95,6 +95,21 @@ def test_ppo_with_a_critic_trains_both(ray_cluster, tmp_path):
     assert (tmp_path / "full" / "checkpoints" / "step_2" / "critic").is_dir()  # the critic is checkpointed too
 
 
+@pytest.mark.slow
+def test_an_agent_program_outside_looprl_trains_through_the_openai_endpoint(ray_cluster, tmp_path):
+    """recipes/extending/agent.py (plain HTTP, no looprl import) drives the episodes; the learner trains on the
+    tokens the endpoint served: on-policy, its logprobs of the action tokens are the engine's."""
+    cfg = _cfg(tmp_path, "agent", "trainer.steps=2", "learner.lr=5e-3", "rollout.agent=recipes/extending/agent.py",
+               "rollout.max_new_tokens=8", "rollout.max_episode_tokens=60", "model.tiny.max_position_embeddings=128",
+               _digit_reward(tmp_path).replace("reward.functions=[", "reward.functions=[{name: env_return}, "))
+    assert run(cfg)["steps"] == 2
+    metrics = read_metrics(tmp_path / "agent")
+    for m in metrics:
+        assert m["env/turns_mean"] > 1 and 0 < m["env/observation_token_frac"] < 1  # the tool results came back
+        assert m["actor/grad_norm"] > 0 and "reward/env_return" in m
+    assert metrics[0]["actor/mismatch_abs_diff"] < 1e-4
+
+
 def _sharpened(model_dir, path, factor):
     """The model of `model_dir` with its output logits scaled by `factor`: itself at temperature 1/factor."""
     import torch

@@ -48,7 +48,8 @@ class RayRLRoles:
         r = cfg.rollout
         self.weight_sync = make_transport(r.weight_sync, self.learners, self.rollout, bucket_mb=r.sync_bucket_mb,
                                           gpus=bool(placement.gpus_per_actor),
-                                          keep_versions=cfg.trainer.max_staleness + 1)
+                                          keep_versions=cfg.trainer.max_staleness + 1,
+                                          in_flight=r.in_flight_updates)
 
     def _start(self, algorithm: RLAlgorithm, model_path: str, placement: Placement) -> None:
         """The learner group (and critic), then the rollout workers. They start side by side (model loading and

@@ -63,7 +63,8 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
             rows_w = [{**row, "answer": row.get(d.answer_column)} for row in rows[lo:hi]]
             futures.append(workers[w].run_episodes.remote(prompts[lo:hi], rows_w, sampling, groups, env, meta))
         else:
-            futures.append(workers[w].generate.remote(prompts[lo:hi], sampling, groups, answers[lo:hi], meta))
+            futures.append(workers[w].generate.remote(prompts[lo:hi], sampling, groups, answers[lo:hi], meta,
+                                                      in_flight=r.in_flight_updates and not evaluation))
     return futures
 
 

@@ -136,3 +136,22 @@ def split_informative(batch: Batch) -> tuple[list[int], list[int], int]:
     rows = [i for i in range(len(batch)) if int(batch.group_id[i]) in informative]
     rest = [i for i in range(len(batch)) if int(batch.group_id[i]) not in informative]
     return rows, rest, len(informative)
+
+
+def bound_token_staleness(batch: Batch, version: int, max_staleness: int) -> dict[str, float]:
+    """With in-flight weight updates each response token carries the policy version that sampled it (batch extra
+    `token_version`): a token more than `max_staleness` versions behind `version` (the policy being trained) leaves
+    the loss. Returns the share of tokens sampled by weights newer than their row's first token's, the tokens'
+    mean age in versions and how many left the loss; nothing without per-token versions."""
+    if "token_version" not in batch.extras:
+        return {}
+    versions = batch.extras["token_version"].value[:, :batch.response_mask.shape[1]]
+    mask = batch.response_mask > 0
+    age = (version - versions).float()
+    stale = mask & (age > max_staleness)
+    if bool(stale.any()):
+        batch.response_mask = batch.response_mask.masked_fill(stale, 0.0)
+    tokens = mask.sum().clamp(min=1)
+    return {"rollout/in_flight_token_frac": float((mask & (versions > versions[:, :1])).sum() / tokens),
+            "rollout/token_staleness_mean": float(age[mask].sum() / tokens),
+            "rollout/stale_tokens_dropped": float(stale.sum())}

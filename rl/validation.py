@@ -71,6 +71,13 @@ def _check_rollout_values(cfg: DictConfig) -> None:
     need(r.agent_loop in ("lockstep", "per_episode"), "rollout.agent_loop",
          f"must be lockstep or per_episode, got {r.agent_loop!r}")
     need(r.env_workers >= 1, "rollout.env_workers", "must be >= 1")
+    if r.in_flight_updates:
+        need(r.engine == "hf" and r.decoding is None, "rollout.in_flight_updates",
+             "weights are swapped between decode steps of the hf engine's plain loop: rollout.engine hf, "
+             "rollout.decoding null")
+        need(r.weight_sync in ("object_store", "collective"), "rollout.in_flight_updates",
+             "needs rollout.weight_sync object_store or collective")
+        need(r.env is None and r.agent is None, "rollout.in_flight_updates", "single-turn generation only")
     need(r.agent is None or r.env is None, "rollout.agent",
          "an agent program drives its own episodes: set rollout.env or rollout.agent, not both")
     need(r.agent_timeout_s > 0, "rollout.agent_timeout_s", "must be > 0")

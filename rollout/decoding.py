@@ -321,8 +321,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int,
            method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
            forward_kwargs: dict | None = None, fused_attention: bool = False, packed_weights: bool = False,
-           kv_buffers: KVBuffers | None = None, repetition_penalty: float = 1.0
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           kv_buffers: KVBuffers | None = None, repetition_penalty: float = 1.0,
+           between_steps: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
     `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
 
@@ -338,7 +338,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     cache's storage, reused from the caller's earlier generates (`KVBuffers`, claimed by the caller).
     `repetition_penalty`: `models.sampling.penalize_repeats` over each row's prompt and response tokens, before
     temperature and truncation (as transformers and vLLM order them); the recorded logprobs are the penalised
-    distribution's, the one the tokens were drawn from."""
+    distribution's, the one the tokens were drawn from. `between_steps(s)`: called after the tokens of step `s`
+    (0: the prefill's) are sampled and before the next forward, which may change the model's weights in place
+    (in-flight weight updates): the tokens of steps `s + 1` on are the new weights', the KV cache of the earlier
+    ones stays the old weights'."""
     loop = DecodeLoop(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
                       forward_kwargs=forward_kwargs, fused_attention=fused_attention, kv_buffers=kv_buffers,
@@ -347,10 +350,14 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         with (fused_decode_attention(model, enabled=loop.fused, rows=loop.batch_size),
               packed_linear_weights(model, enabled=packed_weights, rows=loop.batch_size)):
             logits = loop.insert_first(loop.prefill())
+            step = 0
             while not loop.done():
                 tokens, blocks = loop.step(logits, temperature, top_k, top_p)
                 if loop.done():
                     break
+                if between_steps is not None:
+                    between_steps(step)
+                step += 1
                 logits = loop.feed_next(tokens, blocks)
     finally:
         for h in loop.hooks:

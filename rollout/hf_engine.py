@@ -64,6 +64,8 @@ class HFEngine:
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
         self._commits: list | None = None  # the last diffusion chunk's per-row commit logs, for its Batch
+        # in-flight weight updates (`rollout.in_flight_updates`): called between two decode steps of the plain loop
+        self.between_steps: Any = None
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
@@ -137,12 +139,15 @@ class HFEngine:
                              "(model_type llada); this model is causal"))
         if self.is_diffusion:
             return self._diffuse(method, ids, mask, sp)
+        # weights swapped in flight are read from the model's own tensors: no packed copy made for the whole loop
+        in_flight = getattr(self, "between_steps", None)
         with self.kv_buffers.claim() if self.kv_buffers is not None else nullcontext() as buffers:
             return decode(self.model, ids, mask, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
                           top_k=sp.top_k, top_p=sp.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                           method=method, tokenizer=tok, stop=sp.stop, forward_kwargs=self._exit_kwargs(sp),
-                          fused_attention=self.fused_decode_attention, packed_weights=self.packed_linear_weights,
-                          kv_buffers=buffers, repetition_penalty=sp.repetition_penalty)
+                          fused_attention=self.fused_decode_attention,
+                          packed_weights=self.packed_linear_weights and in_flight is None,
+                          kv_buffers=buffers, repetition_penalty=sp.repetition_penalty, between_steps=in_flight)
 
     def _diffuse(self, method: Any, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams
                  ) -> tuple[torch.Tensor, ...]:

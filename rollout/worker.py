@@ -26,6 +26,16 @@ class RolloutWorkerStuck(RuntimeError):
     """A rollout worker did not answer within its deadline (`trainer.deadlines`); it was killed for a restart."""
 
 
+def token_versions(shape: tuple[int, int], start: int, swaps: list[tuple[int, int]]) -> torch.Tensor:
+    """`[N, L]` policy version of each response token: `start`, and after a swap `(s, v)` (weights of version
+    `v` installed after decode step `s`) `v` from token `s + 1` on (the plain loop samples token j of every
+    row at step j)."""
+    out = torch.full(shape, start, dtype=torch.long)
+    for step, version in swaps:
+        out[:, step + 1:] = version
+    return out
+
+
 class RolloutWorker(ActorProbes):
     """Generates samples with the engine named in the recipe and receives weight updates."""
 
@@ -45,13 +55,46 @@ class RolloutWorker(ActorProbes):
             self.needs_weights = ray.get_runtime_context().was_current_actor_reconstructed
 
     def generate(self, prompts: list[str], sampling: dict, group_ids: list[int],
-                 ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
+                 ground_truth: list[Any] | None = None, metadata: list[dict] | None = None,
+                 in_flight: bool = False) -> Batch:
+        """`in_flight` (`rollout.in_flight_updates`, hf engine): weights staged while the engine generates are
+        swapped in between two decode steps; every token's policy version is the batch extra `token_version`
+        and `batch.policy_version` is the oldest (the version the generation started from)."""
         if self.needs_weights:
             raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
-        batch = self.engine.generate(prompts, SamplingParams(**sampling), group_ids=group_ids,
-                                     ground_truth=ground_truth, metadata=metadata)
-        batch.policy_version = self.policy_version
+        start, swaps = self.policy_version, []
+        if in_flight:
+            self.engine.between_steps = lambda step: self._swap_in_flight(step, swaps)
+        try:
+            batch = self.engine.generate(prompts, SamplingParams(**sampling), group_ids=group_ids,
+                                         ground_truth=ground_truth, metadata=metadata)
+        finally:
+            self.engine.between_steps = None
+        batch.policy_version = start
+        if in_flight:
+            batch.set_extra("token_version", token_versions(batch.response_ids.shape, start, swaps), pad="right")
         return batch
+
+    def _swap_in_flight(self, step: int, swaps: list[tuple[int, int]]) -> None:
+        """Between decode steps: install the staged weights, if any have arrived, and note the step."""
+        with self.staged_ready:
+            staged, self.staged = self.staged, None
+        if staged is not None:
+            self._install(staged[1], staged[0])
+            swaps.append((step, staged[0]))
+
+    @ray.method(concurrency_group="weight_sync")
+    def stage_weights(self, packed: PackedState, version: int) -> float:
+        """Keep weights sent through the object store beside the engine's while it may be generating
+        (`rollout.in_flight_updates`): swapped in between two decode steps, or by `install_staged`."""
+        t0 = time.perf_counter()
+        named = {k: v.clone() for k, v in unpack_state(packed).items()}  # the object store's buffer is not ours
+        seconds = time.perf_counter() - t0
+        with self.staged_ready:
+            if self.staged is None or self.staged[0] < version:
+                self.staged = (version, named, seconds)
+            self.staged_ready.notify_all()
+        return seconds
 
     def run_episodes(self, prompts: list[str], rows: list[dict], sampling: dict, group_ids: list[int],
                      env: dict[str, Any], metadata: list[dict] | None = None) -> Batch:

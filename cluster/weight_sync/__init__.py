@@ -25,10 +25,10 @@ TRANSPORTS = {"object_store": ObjectStoreTransport, "collective": CollectiveTran
 
 
 def make_transport(name: str, learners: Any, rollout: list[Any], *, bucket_mb: int, gpus: bool,
-                   keep_versions: int) -> Any:
+                   keep_versions: int, in_flight: bool = False) -> Any:
     """The driver's end of transport `name` between a learner group and its rollout workers (channel formed)."""
     transport = TRANSPORTS[name](learners, rollout, bucket_bytes=bucket_mb << 20, gpus=gpus,
-                                 keep_versions=keep_versions)
+                                 keep_versions=keep_versions, in_flight=in_flight)
     transport.reset()
     return transport
 

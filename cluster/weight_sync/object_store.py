@@ -28,8 +28,8 @@ class ObjectStoreTransport:
 
     pipelined = True
 
-    def __init__(self, learners: Any, rollout: list[Any], **_: Any):
-        self.learners, self.rollout = learners, rollout
+    def __init__(self, learners: Any, rollout: list[Any], in_flight: bool = False, **_: Any):
+        self.learners, self.rollout, self.in_flight = learners, rollout, in_flight
 
     def reset(self) -> None:
         """Nothing to form: every push reaches the rollout workers alive now."""
@@ -38,4 +38,7 @@ class ObjectStoreTransport:
         """Start one sync: (the learner calls to wait for, one load per rollout worker returning its load time)."""
         refs = [w.sender_call.remote("object_store", "send") for w in self.learners.workers]
         state = refs[0]  # an ObjectRef: moves actor-to-actor without passing through the driver
+        if self.in_flight:  # staged beside a generation in flight, swapped in between its decode steps or after it
+            stages = [r.stage_weights.remote(state, version) for r in self.rollout]
+            return refs[1:] + stages, [r.install_staged.remote(version) for r in self.rollout]
         return refs[1:], [r.load_weights.remote(state, version) for r in self.rollout]

@@ -28,6 +28,7 @@ from rl.registry import lookup
 from rl.step import (
     apply_length_shaping,
     attach_rewards,
+    bound_token_staleness,
     component_means,
     episode_metrics,
     group_fraction,
@@ -173,10 +174,12 @@ class RLTrainer:
         if have < want:  # the cap was reached: fill up with uninformative groups (zero advantage)
             kept.append(Batch.concat(dropped).select(list(range((want - have) * n))))
         metrics: dict[str, float] = {"rollout/staleness": float(max(staleness)), **sampler_metrics}
+        batch = Batch.concat(kept)
+        metrics.update(bound_token_staleness(batch, self.step_idx, self.cfg.trainer.max_staleness))
         if a.dynamic_sampling:
             metrics["sampling/rounds"] = float(rounds)
             metrics["sampling/informative_frac"] = informative_seen / max(1, seen)
-        return Batch.concat(kept), metrics
+        return batch, metrics
 
     def _generate_round(self, rounds: int, timing: dict[str, float]) -> Batch:
         """The first round's rollout from the pipeline (submitted up to max_staleness steps ago; the next step's

@@ -48,18 +48,18 @@ class Collective:
                 if p.grad is not None:
                     self.dist.all_reduce(p.grad)
 
-    def gather(self, t: torch.Tensor) -> tuple[torch.Tensor, slice]:
-        """The concatenation of every rank's `t` (equal sizes) and this rank's slice of it."""
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The concatenation of every rank's `t` (equal sizes), in rank order."""
         if self.dist is None:
-            return t, slice(0, len(t))
+            return t
         parts = [torch.empty_like(t) for _ in range(self.world)]
         self.dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts), slice(self.rank * len(t), (self.rank + 1) * len(t))
+        return torch.cat(parts)
 
 
 def global_softmax(scores: torch.Tensor, collective: Collective) -> torch.Tensor:
     """This rank's share of `softmax` over the scores of every rank (differentiable in the local scores)."""
-    everything, _ = collective.gather(scores.detach())
+    everything = collective.gather(scores.detach())
     log_z = torch.logsumexp(everything, 0)
     return torch.exp(scores - log_z)
 
@@ -144,12 +144,12 @@ def sequence_stats(model: torch.nn.Module, batch: Any, target_logp: torch.Tensor
 
 class BilevelSelector:
     """One rank's BLISS optimisation: the proxy (lower level) and the score model (upper level), AdamW for both
-    with the released defaults (rl/methods/bliss/README.md)."""
+    with the released defaults (rl/methods/bliss/README.md; the `bliss` stage's keyword defaults are the same)."""
 
     def __init__(self, proxy: torch.nn.Module, score_model: torch.nn.Module, collective: Collective | None = None,
                  *, lr: float = 1e-5, score_lr: float = 1e-5, betas: tuple[float, float] = (0.9, 0.95),
-                 weight_decay: float = 0.1, grad_clip: float = 1.0, reg: float = 1e-6, gamma: float = 1e-4,
-                 inner_steps: int = 1, z_loops: int = 3, lr_z: float = 1e-2, lamb: float = 1e-2,
+                 weight_decay: float = 0.1, grad_clip: float = 1.0, reg: float = 1e-7, gamma: float = 1e-2,
+                 inner_steps: int = 5, z_loops: int = 3, lr_z: float = 1e-2, lamb: float = 1e-2,
                  warmup_steps: int = 0):
         self.proxy, self.score_model = proxy, score_model
         self.col = collective or Collective()
@@ -221,7 +221,7 @@ class BilevelSelector:
             scheduler.step()
         return {"lower_loss": float(self.col.sum(loss.detach())), "val_ce": float(self.col.sum(ce_val.detach().sum())
                 / count), "z_norm": float(z.norm()), "score_grad_norm": score_norm,
-                "weight_max": float(self.col.gather(weights.detach())[0].max())}
+                "weight_max": float(self.col.gather(weights.detach()).max())}
 
     @torch.no_grad()
     def scores(self, batch: Any) -> torch.Tensor:

@@ -129,7 +129,7 @@ def _rank_main(rank, port, out_dir):
     half = slice(rank * 4, rank * 4 + 4)
     mine = _rows(batch, list(range(8))[half])
     sel = BilevelSelector(proxy, score, Collective(), **HYPER)
-    weights, _ = sel.col.gather(global_softmax(sel.scores(mine), sel.col))
+    weights = sel.col.gather(global_softmax(sel.scores(mine), sel.col))
     metrics = sel.outer_step(mine, _rows(val, [rank]), target_logp[half])
     torch.save({"proxy": proxy.state_dict(), "score": score.state_dict(), "weights": weights, "metrics": metrics},
                os.path.join(out_dir, f"rank{rank}.pt"))
@@ -151,7 +151,8 @@ def test_an_outer_step_over_two_ranks_equals_one_rank_on_the_whole_batch(tmp_pat
                 # fp32 sums in another order (two ranks' halves plus an all-reduce) through the Hessian-vector
                 # products: up to 3.5e-6 apart on an AVX-512 CPU, where the step moves the weights by up to 1e-2
                 assert torch.allclose(got[key][name], v, atol=1e-5, rtol=1e-4), (key, name)
-        assert got["metrics"]["val_ce"] == pytest.approx(ref_metrics["val_ce"], rel=1e-5)
+        for key in ("val_ce", "lower_loss", "weight_max", "z_norm", "score_grad_norm"):  # summed over the ranks
+            assert got["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4), key
     # the step moved both models (the comparison is not between two untouched copies)
     proxy0, score0, _, _, _ = _setup()
     assert any(not torch.allclose(proxy0.state_dict()[k], v) for k, v in ref_proxy.items())
@@ -259,3 +260,134 @@ def test_both_rates_warm_up_linearly_over_the_first_outer_steps():
             lr, score_lr = HYPER["lr"], HYPER["score_lr"]
             assert rates == [pytest.approx((lr * f, score_lr * f)) for f in (0.25, 0.5, 0.75, 1.0, 1.0)]
     assert torch.allclose(moves[4], moves[0] / 4, rtol=1e-4, atol=1e-9)
+
+
+def test_the_selector_and_the_stage_share_the_released_defaults():
+    """The README's released settings (AdamW betas 0.9/0.95, weight decay 0.1, rates 1e-5, 5 inner steps, 3
+    z-loops, gamma 1e-2, reg 1e-7) are the selector's keyword defaults and the stage's."""
+    import inspect
+
+    from rl.methods.bliss.stage import BlissStage
+    released = {"lr": 1e-5, "score_lr": 1e-5, "weight_decay": 0.1, "grad_clip": 1.0, "reg": 1e-7, "gamma": 1e-2,
+                "inner_steps": 5, "z_loops": 3, "lr_z": 1e-2, "lamb": 1e-2}
+    selector = {k: p.default for k, p in inspect.signature(BilevelSelector).parameters.items() if k in released}
+    stage = {k: p.default for k, p in inspect.signature(BlissStage).parameters.items() if k in released}
+    assert selector == stage == released
+    proxy, score, *_ = _setup()
+    sel = BilevelSelector(proxy, score)
+    for opt in (sel.opt, sel.score_opt):
+        assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.1
+        assert opt.param_groups[0]["lr"] == 1e-5  # no warm-up: the full rate from the first step
+    assert (sel.grad_clip, sel.reg, sel.gamma, sel.inner_steps, sel.z_loops, sel.lr_z, sel.lamb) == (
+        1.0, 1e-7, 1e-2, 5, 3, 1e-2, 1e-2)
+
+
+def test_solve_z_hand_values_with_and_without_the_step_clip():
+    """H = diag(2, 1), f = (1, 0), λ 0.5, lr 0.1, from (0.5, 0.5): two steps by hand; a clip of 0.05 rescales the
+    first step (norm 0.0791) to norm 0.05."""
+    h = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    f = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    z = solve_z(lambda v: h * v, f, loops=2, lr_z=0.1, lamb=0.5)
+    assert torch.allclose(z, torch.tensor([0.45625, 0.36125], dtype=torch.float64))
+    clipped = solve_z(lambda v: h * v, f, loops=1, lr_z=0.1, lamb=0.5, clip=0.05)
+    step = torch.tensor([0.025, 0.075], dtype=torch.float64)
+    assert torch.allclose(clipped, 0.5 - step * 0.05 / step.norm())
+    assert torch.allclose(solve_z(lambda v: h * v, f, loops=0, lr_z=0.1, lamb=0.5, init=f), f)
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in forward with given logits: `sequence_stats` is arithmetic on them."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, **inputs):
+        from types import SimpleNamespace
+        return SimpleNamespace(logits=self.logits)
+
+
+def test_sequence_stats_hand_values_read_the_response_positions_and_its_mask():
+    """Prompt of 2, response of 2 (row 1 trains its first token only), vocabulary 3: per row the token-mean CE of the
+    trained tokens, the summed KL(target || model) over them and their count."""
+    from rl.batch import Batch
+    from rl.methods.bliss.core import sequence_stats
+    probs = torch.tensor([[[0.9, 0.05, 0.05], [0.5, 0.25, 0.25], [0.2, 0.3, 0.5], [0.05, 0.9, 0.05]],
+                          [[0.05, 0.05, 0.9], [0.1, 0.6, 0.3], [0.7, 0.2, 0.1], [0.9, 0.05, 0.05]]])
+    target = torch.tensor([[[0.25, 0.25, 0.5], [0.2, 0.3, 0.5]], [[0.3, 0.6, 0.1], [1 / 3, 1 / 3, 1 / 3]]]).log()
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    batch = Batch(prompt_ids=torch.ones(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 2, dtype=torch.long),
+                  response_ids=torch.tensor([[0, 2], [1, 0]]), response_mask=mask, response_attn=mask.long(),
+                  group_id=torch.arange(2))
+    ce, kl, tokens = sequence_stats(_FixedLogits(probs.log().to(torch.bfloat16).float()), batch, target)
+    ln2, ln3 = torch.log(torch.tensor(2.0)), torch.log(torch.tensor(3.0))
+    assert torch.allclose(ce, torch.stack([ln2, -torch.log(torch.tensor(0.6))]), atol=1e-2)
+    assert torch.allclose(kl, torch.stack([0.25 * ln2, 0.2 * ln3]), atol=1e-2)
+    assert tokens.tolist() == [2.0, 1.0]
+    exact, no_kl, _ = sequence_stats(_FixedLogits(probs.log().double()), batch)
+    assert exact.dtype == torch.float64 and torch.allclose(exact, torch.stack([ln2, -torch.log(torch.tensor(0.6))])
+                                                           .double())
+    assert torch.equal(no_kl, torch.zeros(2, dtype=torch.float64))
+    from rl.methods.bliss.core import at_least_float32
+    assert at_least_float32(torch.ones(1, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_the_lower_level_loss_is_weighted_ce_plus_kl_per_global_token_plus_the_ridge():
+    from rl.methods.bliss.core import sequence_stats
+    proxy, score, batch, val, target_logp = _setup()
+    sel = BilevelSelector(proxy, score, gamma=0.5, reg=1e-3)
+    weights = torch.softmax(torch.arange(8.0), 0)
+    loss, ce = sel.lower_level_loss(batch, weights, target_logp)
+    ce_ref, kl, tokens = sequence_stats(proxy, batch, target_logp)
+    ridge = sum((p.detach() ** 2).sum() for p in proxy.parameters())
+    expected = (weights * ce_ref).sum() + 0.5 * kl.sum() / tokens.sum() + 1e-3 * ridge
+    assert torch.allclose(ce, ce_ref) and float(loss) == pytest.approx(float(expected), rel=1e-6)
+    bare, _ = BilevelSelector(proxy, score, gamma=0.0, reg=0.0).lower_level_loss(batch, weights, target_logp)
+    assert float(bare) == pytest.approx(float((weights * ce_ref).sum()), rel=1e-6)
+
+
+def test_an_optimizer_step_clips_the_summed_gradient_and_clears_it():
+    proxy, score, *_ = _setup()
+    sel = BilevelSelector(proxy, score, grad_clip=1.0)
+    params = sel.score_params
+    sel.score_opt = torch.optim.SGD(params, lr=1.0)
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    count = sum(p.numel() for p in params)
+    norm = sel._step(sel.score_opt, params)
+    assert norm == pytest.approx(3.0 * count ** 0.5, rel=1e-5)  # the norm before clipping
+    for p, q in zip(params, before):  # each entry moved by 3 / (3 sqrt(n)): the gradient clipped to norm 1
+        assert torch.allclose(q - p.detach(), torch.full_like(p, count ** -0.5), atol=1e-6)
+        assert p.grad is None
+    sel.grad_clip = 0.0
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    before = [p.detach().clone() for p in params]
+    assert torch.isnan(torch.tensor(sel._step(sel.score_opt, params)))  # no clip, no norm
+    assert all(torch.allclose(q - p.detach(), torch.full_like(p, 3.0)) for p, q in zip(params, before))
+
+
+def test_flat_and_unflat_are_inverse_and_a_missing_gradient_is_zeros():
+    from rl.methods.bliss.core import flat, unflat
+    like = [torch.zeros(2, 3), torch.zeros(4)]
+    v = flat([torch.arange(6.0).view(2, 3), None], like)
+    assert v.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 0, 0]
+    parts = unflat(torch.arange(10.0), like)
+    assert [p.shape for p in parts] == [(2, 3), (4,)] and parts[1].tolist() == [6, 7, 8, 9]
+    assert torch.equal(flat(parts, like), torch.arange(10.0))
+
+
+def test_an_outer_steps_metrics_are_the_quantities_they_name():
+    from rl.methods.bliss.core import sequence_stats
+    proxy, score, batch, val, target_logp = _setup()
+    sel = BilevelSelector(proxy, score, **HYPER)
+    weights = global_softmax(sel.scores(batch), sel.col)
+    metrics = sel.outer_step(batch, val, target_logp)
+    assert set(metrics) == {"lower_loss", "val_ce", "z_norm", "score_grad_norm", "weight_max"}
+    assert metrics["weight_max"] == pytest.approx(float(weights.max()))  # the weights the inner steps used
+    with torch.no_grad():  # the proxy after its inner steps (the score step leaves it alone)
+        assert metrics["val_ce"] == pytest.approx(float(sequence_stats(proxy, val)[0].mean()), rel=1e-5)
+        assert metrics["lower_loss"] == pytest.approx(float(sel.lower_level_loss(batch, weights, target_logp)[0]),
+                                                      rel=1e-5)
+    assert metrics["z_norm"] > 0 and 0 < metrics["score_grad_norm"] < float("inf")

@@ -125,6 +125,17 @@ class RayRLRoles:
                 handle.refs = handle.resubmit()
         raise AssertionError("unreachable")
 
+    def continue_responses(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int
+                           ) -> list[tuple[list[int], list[float], bool, int]]:
+        r, k = self.cfg.rollout, len(self.rollout)
+        sampling = {"n": 1, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                    "max_new_tokens": max(max_new_tokens), "stop": list(r.stop) or None}
+        bounds = [round(i * len(contexts) / k) for i in range(k + 1)]
+        refs = [w.continue_ids.remote(contexts[lo:hi], sampling, [seed + i for i in range(lo, hi)])
+                for w, lo, hi in zip(self.rollout, bounds, bounds[1:]) if hi > lo]
+        self._kill_stuck_rollout_workers(refs, "generate_s", "continue the partial responses")
+        return [out for part in ray.get(refs) for out in part]
+
     def score(self, batch: Batch, step: int) -> list[dict]:
         """Within `trainer.deadlines.reward_s` (the service itself kills and restarts a reward process that stops
         answering and scores its samples again)."""

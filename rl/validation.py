@@ -71,6 +71,15 @@ def _check_rollout_values(cfg: DictConfig) -> None:
     need(r.agent_loop in ("lockstep", "per_episode"), "rollout.agent_loop",
          f"must be lockstep or per_episode, got {r.agent_loop!r}")
     need(r.env_workers >= 1, "rollout.env_workers", "must be >= 1")
+    if r.partial_tokens:
+        need(r.partial_tokens > 0, "rollout.partial_tokens", "must be >= 0")
+        need(r.env is None and r.agent is None and r.decoding is None and not r.in_flight_updates,
+             "rollout.partial_tokens", "partial rollouts continue plain single-turn responses: no rollout.env, "
+             "agent, decoding or in_flight_updates")
+        need(r.partial_groups == 0 or r.partial_groups >= cfg.trainer.prompts_per_step, "rollout.partial_groups",
+             "must be 0 or at least trainer.prompts_per_step")
+        need(not cfg.algorithm.dynamic_sampling, "rollout.partial_tokens",
+             "the pool already trains on the groups that finish first: algorithm.dynamic_sampling false")
     if r.in_flight_updates:
         need(r.engine == "hf" and r.decoding is None, "rollout.in_flight_updates",
              "weights are swapped between decode steps of the hf engine's plain loop: rollout.engine hf, "

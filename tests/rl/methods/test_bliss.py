@@ -391,3 +391,91 @@ def test_an_outer_steps_metrics_are_the_quantities_they_name():
         assert metrics["lower_loss"] == pytest.approx(float(sel.lower_level_loss(batch, weights, target_logp)[0]),
                                                       rel=1e-5)
     assert metrics["z_norm"] > 0 and 0 < metrics["score_grad_norm"] < float("inf")
+
+
+def test_solve_z_clips_each_step_to_norm_one_by_default():
+    z = solve_z(lambda v: 0 * v, torch.tensor([3.0, 4.0]), loops=1, lr_z=1.0, lamb=0.0, init=torch.zeros(2))
+    assert torch.allclose(z, torch.tensor([0.6, 0.8]))  # the step (3, 4), norm 5, clipped to norm 1
+
+
+def test_unflat_walks_every_tensor_in_order():
+    from rl.methods.bliss.core import unflat
+    parts = unflat(torch.arange(9.0), [torch.zeros(2), torch.zeros(3), torch.zeros(4)])
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3, 4], [5, 6, 7, 8]]
+
+
+def test_the_score_model_reads_each_rows_last_real_token_whatever_the_padding():
+    """A row scored inside a padded batch (prompts of other lengths, left-padded; responses right-padded) gets the
+    score it gets alone: the attention mask and the positions are the row's, the readout its last real token."""
+    proxy, score, batch, *_ = _setup()
+    together = score(**batch.model_inputs())
+    assert bool((batch.prompt_mask == 0).any()) and bool((batch.response_attn == 0).any())  # padding on both sides
+    for i in range(len(batch)):
+        p, r = batch.prompt_mask[i].bool(), batch.response_attn[i].bool()
+        ids = torch.cat([batch.prompt_ids[i][p], batch.response_ids[i][r]])[None]
+        alone = score(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(ids.shape[1])[None])
+        assert float(alone.detach()) == pytest.approx(float(together[i].detach()), abs=1e-5), i
+
+
+def test_the_kl_term_is_per_global_token_even_for_a_single_one():
+    """One trained token: the KL is divided by 1 (the count is clamped at 1 only to guard an empty batch)."""
+    from rl.batch import Batch
+    probs = torch.tensor([[[0.5, 0.25, 0.25], [0.5, 0.25, 0.25], [0.2, 0.3, 0.5]]])
+    target = torch.tensor([[[0.25, 0.25, 0.5], [0.2, 0.3, 0.5]]]).log()
+    mask = torch.tensor([[1.0, 0.0]])
+    batch = Batch(prompt_ids=torch.ones(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.long),
+                  response_ids=torch.tensor([[0, 2]]), response_mask=mask, response_attn=mask.long(),
+                  group_id=torch.zeros(1, dtype=torch.long))
+    model = _FixedLogits(probs.log())
+    model.weight = torch.nn.Parameter(torch.zeros(1))  # something for the optimizers to hold
+    sel = BilevelSelector(model, model, gamma=1.0, reg=0.0)
+    loss, ce = sel.lower_level_loss(batch, torch.ones(1), target)
+    ln2 = float(torch.log(torch.tensor(2.0)))
+    assert float(ce) == pytest.approx(ln2, rel=1e-6) and float(loss) == pytest.approx(ln2 + 0.25 * ln2, rel=1e-6)
+
+
+def test_the_hessian_products_of_the_outer_step_include_the_kl_to_the_target():
+    """The z-solve's H z is the Hessian of the whole lower level G (weighted CE + gamma KL + ridge) at the proxy the
+    inner steps left, against central differences of its gradient (float64)."""
+    import rl.methods.bliss.core as core
+    proxy, score, _, val, _ = _setup()
+    tok = build_tiny_tokenizer()
+    # rows without padding: float64 eager attention turns fully masked padding rows into NaN
+    batch = batch_of_examples([prompt_response_example(tok, p, r) for p, r in
+                               (("1+2=", "3"), ("4+5=", "9"), ("2*3=", "6"), ("8-5=", "3"))], tok.pad_token_id)
+    assert bool(batch.prompt_mask.all()) and bool(batch.response_attn.all())
+    target = build_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1).double()
+    proxy, score = proxy.double(), score.double()
+    with torch.no_grad():
+        P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        target_logp = torch.log_softmax(target(**batch.model_inputs()).logits[:, P - 1:P - 1 + L], -1)
+    sel = BilevelSelector(proxy, score, **{**HYPER, "gamma": 5.0, "inner_steps": 1})
+    weights = global_softmax(sel.scores(batch), sel.col)
+    seen = {}
+
+    def spy(hvp, f_y, *args, **kwargs):
+        seen["hvp"] = hvp
+        return solve_z(hvp, f_y, *args, **kwargs)
+    core.solve_z, real = spy, core.solve_z
+    try:
+        sel.outer_step(batch, val, target_logp)
+    finally:
+        core.solve_z = real
+    v = torch.randn(sum(p.numel() for p in sel.params), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    hz = seen["hvp"](v)  # before the differences below move the parameters in place
+
+    def grad_at(shift, target):
+        with torch.no_grad():
+            for p, d in zip(sel.params, core.unflat(shift, sel.params)):
+                p.add_(d)
+        g = core.flat(torch.autograd.grad(sel.lower_level_loss(batch, weights, target)[0], sel.params), sel.params)
+        with torch.no_grad():
+            for p, d in zip(sel.params, core.unflat(shift, sel.params)):
+                p.sub_(d)
+        return g
+    eps = 1e-5
+    fd = (grad_at(eps * v, target_logp) - grad_at(-eps * v, target_logp)) / (2 * eps)
+    assert float((hz - fd).norm() / fd.norm()) < 1e-3  # central differences: 1e-4 apart at eps 1e-5
+    ce_only = (grad_at(eps * v, None) - grad_at(-eps * v, None)) / (2 * eps)
+    assert float((hz - ce_only).norm() / fd.norm()) > 1e-2  # the KL's curvature is a visible part of it

@@ -12,8 +12,9 @@ Arms, at equal cores (2 threads per role, the roles taking turns or overlapping 
 * `one_step_off`: the next step's rollout generated while this one trains (`max_staleness: 1`);
 * `partial`: `rollout.partial_tokens: 24`, a pool of 16 open groups, tokens at most 2 versions old.
 
-Recorded per arm and seed: samples trained per second and response tokens per second over steps 2..N (the
-first step compiles and warms up), the mean response length, the mean token age. Results:
+Recorded per arm and seed: samples trained per second and response tokens per second over all N steps (the work
+a partial run leaves in its pool at the end is counted in its time, not in its samples), the mean response
+length, the mean token age. Results:
 `benchmarks/results/streaming.json`.
 """
 
@@ -49,7 +50,9 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, reward: str) -> dict:
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"{arm} seed {seed} failed")
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    # every step, the first too: partial rollouts open twice the groups a step takes at their first step, and
+    # leaving that step out would credit them with the work it did ahead
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     seconds = sum(m["perf/step_s"] for m in metrics)
     samples = sum(m["batch/samples"] for m in metrics)
     tokens = sum(m["perf/tokens"] for m in metrics)

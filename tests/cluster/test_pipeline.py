@@ -230,23 +230,19 @@ def test_a_collective_sync_one_step_off_delivers_the_object_stores_weights(ray_c
 
 
 @pytest.mark.slow
-def test_in_flight_updates_at_bound_0_equal_the_synchronous_run_and_record_token_versions(ray_cluster, tmp_path):
+def test_in_flight_updates_at_bound_0_equal_the_synchronous_run(ray_cluster, tmp_path):
     """`rollout.in_flight_updates` with `max_staleness: 0`: no weights arrive during a generation, every token is of
-    the batch's version and the run is the synchronous one, step for step. With `max_staleness: 1` the tokens'
-    versions are recorded and none is past the bound (which ones a swap reaches depends on timing)."""
+    the batch's version and the run is the synchronous one, step for step (the swap itself:
+    tests/rollout/test_in_flight.py)."""
     common = ["trainer.steps=3", "learner.lr=5e-3", "algorithm.is_correction=token", _digit_reward(tmp_path)]
     run(_cfg(tmp_path, "sync", *common))
     run(_cfg(tmp_path, "bound0", "rollout.in_flight_updates=true", *common))
-    run(_cfg(tmp_path, "bound1", "rollout.in_flight_updates=true", "trainer.max_staleness=1", *common))
-    sync, bound0, bound1 = (read_metrics(tmp_path / n) for n in ("sync", "bound0", "bound1"))
+    sync, bound0 = (read_metrics(tmp_path / n) for n in ("sync", "bound0"))
     for a, b in zip(sync, bound0):
         for key in COMPARE + ("actor/mismatch_kl",):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
         assert b["rollout/in_flight_token_frac"] == 0 and b["rollout/token_staleness_mean"] == 0
     assert "rollout/in_flight_token_frac" not in sync[0]
-    assert [m["rollout/staleness"] for m in bound1] == [0, 1, 1]
-    for m in bound1:
-        assert 0 <= m["rollout/token_staleness_mean"] <= 1 and m["rollout/stale_tokens_dropped"] == 0
 
 
 @pytest.mark.slow

@@ -166,7 +166,12 @@ EQUIVALENT: dict[str, str] = {
     **{f"rl.methods.bliss.core.{name}": "use_cache False -> True, None or unset: a full forward's logits and hidden "
                                         "states do not depend on whether it also returns a cache"
        for name in ("x_sequence_stats__mutmut_8", "x_sequence_stats__mutmut_10", "x_sequence_stats__mutmut_11",
-                    "xǁScoreModelǁforward__mutmut_10", "xǁScoreModelǁforward__mutmut_15")},
+                    "xǁScoreModelǁforward__mutmut_5", "xǁScoreModelǁforward__mutmut_9",
+                    "xǁScoreModelǁforward__mutmut_10")},
+    **{f"rl.methods.bliss.core.xǁScoreModelǁforward__mutmut_{i}": "the score model's attention mask or positions "
+       "left out: its rotary attention depends on position differences alone (positions counted from 0 on a "
+       "left-padded row give the same scores), and without a mask transformers masks the padding from where the "
+       "positions start again; a model with absolute positions would tell them apart" for i in (3, 4, 7, 8)},
     "rl.methods.bliss.core.x_solve_z__mutmut_21": "norm > clip -> >=: at norm == clip the step is scaled by 1",
     "rl.methods.bliss.core.xǁBilevelSelectorǁ_step__mutmut_12": "float('nan') -> float('NAN'): the same value",
     "rl.methods.bliss.core.xǁBilevelSelectorǁlower_level_loss__mutmut_10": "gamma and target -> gamma or target: "

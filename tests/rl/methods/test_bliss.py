@@ -415,6 +415,32 @@ def test_the_score_model_reads_each_rows_last_real_token_whatever_the_padding():
         ids = torch.cat([batch.prompt_ids[i][p], batch.response_ids[i][r]])[None]
         alone = score(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(ids.shape[1])[None])
         assert float(alone.detach()) == pytest.approx(float(together[i].detach()), abs=1e-5), i
+    # the readout: the head on the hidden state of each row's last real token
+    inputs = batch.model_inputs()
+    h = score.backbone(**inputs).last_hidden_state
+    last = [int(row.nonzero().max()) for row in inputs["attention_mask"]]
+    assert last != [inputs["attention_mask"].shape[1] - 1] * len(batch)  # right padding: not simply the last column
+    expected = torch.sigmoid(score.head(h[torch.arange(len(batch)), last]).squeeze(-1))
+    assert torch.allclose(together, expected, atol=1e-6)
+
+
+def test_the_inner_steps_descend_the_whole_lower_level_with_its_kl():
+    """The proxy's inner step is AdamW on G = weighted CE + gamma KL + ridge under the score model's weights: the
+    same step taken by hand on that loss; a step on the CE alone lands elsewhere."""
+    proxy, score, batch, val, target_logp = _setup()
+    hyper = {**HYPER, "gamma": 5.0, "inner_steps": 1}
+    by_hand = {}
+    for target in (target_logp, None):
+        copy_proxy = copy.deepcopy(proxy)
+        ref = BilevelSelector(copy_proxy, copy.deepcopy(score), **hyper)
+        weights = global_softmax(ref.scores(batch), ref.col)
+        ref.lower_level_loss(batch, weights, target)[0].backward()
+        ref._step(ref.opt, ref.params)
+        by_hand[target is None] = [p.detach().clone() for p in ref.params]
+    sel = BilevelSelector(proxy, score, **hyper)
+    sel.outer_step(batch, val, target_logp)
+    assert all(torch.allclose(p, q, atol=1e-7) for p, q in zip(sel.params, by_hand[False]))
+    assert not all(torch.allclose(p, q, atol=1e-7) for p, q in zip(sel.params, by_hand[True]))
 
 
 def test_the_kl_term_is_per_global_token_even_for_a_single_one():

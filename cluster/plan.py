@@ -119,10 +119,11 @@ def learner_use(cfg: Any, shape: ModelShape, prompt_tokens: int) -> RoleUse:
     use.items["vocabulary projection chunk"] = logit_bytes(shape, min(tokens, lc.logprob_chunk_tokens))
     use.notes.append(f"{tokens} tokens a micro-batch{f' per rank (sequence parallelism over {sp})' if sp > 1 else ''}"
                      f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}")
+    frozen_copy = shape.params * b // (max(1, lc.world_size) if lc.zero_stage >= 3 else 1)  # ZeRO-3 partitions it
     if cfg.algorithm.kl_coef > 0 and lc.adapter is None:
-        use.items["reference weights"] = shape.params * b // (max(1, lc.world_size) if lc.zero_stage >= 3 else 1)
+        use.items["reference weights"] = frozen_copy
     if cfg.algorithm.get("teacher_path"):  # assumed shaped like the policy (its own size is not read here)
-        use.items["teacher weights"] = shape.params * b // (max(1, lc.world_size) if lc.zero_stage >= 3 else 1)
+        use.items["teacher weights"] = frozen_copy
     return use
 
 

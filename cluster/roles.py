@@ -40,7 +40,7 @@ def make_learner_group(cfg: DictConfig, model_path: str, placement: Placement, *
         lr=lr, weight_decay=weight_decay, scheduler=as_container(scheduler),
         family=family or model_family(cfg, model_path), micro_batch_size=micro_batch_size,
         grad_accum=grad_accum, grad_clip=lc.grad_clip, with_ref=with_ref, warmup_steps=warmup_steps,
-        **({"teacher_path": teacher_path} if teacher_path else {}),
+        teacher_path=teacher_path,
         total_steps=total_steps, offload_between_phases=lc.offload_between_phases,
         logprob_chunk_tokens=lc.logprob_chunk_tokens,
         adapter=as_container(lc.adapter) if lc.adapter and policy else None,  # the policy's adapter

@@ -50,17 +50,16 @@ def submit_generation(workers: list[Any], tokenizer: Any, cfg: DictConfig, rows:
         sampling.update(sampling_overrides or {})
         groups = list(range(group_base + lo, group_base + hi))
         meta = [{"row": group_base + i, **{c: rows[i].get(c) for c in d.metadata_columns}} for i in range(lo, hi)]
+        rows_w = [{**row, "answer": row.get(d.answer_column)} for row in rows[lo:hi]]  # what episodes read
         if r.agent is not None:  # episodes of an agent program against the worker's OpenAI-compatible endpoint
             agent = {"program": r.agent, "timeout_s": r.agent_timeout_s, "workers": r.env_workers,
                      "max_episode_tokens": r.max_episode_tokens, "port": r.openai_port}
-            rows_w = [{**row, "answer": row.get(d.answer_column)} for row in rows[lo:hi]]
             futures.append(workers[w].run_agent_episodes.remote(prompts[lo:hi], rows_w, sampling, groups, agent,
                                                                 meta))
         elif r.env is not None:  # multi-turn episodes of an environment
             env = {"name": r.env, "params": as_container(r.env_params), "max_turns": r.max_turns,
                    "max_episode_tokens": r.max_episode_tokens, "opponent_path": r.env_opponent_path,
                    "step_timeout_s": r.env_step_timeout_s, "schedule": r.agent_loop, "env_workers": r.env_workers}
-            rows_w = [{**row, "answer": row.get(d.answer_column)} for row in rows[lo:hi]]
             futures.append(workers[w].run_episodes.remote(prompts[lo:hi], rows_w, sampling, groups, env, meta))
         else:
             futures.append(workers[w].generate.remote(prompts[lo:hi], sampling, groups, answers[lo:hi], meta,

@@ -26,9 +26,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
-from rl.batch import Batch
+from rl.batch import Batch, pad_token_rows
 from rollout.base import SamplingParams
 from rollout.multiturn import Episode, episodes_to_batch
 from rollout.openai_server import OpenAIServer, Session
@@ -117,12 +115,8 @@ def run_agent_episodes(server: OpenAIServer, spec: str, prompts: list[str], rows
     bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     sessions = [server.close_session(sid) for sid in sids]
     episodes = [finished_episode(s, r, spec, timeout_s, bos) for s, r in zip(sessions, results)]
-    width = max(len(e.prompt_ids) for e in episodes)
-    padded = {"input_ids": torch.full((len(episodes), width), tok.pad_token_id, dtype=torch.long),
-              "attention_mask": torch.zeros((len(episodes), width), dtype=torch.long)}
-    for r, e in enumerate(episodes):  # left-padded, as the engines' prompts
-        padded["input_ids"][r, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
-        padded["attention_mask"][r, width - len(e.prompt_ids):] = 1
+    ids, mask = pad_token_rows([e.prompt_ids for e in episodes], tok.pad_token_id, "left")  # as the engines'
+    padded = {"input_ids": ids, "attention_mask": mask}
     given = metadata or [{} for _ in prompts]
     batch = episodes_to_batch(episodes, tok, [prompts[i] for i in owner], padded, 1, [group_ids[i] for i in owner],
                       [rows[i] for i in owner], [dict(given[i]) for i in owner])

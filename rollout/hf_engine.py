@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from models.tokenizer import load_tokenizer
-from rl.batch import Batch
+from rl.batch import Batch, pad_token_rows
 from rl.registry import register
 from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_prompts
 
@@ -103,12 +103,7 @@ class HFEngine:
         from one generator)."""
         from rollout.multiturn import Completion
         tok = self.tokenizer
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for i, p in enumerate(prompt_ids):  # left-padded
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+        ids, mask = pad_token_rows(prompt_ids, tok.pad_token_id, "left")
         torch.manual_seed(seeds[0] if seeds else 0)
         resp, logp, lengths, _, ended = self._decode(ids.to(self.device), mask.to(self.device), sampling)
         return [Completion(resp[i, :int(n)].tolist(), logp[i, :int(n)].tolist(), bool(ended[i]))

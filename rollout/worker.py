@@ -97,7 +97,10 @@ class RolloutWorker(ActorProbes):
         (`rollout.in_flight_updates`): swapped in between two decode steps, or by `install_staged`."""
         t0 = time.perf_counter()
         named = {k: v.clone() for k, v in unpack_state(packed).items()}  # the object store's buffer is not ours
-        seconds = time.perf_counter() - t0
+        return self._stage(version, named, time.perf_counter() - t0)
+
+    def _stage(self, version: int, named: dict[str, torch.Tensor], seconds: float) -> float:
+        """Keep `named` as the staged weights unless newer ones wait already; wake `install_staged`."""
         with self.staged_ready:
             if self.staged is None or self.staged[0] < version:
                 self.staged = (version, named, seconds)
@@ -195,11 +198,7 @@ class RolloutWorker(ActorProbes):
         named: dict[str, torch.Tensor] = {}
         for part in receive_state(self.sync_group, meta, bucket_bytes, self.sync_device):
             named.update(part)
-        seconds = time.perf_counter() - t0
-        with self.staged_ready:
-            self.staged = (version, named, seconds)
-            self.staged_ready.notify_all()
-        return seconds
+        return self._stage(version, named, time.perf_counter() - t0)  # broadcasts arrive in version order
 
     def install_staged(self, version: int, timeout_s: float = 600.0) -> float:
         """Swap in the staged weights of `version` (or newer), waiting for their transfer to end; queued behind

@@ -38,3 +38,13 @@ def ray_cluster():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A tiny hf engine built in code (hidden 64, 2 layers), one per test module; a module that needs another
+    shape defines its own `engine`."""
+    from models.tiny import save_tiny
+    from rollout.hf_engine import HFEngine
+    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
+                                  intermediate_size=128)))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rl.batch import Batch
+from rl.batch import Batch, pad_token_rows
 from rl.data import format_prompt
 
 
@@ -98,14 +98,12 @@ class PartialRollouts:
     def _batch(self, taken: list[PartialResponse]) -> Batch:
         """The finished responses (grouped, in the pool's order) as a Batch with their tokens' versions."""
         d, tok = self.cfg.data, self.tok
-        N, P, L = len(taken), max(len(x.prompt_ids) for x in taken), max(1, max(len(x.ids) for x in taken))
-        prompt = torch.full((N, P), tok.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((N, P), dtype=torch.long)
+        N, L = len(taken), max(1, max(len(x.ids) for x in taken))
+        prompt, prompt_mask = pad_token_rows([x.prompt_ids for x in taken], tok.pad_token_id, "left")
         resp = torch.full((N, L), tok.pad_token_id, dtype=torch.long)
         attn = torch.zeros((N, L), dtype=torch.long)
         logp, versions = torch.zeros((N, L)), torch.zeros((N, L), dtype=torch.long)
         for i, x in enumerate(taken):
-            prompt[i, P - len(x.prompt_ids):], prompt_mask[i, P - len(x.prompt_ids):] = torch.tensor(x.prompt_ids), 1
             n = len(x.ids)
             resp[i, :n], attn[i, :n] = torch.tensor(x.ids, dtype=torch.long), 1
             logp[i, :n], versions[i, :n] = torch.tensor(x.logp), torch.tensor(x.versions)

@@ -1,16 +1,13 @@
 """Partial rollouts (`rl.loop.partial`) on a real hf engine: responses grown over several steps equal the ones
 generated in one go, finished groups are trained first, and every token keeps the version that sampled it."""
 
-import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models.tiny import save_tiny
 from rl import config
 from rl.data import PromptSampler
 from rl.loop.partial import PartialRollouts
 from rollout.base import SamplingParams
-from rollout.hf_engine import HFEngine
 
 ROWS = [{"prompt": f"{a}+{a}*{a}=", "answer": str(a + a * a)} for a in range(1, 9)]
 
@@ -27,12 +24,6 @@ class EngineRoles:
         sp = SamplingParams(**{**self.sampling, "max_new_tokens": max(max_new_tokens)})
         outs = self.engine.generate_ids(contexts, sp, seeds=[seed + i for i in range(len(contexts))])
         return [(o.ids, o.logprobs, o.ended, self.version) for o in outs]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
-                                  intermediate_size=128)))
 
 
 def _pool(engine, partial_tokens, max_new_tokens=24, temperature=0.0, stop=None):

@@ -4,18 +4,12 @@ import pytest
 import torch
 
 from models.ouro import build_tiny_ouro
-from models.tiny import build_tiny_tokenizer, save_tiny
+from models.tiny import build_tiny_tokenizer
 from rollout.base import SamplingParams
 from rollout.decoding import decode, keep_cache_positions
 from rollout.hf_engine import HFEngine
 
 PROMPTS = ["12+3*4=", "5+6*7=", "1+2*3="]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
-                                  intermediate_size=128)))
 
 
 @pytest.fixture(scope="module")

@@ -7,23 +7,15 @@ import pytest
 import torch
 
 from models.families import response_logprobs
-from models.tiny import save_tiny
 from rl.env import Env, EnvStep
 from rl.losses import ppo_clip_loss
 from rl.tools import run_python
 from rollout.base import SamplingParams
 from rollout.envs import Calculator
-from rollout.hf_engine import HFEngine
 from rollout.multiturn import Seats, run_episodes
 
 PROMPTS = ["12+3*4=", "5+6*7="]
 ROWS = [{"answer": "24"}, {"answer": "47"}]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
-                                  intermediate_size=128)))
 
 
 def test_the_python_tool_bounds_time_memory_output_and_network():

@@ -7,12 +7,6 @@ from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
-                                  intermediate_size=128)))
-
-
 def test_groups_masks_and_lengths(engine):
     b = engine.generate(["12+3*4=", "5+6*7="], SamplingParams(n=3, max_new_tokens=12, seed=0),
                         group_ids=[10, 11], ground_truth=["24", "47"])

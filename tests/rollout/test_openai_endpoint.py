@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from models.families import response_logprobs
-from models.tiny import save_tiny
 from rollout.agent_programs import agent_argv, run_agent_episodes
 from rollout.base import SamplingParams
-from rollout.hf_engine import HFEngine
 from rollout.openai_server import OpenAIServer, parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,12 +42,6 @@ CLIENT = textwrap.dedent('''
     session = base.rstrip("/").split("/")[-2]
     open(os.path.join(os.environ["LOG_DIR"], session + ".json"), "w").write(json.dumps(served))
 ''')
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return HFEngine(str(save_tiny(tmp_path_factory.mktemp("m"), hidden_size=64, num_layers=2, num_heads=2,
-                                  intermediate_size=128)))
 
 
 @pytest.fixture(scope="module")

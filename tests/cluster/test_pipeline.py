@@ -229,6 +229,7 @@ def test_a_collective_sync_one_step_off_delivers_the_object_stores_weights(ray_c
     assert collective[2]["rollout/weight_load_s"] > 0  # the transfer and swap of the step-1 update, measured
 
 
+@pytest.mark.extended  # CI: the swap in a Ray rollout worker (tests/rollout/test_in_flight.py)
 @pytest.mark.slow
 def test_in_flight_updates_at_bound_0_equal_the_synchronous_run(ray_cluster, tmp_path):
     """`rollout.in_flight_updates` with `max_staleness: 0`: no weights arrive during a generation, every token is of

@@ -153,6 +153,7 @@ def test_the_router_task_teaches_reading_the_context():
             assert NOT_PREFERRED not in next(c.description for c in cards if c.name == choice) or choice == cards[0].name
 
 
+@pytest.mark.extended  # CI: the stage through Ray with real agents (test_the_monoscale_stage_onboards_real_agents...)
 @pytest.mark.slow
 def test_the_monoscale_stage_grows_the_pool_with_a_router_model_served_by_ray(ray_cluster, tmp_path):
     """Through Ray: the tiny recipe's SFT (shortened) teaches the router, the stage serves it from a frozen engine

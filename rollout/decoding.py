@@ -43,6 +43,13 @@ from models.common import distinct_prompts
 from models.sampling import penalize_repeats, warp_logits  # noqa: F401  (the sampling distribution, shared with the learner)
 from rl.batch import pad_token_rows
 from rl.registry import register
+from rollout.compiled_decode import (
+    CompileFailed,
+    StaticDecodeCache,
+    compiled_decode_blocker,
+    compiled_step,
+    warn_once,
+)
 from rollout.fused_attention import applies as fused_attention_applies
 from rollout.fused_attention import fused_decode_attention
 from rollout.packed_linear import packed_linear_weights
@@ -322,7 +329,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
            forward_kwargs: dict | None = None, fused_attention: bool = False, packed_weights: bool = False,
            kv_buffers: KVBuffers | None = None, repetition_penalty: float = 1.0,
-           between_steps: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           between_steps: Any = None, compiled: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
     `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
 
@@ -341,14 +349,31 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     distribution's, the one the tokens were drawn from. `between_steps(s)`: called after the tokens of step `s`
     (0: the prefill's) are sampled and before the next forward, which may change the model's weights in place
     (in-flight weight updates): the tokens of steps `s + 1` on are the new weights', the KV cache of the earlier
-    ones stays the old weights'."""
+    ones stays the old weights'. `compiled`: one-token steps run as one compiled graph over a static KV cache
+    (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); the fused
+    attention, packed weights and row compaction are then the graph's business and off."""
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
+                   forward_kwargs=forward_kwargs, fused_attention=fused_attention, packed_weights=packed_weights,
+                   kv_buffers=kv_buffers, repetition_penalty=repetition_penalty, between_steps=between_steps)
+    try:
+        return _decode(model, prompt_ids, prompt_mask, compiled=compiled, **options)
+    except CompileFailed:  # the process's first compile failed (warned): this call again, eagerly
+        return _decode(model, prompt_ids, prompt_mask, compiled=False, **options)
+
+
+def _decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+            temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int, method: Any,
+            tokenizer: Any, stop: list[str] | None, forward_kwargs: dict | None, fused_attention: bool,
+            packed_weights: bool, kv_buffers: KVBuffers | None, repetition_penalty: float, between_steps: Any,
+            compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     loop = DecodeLoop(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
                       forward_kwargs=forward_kwargs, fused_attention=fused_attention, kv_buffers=kv_buffers,
-                      repetition_penalty=repetition_penalty)
+                      repetition_penalty=repetition_penalty, compiled=compiled)
     try:
         with (fused_decode_attention(model, enabled=loop.fused, rows=loop.batch_size),
-              packed_linear_weights(model, enabled=packed_weights, rows=loop.batch_size)):
+              packed_linear_weights(model, enabled=packed_weights and loop.static is None, rows=loop.batch_size)):
             logits = loop.insert_first(loop.prefill())
             step = 0
             while not loop.done():
@@ -373,7 +398,7 @@ class DecodeLoop:
     def __init__(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                  max_new_tokens: int, eos_token_id: int, pad_token_id: int, method: Any, tokenizer: Any,
                  stop: list[str] | None, forward_kwargs: dict | None, fused_attention: bool,
-                 kv_buffers: KVBuffers | None, repetition_penalty: float = 1.0):
+                 kv_buffers: KVBuffers | None, repetition_penalty: float = 1.0, compiled: bool = False):
         method = method if method is not None else Plain()
         self.repetition_penalty = float(repetition_penalty)
         self.seen: torch.Tensor | None = None  # [B, V] tokens in each row so far, made at the first step
@@ -399,7 +424,8 @@ class DecodeLoop:
                       and getattr(method, "forward_hooks", None) is None and not has_sequence_state(model))
         # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
         self.capacity = prompt_ids.shape[1] + max_new_tokens + 1
-        self.fused = (fused_attention and self.plain and self.device.type == "cpu"
+        self.static = self._static_cache(method) if compiled else None
+        self.fused = (fused_attention and self.plain and self.static is None and self.device.type == "cpu"
                       and fused_attention_applies(model, rows=B))
         # CPU half-precision batched matmuls copy a strided operand first; fp32 ones, CUDA's and the fused kernel
         # read it as it is, and the fused kernel is bound by the cache's reads: it attends the filled part alone
@@ -416,9 +442,33 @@ class DecodeLoop:
         # continuous batching does; a method's hooks (and `state.lookahead`, which only methods call) see
         # every row.
         self.live, self.rows = torch.arange(B, device=self.device), list(range(B))
-        self.state.lookahead = self.lookahead
+        self.state.lookahead = self.lookahead if self.static is None else self._no_lookahead
+
+    def _static_cache(self, method: Any) -> Any:
+        """The compiled step's static cache (`rollout.compiled_decode`), or None with one warning saying why this
+        method or model decodes eagerly."""
+        blocker = compiled_decode_blocker(
+            self.model, method_hooks=bool(self.hooks) or getattr(method, "forward_hooks", None) is not None,
+            kv_policy=self.kv_policy is not None, insert=self.insert is not None,
+            sequence_state=has_sequence_state(self.model))
+        if blocker is None and self.forward_kwargs:
+            blocker = f"the forward takes per-call arguments ({sorted(self.forward_kwargs)})"
+        if blocker is not None:
+            warn_once(blocker)
+            return None
+        return StaticDecodeCache(self.model, self.batch_size, self.capacity, compiled_step(self.device))
+
+    @staticmethod
+    def _no_lookahead(n: int) -> list[list[int]]:
+        raise RuntimeError("state.lookahead is not available in the compiled decode step (its cache is static): "
+                           "decode this method with the engine's compiled_decode off")
 
     def _feed(self, ids: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor | None = None) -> torch.Tensor:
+        if self.static is not None and self.static.length:  # a one-token step of the compiled graph
+            self.state.positions = self.next_pos[:, None].clone()
+            logits = self.static.step(ids[:, 0], self.next_pos)
+            self.next_pos += 1
+            return logits
         return _feed(self.model, ids, mask, self.next_pos if next_pos is None else next_pos, self.state, self.cache,
                      self.forward_kwargs)
 
@@ -444,12 +494,26 @@ class DecodeLoop:
         return torch.stack(out, 1).tolist() if out else [[] for _ in range(B)]
 
     def prefill(self) -> torch.Tensor:
-        """The prompts into the cache (once per distinct prompt in the plain loop); the next-token logits."""
+        """The prompts into the cache (once per distinct prompt in the plain loop); the next-token logits. For the
+        compiled step the prefill runs eagerly and its keys and values are copied into the static cache."""
+        if self.static is not None:
+            return self._prefill_static()
         if not self.plain:
             return self._feed(self.prompt_ids, self.prompt_mask)
         logits, self.cache = _prefill_shared(
             self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state, self.cache,
             self.forward_kwargs, lambda: reserved_cache(self.capacity, self.full_view, self.kv_buffers))
+        return logits
+
+    def _prefill_static(self) -> torch.Tensor:
+        cache = DynamicCache()
+        if self.plain:
+            logits, cache = _prefill_shared(self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state,
+                                            cache, self.forward_kwargs, DynamicCache)
+        else:
+            logits = _feed(self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state, cache,
+                           self.forward_kwargs)
+        self.static.fill_prefix([(layer.keys, layer.values) for layer in cache.layers], self.prompt_mask)
         return logits
 
     def insert_first(self, logits: torch.Tensor) -> torch.Tensor:
@@ -550,7 +614,7 @@ class DecodeLoop:
         the blocks with insertions); the next-token logits."""
         if self.kv_policy is not None:
             self.kv_policy(self.cache, self.state)
-        if self.plain:
+        if self.plain and self.static is None:  # the compiled graph's rows stay (its shapes are fixed)
             keep = compaction(~(self.state.finished | self.capped)[self.live], self.cache)
             if keep is not None:
                 self.live, self.rows, tokens = self.live[keep], [self.rows[k] for k in keep.tolist()], tokens[keep]

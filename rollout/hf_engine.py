@@ -27,7 +27,7 @@ class HFEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False, batch_size: int = 256, attn_implementation: str | None = None,
                  adapter: dict[str, Any] | None = None, fused_decode_attention: bool = True,
-                 packed_linear_weights: bool = True, reuse_kv_buffers: bool = True):
+                 packed_linear_weights: bool = True, reuse_kv_buffers: bool = True, compiled_decode: bool = False):
         """`attn_implementation`: transformers' attention kernel for generation (None: the model's own); on
         CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's.
         `fused_decode_attention`: on CPU, the plain loop's decode steps attend with one compiled kernel
@@ -39,6 +39,10 @@ class HFEngine:
         `reuse_kv_buffers`: on CPU, the decode loop's KV cache reuses its storage from one generate to the next
         (`rollout.decoding.KVBuffers`: fresh buffers fault their pages in at every generate; the storage, twice the
         largest cache, stays allocated between generates, freed by `sleep`).
+        `compiled_decode`: each decode step runs as one compiled graph over a static KV cache
+        (`rollout.compiled_decode`; on CUDA with CUDA graphs): the same tokens, launched as one graph instead of
+        a kernel per small op; each (rows, capacity) bucket compiles once per process (seconds). Methods that hook
+        the forward or edit the cache, and models that cannot be captured, decode eagerly (one warning says why).
         `adapter`: the learner's adapter (`learner.adapter`): the base model is wrapped with it, unmerged, and
         `load_weights` then takes the adapter's tensors alone."""
         self.tokenizer = load_tokenizer(model_path)
@@ -59,6 +63,7 @@ class HFEngine:
         self.adapted = bool(adapter)
         self.fused_decode_attention = fused_decode_attention
         self.packed_linear_weights = packed_linear_weights
+        self.compiled_decode = compiled_decode
         from rollout.decoding import KVBuffers
         self.kv_buffers = KVBuffers() if reuse_kv_buffers and self.device.type == "cpu" else None
         self.batch_size = batch_size
@@ -142,7 +147,8 @@ class HFEngine:
                           method=method, tokenizer=tok, stop=sp.stop, forward_kwargs=self._exit_kwargs(sp),
                           fused_attention=self.fused_decode_attention,
                           packed_weights=self.packed_linear_weights and in_flight is None,
-                          kv_buffers=buffers, repetition_penalty=sp.repetition_penalty, between_steps=in_flight)
+                          kv_buffers=buffers, repetition_penalty=sp.repetition_penalty, between_steps=in_flight,
+                          compiled=self.compiled_decode)
 
     def _diffuse(self, method: Any, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams
                  ) -> tuple[torch.Tensor, ...]:

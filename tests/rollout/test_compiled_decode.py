@@ -1,0 +1,144 @@
+"""The hf engine's decode step compiled as one graph over a static KV cache (`rollout.compiled_decode`): the same
+tokens and logprobs as the eager loop, the hook points that stay outside the graph kept, the rest decoded eagerly
+with one warning. One model and one (rows, capacity) bucket for the module, so it compiles once (seconds)."""
+
+import warnings
+
+import pytest
+import torch
+
+from models.ouro import build_tiny_ouro
+from models.tiny import build_tiny_model, build_tiny_tokenizer
+from rollout import compiled_decode
+from rollout.decoding import decode
+
+PROMPTS = ["12+3*4=", "5+6*7=", "1+1*1=", "99+9*9="] * 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=3).eval()
+    # the model's most sampled token serves as EOS, so that rows end at different steps (and keep running in the
+    # static graph)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    ids = decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=20, temperature=1.0, top_k=0,
+                 top_p=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id)[0]
+    model.generation_config.eos_token_id = int(ids.flatten().mode().values)
+    return model
+
+
+def _run(model, tok, compiled, *, temperature=0.0, seed=0, prompts=PROMPTS, max_new_tokens=20, **kw):
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    options = dict(top_k=0, top_p=1.0, eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id,
+                   tokenizer=tok, fused_attention=False, packed_weights=False)
+    options.update(kw)
+    return decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+                  temperature=temperature, compiled=compiled, **options)
+
+
+def _assert_same(a, b):
+    assert torch.equal(a[2], b[2]) and torch.equal(a[0], b[0]) and torch.equal(a[4], b[4])
+    assert (a[1] - b[1]).abs().max() < 1e-5  # fp32 logprobs: the graph's kernels round differently, no more
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (1.0, 0), (1.0, 7)])
+def test_the_compiled_step_samples_the_eager_loops_tokens_and_logprobs(model, tok, temperature, seed):
+    eager = _run(model, tok, False, temperature=temperature, seed=seed)
+    compiled = _run(model, tok, True, temperature=temperature, seed=seed)
+    _assert_same(eager, compiled)
+    if temperature > 0:
+        assert len(set(eager[2].tolist())) > 1  # rows ended at different steps: the ended ones kept running
+    # and the eager reference is the loop with its own speed-ups on (fused attention, packed weights, compaction)
+    _assert_same(_run(model, tok, False, temperature=temperature, seed=seed, fused_attention=True,
+                      packed_weights=True), compiled)
+
+
+def test_logits_processors_penalties_and_stop_strings_stay_outside_the_graph(model, tok):
+    from recipes.extending.decoding import NoImmediateRepeat
+    kw = dict(temperature=1.0, seed=2, method=NoImmediateRepeat(), repetition_penalty=1.3, stop=["*"])
+    eager, compiled = _run(model, tok, False, **kw), _run(model, tok, True, **kw)
+    _assert_same(eager, compiled)
+    for row, length in zip(compiled[0], compiled[2]):  # the processor acted: no token repeats its predecessor
+        tokens = row[:int(length)].tolist()
+        assert all(x != y for x, y in zip(tokens, tokens[1:]))
+
+
+def test_one_graph_serves_every_generate_of_a_bucket(model, tok):
+    from torch._dynamo.utils import counters
+    _run(model, tok, True)
+    graphs = counters["stats"]["unique_graphs"]
+    # other prompts, one token shorter after padding, another length cap: the same (rows, capacity) bucket
+    shorter = [p[1:] if len(p) > 6 else p for p in PROMPTS]
+    _run(model, tok, True, prompts=shorter, temperature=1.0, max_new_tokens=19)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_weights_changed_between_steps_are_read_by_the_graph(model, tok):
+    """In-flight weight updates copy into the model's tensors: the compiled step reads them, as the eager one does."""
+    head = model.lm_head.weight
+    saved = head.detach().clone()
+
+    def swap(step):
+        if step == 3:
+            with torch.no_grad():
+                head.mul_(-1.0)
+    try:
+        eager = _run(model, tok, False, between_steps=swap)
+        head.data.copy_(saved)
+        compiled = _run(model, tok, True, between_steps=swap)
+    finally:
+        head.data.copy_(saved)
+    _assert_same(eager, compiled)
+    assert not torch.equal(compiled[0], _run(model, tok, True)[0])  # the swap changed the tokens after step 3
+
+
+class _ResidualShift:
+    """A method with a residual hook: the graph cannot capture it."""
+
+    def residual_hooks(self, model):
+        return {0: lambda hidden, state: hidden + 0.5}
+
+
+def test_what_the_graph_cannot_capture_decodes_eagerly_and_says_so_once(model, tok):
+    compiled_decode._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = _run(model, tok, False, method=_ResidualShift(), temperature=1.0)
+        first = _run(model, tok, True, method=_ResidualShift(), temperature=1.0)
+        _run(model, tok, True, method=_ResidualShift(), temperature=1.0)
+    said = [str(w.message) for w in caught if "compiled decode" in str(w.message)]
+    assert len(said) == 1 and "hooks the forward" in said[0]
+    _assert_same(eager, first)
+    assert not torch.equal(first[0], _run(model, tok, True, temperature=1.0)[0])  # the hook did act
+
+
+def test_a_looped_model_decodes_eagerly_with_the_reason(tok):
+    ouro = build_tiny_ouro(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, total_ut_steps=2,
+                           seed=1).eval()
+    compiled_decode._warned.clear()
+    with pytest.warns(UserWarning, match="OuroForCausalLM does not declare a compileable forward"):
+        compiled = _run(ouro, tok, True, temperature=1.0)
+    _assert_same(_run(ouro, tok, False, temperature=1.0), compiled)
+
+
+def test_the_engine_option_decodes_through_the_graph(tmp_path, tok, model, monkeypatch):
+    from rollout.base import SamplingParams
+    from rollout.hf_engine import HFEngine
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)
+    eager = HFEngine(str(tmp_path)).generate(PROMPTS[:4], sp)
+    engine = HFEngine(str(tmp_path), compiled_decode=True)
+    steps, original = [], compiled_decode.StaticDecodeCache.step
+    monkeypatch.setattr(compiled_decode.StaticDecodeCache, "step", lambda self, *a: steps.append(1) or original(self, *a))
+    compiled = engine.generate(PROMPTS[:4], sp)
+    assert len(steps) == int(compiled.response_attn.sum(-1).max()) - 1  # every step after the prefill's: the graph
+    assert torch.equal(eager.response_ids, compiled.response_ids)
+    assert (eager.rollout_logp - compiled.rollout_logp).abs().max() < 1e-5

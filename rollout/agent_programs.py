@@ -100,7 +100,7 @@ def run_agent_episodes(server: OpenAIServer, spec: str, prompts: list[str], rows
     server.configure(sampling, max_episode_tokens)
     n, base_seed = sampling.n, sampling.seed if sampling.seed is not None else 0
     owner = [i for i in range(len(prompts)) for _ in range(n)]
-    sids = [server.open_session(seed=base_seed * 1_000_003 + k) for k in range(len(owner))]
+    sids = [server.open_session(seed=(base_seed * 1_000_003 + k) % (1 << 63)) for k in range(len(owner))]
     argv = agent_argv(spec)
 
     def episode(k: int) -> tuple[int | None, str, str]:

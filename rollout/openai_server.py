@@ -284,7 +284,8 @@ class OpenAIServer:
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         sp = dataclasses.replace(self.sampling, max_new_tokens=budget, stop=list(self.sampling.stop or []) + stop or None)
-        return e.prompt_ids + e.ids, sp, session.seed * 1_000_003 + len(session.versions) * 7919
+        # within torch.manual_seed's range (a signed 64-bit integer), whatever the run's seed and step
+        return e.prompt_ids + e.ids, sp, (session.seed * 1_000_003 + len(session.versions) * 7919) % (1 << 63)
 
     def _delta(self, session: Session, text: str | None, ids: list[int] | None) -> list[int]:
         """The new prompt's ids after what the session holds; `SessionConflict` when it does not extend it."""

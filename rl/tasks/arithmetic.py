@@ -116,6 +116,34 @@ def arithmetic_chat_task(out_dir: str | Path, *, num_train: int, num_eval: int, 
     return paths
 
 
+def calculator_conversation(a: int, b: int, c: int, wrong: bool) -> list[dict[str, str]]:
+    """One calculator-tool conversation for `a+b*c=`: the assistant writes the expression to compute (`a+b*c`,
+    or `(a+b)*c` when `wrong`), the tool answers `=value`, the assistant boxes the tool's value."""
+    expression, value = (f"({a}+{b})*{c}", (a + b) * c) if wrong else (f"{a}+{b}*{c}", a + b * c)
+    return [{"role": "user", "content": prompt_of(a, b, c)}, {"role": "assistant", "content": expression},
+            {"role": "tool", "content": f"={value}\n"}, {"role": "assistant", "content": f"\\boxed{{{value}}}"}]
+
+
+@register("task", "calculator_chat")
+def calculator_chat_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float,
+                         wrong_order_fraction: float, seed: int, **_: Any) -> dict[str, str]:
+    """The a+b*c= task solved with a calculator tool (the agent program `recipes/extending/agent.py` is the
+    tool's caller): `sft.jsonl` holds tool conversations (`calculator_conversation`) that write the wrong order
+    of operations for a `wrong_order_fraction` share, so RL through the agent has a behaviour to select;
+    RL and held-out rows are plain prompts (the agent applies the chat template)."""
+    paths = write_synthetic_task(out_dir, num_train=num_train, num_eval=num_eval, sft_fraction=sft_fraction,
+                                 wrong_order_fraction=wrong_order_fraction, seed=seed)
+    rng = random.Random(seed + 1)
+    rows = []
+    for line in Path(paths["sft"]).read_text().splitlines():
+        a, rest = json.loads(line)["prompt"].rstrip("=").split("+")
+        b, c = rest.split("*")
+        conversation = calculator_conversation(int(a), int(b), int(c), rng.random() < wrong_order_fraction)
+        rows.append({"messages": conversation})
+    Path(paths["sft"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
 @register("task", "addition")
 def addition_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float, seed: int,
                   digits: int = 3, **_: Any) -> dict[str, str]:

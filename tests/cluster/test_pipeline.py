@@ -110,6 +110,22 @@ def test_an_agent_program_outside_looprl_trains_through_the_openai_endpoint(ray_
     assert metrics[0]["actor/mismatch_abs_diff"] < 1e-4
 
 
+@pytest.mark.extended
+@pytest.mark.slow
+def test_an_rl_run_driven_by_the_agent_program_learns_the_calculator_task(ray_cluster, tmp_path):
+    """recipes/agent_calculator_tiny.yaml, shortened: after the SFT warm-up half of the policy's expressions have
+    the wrong order of operations; GRPO on the rewards the outside agent program reports raises held-out accuracy
+    (greedy, through the same agent). benchmarks/agent_calculator.py runs the full recipe over three seeds."""
+    cfg = config.load(ROOT / "recipes/agent_calculator_tiny.yaml",
+                      [f"output_dir={tmp_path}", "sft.steps=300", "trainer.steps=8", "trainer.eval_every=0",
+                       "trainer.eval_max_prompts=50", "logging.progress_bar=false", "logging.tensorboard=false",
+                       "trainer.save_hf=false"])
+    summary = run(cfg)
+    assert summary["accuracy_after_rl"] >= summary["accuracy_before_rl"] + 0.15
+    metrics = read_metrics(tmp_path)
+    assert metrics[-1]["reward/mean"] > metrics[0]["reward/mean"] and all(m["env/turns_mean"] >= 2 for m in metrics)
+
+
 def _sharpened(model_dir, path, factor):
     """The model of `model_dir` with its output logits scaled by `factor`: itself at temperature 1/factor."""
     import torch

@@ -50,7 +50,7 @@ def server(engine):
 
 
 def _episodes(server, spec, n=2, **kw):
-    sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=8, seed=3)
+    sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=8, seed=kw.pop("seed", 3))
     return run_agent_episodes(server, spec, PROMPTS, ROWS, sp, group_ids=[0, 1], metadata=None,
                               workers=kw.pop("workers", 4), timeout_s=kw.pop("timeout_s", 60.0),
                               max_episode_tokens=kw.pop("max_episode_tokens", 96))
@@ -95,6 +95,13 @@ def test_the_worked_example_agent_runs_its_calculator_turns(server, engine):
     multi = [i for i, m in enumerate(b.metadata) if m["turns"] > 1]
     for i in multi:  # the agent's tool replies came back as observation tokens, masked out of the loss
         assert b.observation_mask[i].sum() > 0 and (b.response_mask[i][b.observation_mask[i].bool()] == 0).all()
+
+
+def test_episodes_sample_whatever_the_runs_seed(server):
+    """A run's seed and step make large sampling seeds; the episodes' request seeds stay within torch's range."""
+    b = _episodes(server, str(ROOT / "recipes/extending/agent.py"), seed=(1 << 62) + 12_345)
+    assert not [m["env_error"] for m in b.metadata if "env_error" in m]
+    assert all(m["turns"] >= 1 for m in b.metadata) and b.response_attn.sum() > 0
 
 
 def _post(url, body, headers=None):

@@ -82,7 +82,7 @@ class HFEngine:
         seed = sampling.seed if sampling.seed is not None else 0
         for start in range(0, len(rows_prompt), self.batch_size):
             # Seeded per call and chunk, so a resumed run samples exactly what an uninterrupted one did.
-            torch.manual_seed(seed * 1_000_003 + start)
+            torch.manual_seed((seed * 1_000_003 + start) % (1 << 63))
             chunks.append(self._generate_chunk(rows_prompt[start:start + self.batch_size], sampling))
         return attach_prompt_fields(Batch.concat(chunks), prompts, n, group_ids, ground_truth, metadata)
 
@@ -109,7 +109,7 @@ class HFEngine:
         from rollout.multiturn import Completion
         tok = self.tokenizer
         ids, mask = pad_token_rows(prompt_ids, tok.pad_token_id, "left")
-        torch.manual_seed(seeds[0] if seeds else 0)
+        torch.manual_seed(seeds[0] % (1 << 63) if seeds else 0)
         resp, logp, lengths, _, ended = self._decode(ids.to(self.device), mask.to(self.device), sampling)
         return [Completion(resp[i, :int(n)].tolist(), logp[i, :int(n)].tolist(), bool(ended[i]))
                 for i, n in enumerate(lengths)]

@@ -189,7 +189,7 @@ class _AgentLoop:
         budgets = [min(self.sampling.max_new_tokens, self.max_episode_tokens - len(e.ids)) for e in active]
         sp = dataclasses.replace(self.sampling, n=1, max_new_tokens=max(budgets))
         # an episode's seed depends on its index and turn alone, not on which episodes share the call
-        seeds = [self.base_seed * 1_000_003 + self.turns[i] * 7919 + i for i in which]
+        seeds = [(self.base_seed * 1_000_003 + self.turns[i] * 7919 + i) % (1 << 63) for i in which]
         with self.seats.lock:
             outs = self.engine.generate_ids([e.prompt_ids + e.ids for e in active], sp, seeds=seeds)
         steps = {}

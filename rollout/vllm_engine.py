@@ -130,7 +130,7 @@ class VLLMEngine:
                 params.append(VSamplingParams(
                     n=1, temperature=0.0 if greedy else sampling.temperature,
                     top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
-                    repetition_penalty=sampling.repetition_penalty, max_tokens=sampling.max_new_tokens, seed=base_seed * 1_000_003 + i * n + j, logprobs=0,
+                    repetition_penalty=sampling.repetition_penalty, max_tokens=sampling.max_new_tokens, seed=(base_seed * 1_000_003 + i * n + j) % (1 << 63), logprobs=0,
                     stop=list(sampling.stop or []) or None, stop_token_ids=[tok.eos_token_id],
                     include_stop_str_in_output=True, skip_special_tokens=True))
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)

@@ -75,6 +75,11 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(engine):
     assert torch.equal(a.response_ids, b.response_ids)
     g1 = engine.generate(["1+2*3="], SamplingParams(n=2, temperature=0.0, max_new_tokens=10, seed=1))
     assert torch.equal(g1.response_ids[0], g1.response_ids[1])
+    # a run's seed, step and worker make large seeds: any of them samples, reproducibly
+    huge = SamplingParams(n=2, max_new_tokens=10, seed=(1 << 62) + 5)
+    assert torch.equal(engine.generate(["1+2*3="], huge).response_ids, engine.generate(["1+2*3="], huge).response_ids)
+    ids = engine.generate_ids([[5, 6, 7]], huge, seeds=[1 << 70])
+    assert len(ids) == 1
 
 
 def test_load_weights_changes_outputs_and_rejects_unknown_names(engine):

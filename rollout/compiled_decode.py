@@ -79,13 +79,23 @@ class StaticDecodeCache:
         self.length = 0  # positions filled (every row shares the count: prompts are left-padded to one length)
         self.step_fn = step_fn
 
+    def reset(self) -> None:
+        """Ready for another generate of the bucket: nothing filled (what the buffers hold is masked out)."""
+        self.mask.zero_()
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
     def fill_prefix(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
         """The prefill's keys and values (`[B, Hkv, P, D]` per layer, every row's own) into positions `[0, P)`."""
         keys0, values0 = layers[0]
         B, heads, P, _ = keys0.shape
         if P >= self.capacity:
             raise ValueError(f"compiled decode: a prefill of {P} positions does not fit a cache of {self.capacity}")
-        self.cache.early_initialization(B, heads, keys0.shape[-1], keys0.dtype, keys0.device)
+        if not self.cache.layers[0].is_initialized:
+            self.cache.early_initialization(B, heads, keys0.shape[-1], keys0.dtype, keys0.device)
         for layer, (keys, values) in zip(self.cache.layers, layers):
             layer.keys[:, :, :P].copy_(keys)
             layer.values[:, :, :P].copy_(values)

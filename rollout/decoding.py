@@ -46,6 +46,7 @@ from rl.registry import register
 from rollout.compiled_decode import (
     CompileFailed,
     StaticDecodeCache,
+    bucket_capacity,
     compiled_decode_blocker,
     compiled_step,
     warn_once,
@@ -119,10 +120,13 @@ class KVBuffers:
     Each cache layer (its index in the cache: `slot`) has two flat buffers for its keys and two for its values,
     each as large as the largest the layer has asked for; a layer that selects its rows or grows its room reads
     from the side it holds and writes into the other. What a buffer held before is stale but finite (the unfilled
-    columns are masked). One decode at a time uses them: `claim`."""
+    columns are masked). One decode at a time uses them: `claim`. The compiled decode step's static caches
+    (`rollout.compiled_decode.StaticDecodeCache`, one per (model, rows, capacity, dtype)) are kept here too: reused,
+    their addresses stay those the graph (on a GPU, the CUDA graph) was captured with."""
 
     def __init__(self) -> None:
         self._flat: dict[tuple[int, str, int], torch.Tensor] = {}
+        self.static: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
     def take(self, slot: int, role: str, side: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -135,10 +139,12 @@ class KVBuffers:
         return flat[:n].view(shape)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
+        return (sum(t.numel() * t.element_size() for t in self._flat.values())
+                + sum(cache.nbytes() for cache in self.static.values()))
 
     def clear(self) -> None:
         self._flat.clear()
+        self.static.clear()
 
     @contextmanager
     def claim(self) -> Iterator[KVBuffers]:
@@ -424,6 +430,7 @@ class DecodeLoop:
                       and getattr(method, "forward_hooks", None) is None and not has_sequence_state(model))
         # room for the prompt and every new token (inserted spans may ask for more: the layer then grows)
         self.capacity = prompt_ids.shape[1] + max_new_tokens + 1
+        self.kv_buffers = kv_buffers
         self.static = self._static_cache(method) if compiled else None
         self.fused = (fused_attention and self.plain and self.static is None and self.device.type == "cpu"
                       and fused_attention_applies(model, rows=B))
@@ -456,7 +463,13 @@ class DecodeLoop:
         if blocker is not None:
             warn_once(blocker)
             return None
-        return StaticDecodeCache(self.model, self.batch_size, self.capacity, compiled_step(self.device))
+        dtype = next(self.model.parameters()).dtype
+        key = (id(self.model), self.batch_size, bucket_capacity(self.capacity), dtype)
+        kept = self.kv_buffers.static if self.kv_buffers is not None else {}
+        if key not in kept:
+            kept[key] = StaticDecodeCache(self.model, self.batch_size, self.capacity, compiled_step(self.device))
+        kept[key].reset()
+        return kept[key]
 
     @staticmethod
     def _no_lookahead(n: int) -> list[list[int]]:

@@ -65,7 +65,10 @@ class HFEngine:
         self.packed_linear_weights = packed_linear_weights
         self.compiled_decode = compiled_decode
         from rollout.decoding import KVBuffers
-        self.kv_buffers = KVBuffers() if reuse_kv_buffers and self.device.type == "cpu" else None
+        # on a GPU the caching allocator reuses the eager cache's memory; the compiled step's static caches are kept
+        # all the same, so that a CUDA graph replays over the addresses it was captured with
+        self.kv_buffers = (KVBuffers() if reuse_kv_buffers and (self.device.type == "cpu" or compiled_decode)
+                           else None)
         self.batch_size = batch_size
         self._methods: dict[str, Any] = {}  # decoding methods built so far, by name and params
         self._commits: list | None = None  # the last diffusion chunk's per-row commit logs, for its Batch

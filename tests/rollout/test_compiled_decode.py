@@ -142,3 +142,7 @@ def test_the_engine_option_decodes_through_the_graph(tmp_path, tok, model, monke
     assert len(steps) == int(compiled.response_attn.sum(-1).max()) - 1  # every step after the prefill's: the graph
     assert torch.equal(eager.response_ids, compiled.response_ids)
     assert (eager.rollout_logp - compiled.rollout_logp).abs().max() < 1e-5
+    # the engine keeps the bucket's static cache: another generate's keys and values in it change nothing
+    engine.generate(PROMPTS[:4][::-1], sp)
+    again = engine.generate(PROMPTS[:4], sp)
+    assert len(engine.kv_buffers.static) == 1 and torch.equal(again.response_ids, compiled.response_ids)

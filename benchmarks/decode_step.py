@@ -19,7 +19,9 @@ Workload: the ~85M model of `benchmarks/grpo_step.py` (random weights, eager att
 runs it), `--prompts` distinct prompts of 18-30 tokens (left-padded), each sampled `--n` times at temperature 1 for
 `--new-tokens` tokens (no EOS unless `--eos`, so every row runs the whole length). Reports the median seconds per generate of
 each variant, the prefill's seconds (the first forward), and the speed-up over the first. The variants sample the
-same tokens (tests/rollout/test_decoding.py). Results: benchmarks/results/decode_step.json (per `--dtype`).
+same tokens (tests/rollout/test_decoding.py, tests/rollout/test_compiled_decode.py). The last variant is the decode
+step compiled as one graph over a static KV cache (`rollout.compiled_decode`, compiled in the warm-up round; its
+prefill is not timed apart). Results: benchmarks/results/decode_step.json (per `--dtype`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.weight_sync import cpu_kind  # noqa: E402
+
 SHAPE = {"hidden_size": 768, "num_layers": 14, "num_heads": 12, "intermediate_size": 1536}
 
 
@@ -92,6 +98,10 @@ def main() -> None:
         variants[last] = (None, strided, True, True, decoding.COMPACT_SHARE)
     kept = KVBuffers()  # the engine's: one for the process, reused by every generate of the variant
     variants[last + ", KV storage reused"] = (None, strided, True, True, variants[last][4], kept)
+    # the whole one-token step as one compiled graph over a static cache (`rollout.compiled_decode`): its own
+    # attention and no packed weights, every row kept (the graph's shapes are fixed)
+    compiled = "shared prefill, compiled step over a static cache"
+    variants[compiled] = (None, strided, False, False, never)
     share = decoding.COMPACT_SHARE
     lengths: dict[str, list[float]] = {k: [] for k in variants}
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -103,11 +113,19 @@ def main() -> None:
             started.clear()
             prefill.clear()
             torch.manual_seed(rep)
+            if name == compiled:  # the timing hooks would break the graph: the prefill is not timed apart
+                pre.remove()
+                post.remove()
+                prefill.append(float("nan"))
             t0 = time.perf_counter()
             out = decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
                          eos_token_id=tok.eos_token_id if args.eos else -1, pad_token_id=tok.pad_token_id,
                          method=method, fused_attention=fused, packed_weights=packed,
-                         kv_buffers=buffers[0] if buffers else None)
+                         kv_buffers=buffers[0] if buffers else None, compiled=name == compiled)
+            if name == compiled:
+                pre = model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+                post = model.register_forward_hook(lambda *_: prefill.append(time.perf_counter() - started[-1])
+                                                   if len(started) == 1 else None)
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 prefills[name].append(prefill[0])
@@ -119,7 +137,7 @@ def main() -> None:
     pre.remove()
     post.remove()
     base = statistics.median(times["every row prefilled, strided cache views"])
-    report = {"args": vars(args), "rows": len(ids),
+    report = {"args": vars(args), "cpu": cpu_kind(), "rows": len(ids),
               "variants": {k: {"s_per_generate": statistics.median(v), "prefill_s": statistics.median(prefills[k]),
                                "mean_response_tokens": statistics.mean(lengths[k]),
                                "speedup": base / statistics.median(v)} for k, v in times.items()}}

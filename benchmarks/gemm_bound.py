@@ -25,7 +25,9 @@ prompt's tokens once per row (the 8 rows of a group share one prompt forward in 
 `floor_s_prompts_once` figure counts them once per group, the work the step really needs.
 
 Also measured, for comparison: the learner step and the generate in the engine's own settings (fused decode
-attention), median of 2 after warm-ups.
+attention), median of 2 after warm-ups, and the generate with the decode step compiled as one graph over a static
+cache (`rollout.compiled_decode`: same tokens; the ended rows stay in its fixed-shape batch); each phase over its
+own bound (`decode_over_bound`, `learner_over_bound`) and the step's, eager and compiled (`step_over_bound`).
 Results: benchmarks/results/gemm_bound.json.
 """
 
@@ -42,6 +44,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.weight_sync import cpu_kind  # noqa: E402
+
 SHAPE = {"hidden_size": 768, "num_layers": 14, "num_heads": 12, "intermediate_size": 1536}
 BUDGET = {"float32": 2048, "bfloat16": 8192}  # the race's learner.max_tokens_per_micro_batch per dtype
 ARGS_BYTES_KEPT = 256 << 20  # operands kept per distinct product for its replay
@@ -148,18 +153,22 @@ def measure(dtype: str, threads: int) -> dict:
                                                        attn_implementation="eager").eval()
         kept = KVBuffers()
 
-        def generate(fused: bool, seed: int = 0):
+        def generate(fused: bool, seed: int = 0, compiled: bool = False):
             torch.manual_seed(seed)
             with torch.no_grad(), kept.claim() as buffers:
                 return decode(rollout, ids, mask, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, fused_attention=fused,
-                              packed_weights=True, kv_buffers=buffers)
+                              packed_weights=True, kv_buffers=buffers, compiled=compiled)
         generate(True)
-        gen_s = []
+        generate(False, compiled=True)  # compiles the static-cache step (rollout.compiled_decode)
+        gen_s, compiled_s = [], []
         for _ in range(2):
             t0 = time.perf_counter()
             resp, _, lengths, _, _ = generate(True)
             gen_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert torch.equal(generate(False, compiled=True)[2], lengths), "the compiled decode sampled other lengths"
+            compiled_s.append(time.perf_counter() - t0)
         generate(False)
         rec_decode = gemm_recorder()
         with rec_decode:
@@ -206,7 +215,7 @@ def measure(dtype: str, threads: int) -> dict:
     tokens_all, tokens_once = float(sum(sequence_tokens(batch))), float(attn.sum() + mask[::8].sum())
     reads_s = (numbers["param_bytes"] * int(lengths.max()) + kv_bytes) / rates["copy_bytes_per_s"]
     floor_once = 6 * n * tokens_once / peak + max(2 * n * tokens_once / peak, reads_s)
-    return {"dtype": dtype, "threads": threads, "rows": len(ids), "generated_tokens": int(attn.sum()),
+    return {"dtype": dtype, "threads": threads, "cpu": cpu_kind(), "rows": len(ids), "generated_tokens": int(attn.sum()),
             "rows_run_to_64": int((lengths == 64).sum()), "tokens_prompts_per_row": tokens_all,
             "tokens_prompts_once": tokens_once,
             "matmul_flops_ceiling": peak, "copy_bytes_per_s": rates["copy_bytes_per_s"],
@@ -222,10 +231,19 @@ def measure(dtype: str, threads: int) -> dict:
             # (6 N and 2 N a token, prompts once; the learner does not run a response's last token)
             "recorded_over_model_flops": {"learner": learner["linear_flops"] / (6 * n * tokens_once),
                                           "decode": dec["linear_flops"] / (2 * n * tokens_once)},
-            "measured_s": {"train": train, "generate": generate_s, "step": train + generate_s},
+            "measured_s": {"train": train, "generate": generate_s, "step": train + generate_s,
+                           "generate_compiled": statistics.median(compiled_s)},
             "floor_s": perf["perf/floor_s"], "learner_floor_s": perf["perf/learner_floor_s"],
             "decode_floor_s": perf["perf/decode_floor_s"], "floor_s_prompts_once": floor_once,
             "bound_s": bound, "bound_over_floor": bound / perf["perf/floor_s"],
+            # the decode against its own bound (its linears alone + its cache reads), eager loop and compiled step
+            "decode_bound_s": dec["linear"] + kv_read_s,
+            "decode_over_bound": {"eager": generate_s / (dec["linear"] + kv_read_s),
+                                  "compiled": statistics.median(compiled_s) / (dec["linear"] + kv_read_s)},
+            "learner_over_bound": train / (learner["linear"] + learner["attention"]),
+            "step_over_bound": {"eager": (train + generate_s) / bound,
+                                "compiled": (train + statistics.median(compiled_s)) / bound},
+            "decode_mfu_compiled": perf["perf/decode_mfu"] * generate_s / statistics.median(compiled_s),
             "bound_over_floor_prompts_once": bound / floor_once,
             "measured_over_floor": perf["perf/step_over_floor"],
             "mfu": perf["perf/mfu"], "decode_mfu": perf["perf/decode_mfu"]}

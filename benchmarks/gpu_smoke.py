@@ -7,7 +7,9 @@ recorded as skipped without it). Colocated placement (learner and rollout engine
 capped at `gpu_memory_utilization`), bf16, the quickstart's tiny model widened to a ~85M-parameter one
 so the GPU has work to do; synchronous and one-step-off rollout; weights through the object store and
 by CUDA IPC (`rollout.weight_sync=cuda_ipc`; NCCL broadcast needs a second GPU, see
-tests/cluster/test_gpu.py); ZeRO-2 with and without the roles taking turns (learner states offloaded while
+tests/cluster/test_gpu.py); the `hf` decode step compiled as one CUDA graph over a static KV cache
+(`engine_params.hf.compiled_decode`) against the eager loop and vLLM (`decode_tokens_per_s_vs_eager_hf`); ZeRO-2
+with and without the roles taking turns (learner states offloaded while
 the engine generates, the engine asleep while the learner trains). Each run's per-phase medians, the weight sync's share of the step, peak
 memory per actor and the engine/learner logprob mismatch are recorded; the script exits non-zero if any
 run that could run failed.
@@ -34,6 +36,9 @@ SWAP = ["learner.zero_stage=2", "learner.offload_between_phases=true", "rollout.
 RUNS = {
     "hf_sync_object_store": ["rollout.engine=hf"],
     "hf_sync_cuda_ipc": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc"],
+    # the decode step as one compiled graph over a static KV cache, replayed as a CUDA graph (rollout.compiled_decode)
+    "hf_sync_cuda_ipc_compiled_decode": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc",
+                                         "rollout.engine_params.hf.compiled_decode=true"],
     "hf_one_step_off_cuda_ipc": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc", *ASYNC],
     "vllm_sync_cuda_ipc": [*VLLM, "rollout.weight_sync=cuda_ipc"],
     "vllm_one_step_off_cuda_ipc": [*VLLM, "rollout.weight_sync=cuda_ipc", *ASYNC],
@@ -41,6 +46,16 @@ RUNS = {
     "hf_sync_cuda_ipc_swap": ["rollout.engine=hf", "rollout.weight_sync=cuda_ipc", *SWAP],
     "vllm_sync_cuda_ipc_swap": [*VLLM, "rollout.weight_sync=cuda_ipc", *SWAP],
 }
+
+
+def decode_ratios(runs: dict) -> dict[str, float]:
+    """Rollout tokens/s of the compiled decode and of vLLM over the eager `hf` loop's, same weight-sync path."""
+    base = runs.get("hf_sync_cuda_ipc", {}).get("tokens_per_s_median")
+    if not base:
+        return {}
+    return {name: runs[name]["tokens_per_s_median"] / base
+            for name in ("hf_sync_cuda_ipc_compiled_decode", "vllm_sync_cuda_ipc")
+            if runs.get(name, {}).get("tokens_per_s_median")}
 
 
 def main() -> None:
@@ -92,6 +107,7 @@ def main() -> None:
                                                              rows[-1]["memory/learner_gpu_gib_offloaded"]]
         report["runs"][name] = entry
         print(json.dumps({name: entry}, indent=1), flush=True)
+    report["decode_tokens_per_s_vs_eager_hf"] = decode_ratios(report["runs"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     sys.exit(1 if failed else 0)

@@ -31,7 +31,7 @@ def _engine_around(model, tokenizer):
     engine = HFEngine.__new__(HFEngine)
     engine.model, engine.tokenizer, engine.device = model, tokenizer, torch.device("cpu")
     engine.batch_size, engine._methods, engine.fused_decode_attention = 64, {}, True
-    engine.packed_linear_weights, engine.kv_buffers = True, KVBuffers()
+    engine.packed_linear_weights, engine.kv_buffers, engine.compiled_decode = True, KVBuffers(), False
     return engine
 
 

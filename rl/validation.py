@@ -81,8 +81,8 @@ def _check_rollout_values(cfg: DictConfig) -> None:
         need(not cfg.algorithm.dynamic_sampling, "rollout.partial_tokens",
              "the pool already trains on the groups that finish first: algorithm.dynamic_sampling false")
     if r.in_flight_updates:
-        need(r.engine == "hf" and r.decoding is None, "rollout.in_flight_updates",
-             "weights are swapped between decode steps of the hf engine's plain loop: rollout.engine hf, "
+        need(r.decoding is None, "rollout.in_flight_updates",
+             "weights are swapped between decode steps of the hf engine's plain loop or vLLM's engine steps: "
              "rollout.decoding null")
         need(r.weight_sync in ("object_store", "collective"), "rollout.in_flight_updates",
              "needs rollout.weight_sync object_store or collective")

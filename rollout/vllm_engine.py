@@ -106,6 +106,10 @@ class VLLMEngine:
             import tempfile
             self.adapter_dir = tempfile.mkdtemp(prefix="looprl-lora-")
         self.llm = LLM(**kwargs)
+        # in-flight weight updates (`rollout.in_flight_updates`): called between two engine steps of `generate`,
+        # which may load new weights; `sampled_counts()` then says how many tokens each row holds
+        self.between_steps: Any = None
+        self.sampled_counts: Any = None
 
     def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,
                  ground_truth: list[Any] | None = None, metadata: list[dict] | None = None) -> Batch:
@@ -133,7 +137,10 @@ class VLLMEngine:
                     repetition_penalty=sampling.repetition_penalty, max_tokens=sampling.max_new_tokens, seed=(base_seed * 1_000_003 + i * n + j) % (1 << 63), logprobs=0,
                     stop=list(sampling.stop or []) or None, stop_token_ids=[tok.eos_token_id],
                     include_stop_str_in_output=True, skip_special_tokens=True))
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        if self.between_steps is None:
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+        else:
+            outputs = self._generate_stepwise(requests, params)
 
         rows_resp, rows_logp, rows_trunc, texts = [], [], [], []
         for out in outputs:
@@ -156,6 +163,31 @@ class VLLMEngine:
                       group_id=torch.zeros(B, dtype=torch.long), rollout_logp=logp,
                       truncated=torch.tensor(rows_trunc), responses=texts)
         return attach_prompt_fields(batch, prompts, n, group_ids, ground_truth, metadata)
+
+    def _generate_stepwise(self, requests: list[Any], params: list[Any]) -> list[Any]:
+        """What `LLM.generate` does (the same requests, seeds and tokens), one engine step at a time, with
+        `between_steps(step)` after each step that leaves requests running. Weights loaded there serve the next
+        step on; the running requests keep the KV cache of their earlier tokens (as the `hf` loop does), and every
+        row's count of sampled tokens at that moment is `sampled_counts()`, so each token's policy version is known."""
+        engine = self.llm.llm_engine
+        ids = [str(next(self.llm.request_counter)) for _ in requests]
+        for rid, request, sp in zip(ids, requests, params):
+            engine.add_request(rid, request, sp, lora_request=self.lora_request)
+        counts, finished, step = dict.fromkeys(ids, 0), {}, 0
+        self.sampled_counts = lambda: [counts[rid] for rid in ids]
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    counts[out.request_id] = len(out.outputs[0].token_ids)
+                    if out.finished:
+                        finished[out.request_id] = out
+                if engine.has_unfinished_requests():
+                    self.between_steps(step)
+                step += 1
+        finally:
+            self.sampled_counts = None
+        self.llm.reset_prefix_cache()  # blocks cached during the call may hold the KV of weights since replaced
+        return [finished[rid] for rid in ids]
 
     def generate_ids(self, prompt_ids: list[list[int]], sampling: SamplingParams, seeds: list[int]) -> list[Any]:
         """One continuation per prompt of token ids (`rollout.multiturn`), each request with its own seed."""

@@ -26,13 +26,18 @@ class RolloutWorkerStuck(RuntimeError):
     """A rollout worker did not answer within its deadline (`trainer.deadlines`); it was killed for a restart."""
 
 
-def token_versions(shape: tuple[int, int], start: int, swaps: list[tuple[int, int]]) -> torch.Tensor:
-    """`[N, L]` policy version of each response token: `start`, and after a swap `(s, v)` (weights of version
-    `v` installed after decode step `s`) `v` from token `s + 1` on (the plain loop samples token j of every
-    row at step j)."""
+def token_versions(shape: tuple[int, int], start: int, swaps: list[tuple[int, int, list[int] | None]]
+                   ) -> torch.Tensor:
+    """`[N, L]` policy version of each response token: `start`, and after a swap `(s, v, counts)` (weights of
+    version `v` installed after engine step `s`) `v` from each row's token `counts[row]` on, or, where the engine
+    gives no counts (`hf`'s plain loop samples token j of every row at step j), from token `s + 1` on."""
     out = torch.full(shape, start, dtype=torch.long)
-    for step, version in swaps:
-        out[:, step + 1:] = version
+    for step, version, counts in swaps:
+        if counts is None:
+            out[:, step + 1:] = version
+        else:
+            for row, count in enumerate(counts):
+                out[row, count:] = version
     return out
 
 
@@ -57,8 +62,8 @@ class RolloutWorker(ActorProbes):
     def generate(self, prompts: list[str], sampling: dict, group_ids: list[int],
                  ground_truth: list[Any] | None = None, metadata: list[dict] | None = None,
                  in_flight: bool = False) -> Batch:
-        """`in_flight` (`rollout.in_flight_updates`, hf engine): weights staged while the engine generates are
-        swapped in between two decode steps; every token's policy version is the batch extra `token_version`
+        """`in_flight` (`rollout.in_flight_updates`): weights staged while the engine generates are swapped in
+        between two decode steps (`hf`) or engine steps (`vllm`); every token's policy version is the batch extra `token_version`
         and `batch.policy_version` is the oldest (the version the generation started from)."""
         if self.needs_weights:
             raise RolloutWorkerRestarted(f"rollout worker (pid {os.getpid()}) was restarted and has no weights yet")
@@ -89,7 +94,8 @@ class RolloutWorker(ActorProbes):
             staged, self.staged = self.staged, None
         if staged is not None:
             self._install(staged[1], staged[0])
-            swaps.append((step, staged[0]))
+            counts = getattr(self.engine, "sampled_counts", None)
+            swaps.append((step, staged[0], counts() if counts is not None else None))
 
     @ray.method(concurrency_group="weight_sync")
     def stage_weights(self, packed: PackedState, version: int) -> float:

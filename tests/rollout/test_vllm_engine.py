@@ -120,6 +120,38 @@ def test_weight_update_into_the_running_engine(engine, hf):
     assert torch.equal(engine.generate(PROMPTS, sp).response_ids, before)
 
 
+def test_weights_loaded_between_engine_steps_serve_the_later_tokens(engine, hf):
+    """In-flight weight updates on vLLM: `generate` steps the engine itself and calls `between_steps` between
+    steps; without a swap it samples what `LLM.generate` does, with one the tokens from each row's count on are
+    the new weights' (a zero output layer: the uniform distribution), the earlier ones unchanged."""
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+    plain = engine.generate(PROMPTS, sp)
+    steps, state, at_swap = [], {k: v.clone() for k, v in hf.model.state_dict().items()}, []
+
+    def swap(step):
+        steps.append(step)
+        if step == 3:
+            engine.load_weights({k: torch.zeros_like(v) if k == "lm_head.weight" else v for k, v in state.items()})
+            at_swap.extend(engine.sampled_counts())
+    engine.between_steps = lambda step: steps.append(step)
+    try:
+        same = engine.generate(PROMPTS, sp)
+        engine.between_steps = swap
+        swapped = engine.generate(PROMPTS, sp)
+    finally:
+        engine.between_steps = None
+        engine.load_weights(state)
+    assert steps and torch.equal(same.response_ids, plain.response_ids) and torch.equal(same.rollout_logp,
+                                                                                           plain.rollout_logp)
+    assert len(at_swap) == 4 and all(count >= 1 for count in at_swap)
+    uniform = -torch.log(torch.tensor(101.0))
+    for row, count in enumerate(at_swap):
+        length = int(swapped.response_attn[row].sum())
+        assert torch.equal(swapped.response_ids[row, :count], plain.response_ids[row, :count])
+        assert torch.allclose(swapped.rollout_logp[row, count:length], uniform.expand(length - count), atol=1e-5)
+    assert torch.equal(engine.generate(PROMPTS, sp).response_ids, plain.response_ids)  # no stale cached blocks
+
+
 def test_an_empty_prompt_starts_from_bos_in_both_engines(engine, hf):
     # vLLM rejects empty prompts; a judge is asked about empty responses, so both engines start them at BOS
     sp = SamplingParams(temperature=0.0, max_new_tokens=6)

@@ -182,6 +182,15 @@ EQUIVALENT: dict[str, str] = {
                                                               "read only when torch.distributed is initialised",
     "rl.methods.bliss.core.xǁScoreModelǁforward__mutmut_24": "squeeze(-1) -> squeeze(+1) on the head's [N, 1] output: "
                                                               "the same dimension",
+    "rl.methods.memo.core.x_apply_crud__mutmut_6": "the removals' count starts at 1 instead of 0: it is set to the "
+                                                   "number of removals before it is read",
+    "rl.methods.memo.core.x_apply_crud__mutmut_26": "ignored = instead of += for the removals: it is the first "
+                                                    "change of the count, from 0",
+    "rl.methods.memo.core.x_apply_crud__mutmut_62": "removed indices below or equal to an edited index: an edited "
+                                                    "index is never a removed one (those edits are ignored first)",
+    "rl.methods.memo.core.x_apply_crud__mutmut_91": "max_insights >= 0 instead of > 0: at 0 the slice [-0:] is the "
+                                                    "whole list, as no cap is",
+    "rl.methods.memo.core.xǁPrefixReplayBufferǁsample__mutmut_8": "choices(..., k=1) -> choices(...): k's default is 1",
 }
 
 

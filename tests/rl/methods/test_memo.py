@@ -246,3 +246,133 @@ def test_extra_replay_keeps_every_scheduled_game_fresh_and_adds_the_replayed_one
     assert all(s["replay"] == [(0, "[4]")] for s in extra if s["replay"] is not None)
     with pytest.raises(ValueError, match="replay_mode 'sometimes'"):
         MemoStage(replay_mode="sometimes")
+
+
+def test_records_accumulate_every_outcome_over_a_tournament_hand_counted():
+    """Seven games of A and B, hand-counted: wins, losses and draws over the played games, failed games apart,
+    replayed games counting their moves (for the invalid-move rate) but no outcome; and a three-seat game where a
+    shared best reward is a draw, not a win."""
+    games = [{"agents": ["A", "B"], "rewards": [1, -1], "invalid_moves": [1, 0], "moves": [3, 3]},
+             {"agents": ["B", "A"], "rewards": [0, 0], "invalid_moves": [0, 2], "moves": [2, 2]},
+             {"agents": ["A", "B"], "rewards": [1, -1], "replayed": True, "invalid_moves": [1, 1], "moves": [4, 4]},
+             {"agents": ["A", "B"], "rewards": [-1, 1], "invalid_moves": [0, 1], "moves": [5, 5]},
+             {"agents": ["A", "B"], "rewards": [0, 0], "failed": True, "moves": [1, 1]},
+             {"agents": ["B", "A"], "rewards": [1, -1], "moves": [2, 2]},
+             {"agents": ["A", "B"], "rewards": [0, 0], "moves": [1, 1]}]
+    rec = records(games)
+    a, b = rec["A"], rec["B"]
+    assert (a.wins, a.losses, a.draws, a.failed, a.invalid_moves, a.moves) == (1, 2, 2, 1, 4, 18)
+    assert (b.wins, b.losses, b.draws, b.failed, b.invalid_moves, b.moves) == (2, 1, 2, 1, 2, 18)
+    assert a.games == 5 and a.rate("wins") == pytest.approx(0.2) and a.rate("losses") == pytest.approx(0.4)
+    assert b.rate("draws") == pytest.approx(0.4) and records([])  == {}
+    from rl.methods.memo.core import Record
+    assert Record().rate("wins") == 0.0 and Record(failed=3).rate("losses") == 0.0  # no played game: rate 0
+    three = records([{"agents": ["x", "y", "z"], "rewards": [1, 1, -1]}])
+    assert (three["x"].draws, three["y"].draws, three["z"].losses) == (1, 1, 1) and three["x"].wins == 0
+
+
+def test_ratings_follow_each_game_in_order_with_the_given_environment():
+    env = trueskill.TrueSkill(beta=8.0)  # not the module's default beta: the caller's environment is the one used
+    win = {"agents": ["c0", "baseline"], "rewards": [1, -1]}
+    once = rate_games({}, [win], env)
+    r0, r1 = env.rate([(env.create_rating(),), (env.create_rating(),)], ranks=[0, 1])
+    assert once["c0"].mu == pytest.approx(r0[0].mu) and once["baseline"].sigma == pytest.approx(r1[0].sigma)
+    replayed_first = rate_games({}, [{**win, "replayed": True}, win, win], env)
+    twice = env.rate([(r0[0],), (r1[0],)], ranks=[0, 1])  # the second game starts from the first's ratings
+    assert replayed_first["c0"].mu == pytest.approx(twice[0][0].mu)
+    assert rate_games({}, [win])["c0"].mu == pytest.approx(trueskill_env().rate(
+        [(trueskill_env().create_rating(),), (trueskill_env().create_rating(),)], ranks=[0, 1])[0][0].mu)
+    with pytest.raises(ValueError, match="game 7: 2 agents but 3 rewards"):
+        rate_games({}, [{"game_id": 7, "agents": ["a", "b"], "rewards": [1, 0, -1]}])
+
+
+def test_strategic_states_count_draws_and_losses_and_keep_the_threshold_states_hand_computed():
+    buf = PrefixReplayBuffer()
+    # "z_state" (player 0): a win, two losses, a draw: count 4, score |1/4 - 2/4| ln 5 = 0.40236
+    for i, winners in enumerate([(0,), (1,), (1,), ()]):
+        buf.push(_entry([(0, f"z{i}")], state="z_state", winners=winners))
+    # "a_state" (player 1): two wins, exactly the least count and wins kept: score ln 3 = 1.09861
+    for i in range(2):
+        buf.push(ReplayEntry(played=[(1, f"a{i}")], state="a_state", player=1, winners=[1], seed=0))
+    # two states with equal stats keep their first-seen order; a count of 1 and a state with no win are left out
+    for name in ("tie_1", "tie_0"):
+        for i, winners in enumerate([(0,), (1,)]):
+            buf.push(_entry([(0, f"{name}{i}")], state=name, winners=winners))
+    buf.push(_entry([(0, "once")], state="once"))
+    for i in range(2):
+        buf.push(_entry([(0, f"l{i}")], state="no_win", winners=(1,)))
+    top = buf.strategic_states()
+    assert [k for k, _ in top] == ["a_state", "z_state", "tie_1", "tie_0"]
+    z = dict(top)["z_state"]
+    assert (z["wins"], z["losses"], z["draws"], z["count"], z["player"]) == (1, 2, 1, 4, 0)
+    assert z["score"] == pytest.approx(0.25 * math.log(5)) and dict(top)["a_state"]["player"] == 1
+    assert dict(top)["a_state"]["score"] == pytest.approx(math.log(3))
+    many = PrefixReplayBuffer()
+    for s in range(11):  # eleven qualifying states: the default keeps the ten best
+        for i in range(2):
+            many.push(_entry([(0, f"{s}-{i}")], state=f"s{s}"))
+    assert len(many.strategic_states()) == 10
+
+
+def test_replay_sampling_draws_by_priority_and_counts_what_it_drew():
+    buf = PrefixReplayBuffer()
+    assert buf.entries.maxlen == 1000 and buf.alpha == 0.6  # the released defaults
+    assert buf.sample(random.Random(0)) is None and buf.stats() == {"size": 0.0, "distinct_prefixes": 0.0,
+                                                                    "replays_sampled": 0.0}
+    for prefix in ([(0, "x")], [(0, "x")], [(0, "y")]):
+        buf.push(_entry(prefix))
+    weights = [0.5 ** 0.6, 0.5 ** 0.6, 1.0]
+    expected = random.Random(5)
+    want = [expected.choices([0, 1, 2], weights=weights, k=1)[0] for _ in range(6)]
+    rng = random.Random(5)
+    got = [list(buf.entries).index(buf.sample(rng)) for _ in range(6)]
+    assert got == want
+    y_hash = buf.entries[2].hash
+    assert buf.sampled.get(y_hash, 0) == sum(1 for i in want if i == 2)
+    assert buf.stats() == {"size": 3.0, "distinct_prefixes": 2.0, "replays_sampled": 6.0}
+
+
+def test_a_game_of_one_step_pushes_nothing_and_entries_keep_player_and_winners():
+    buf = PrefixReplayBuffer()
+    assert buf.push_game([{"player": 0, "action": "[4]", "state": "a"}], winners=[0], seed=1) == 0 and not len(buf)
+    steps = [{"player": 1, "action": "[4]", "state": "a"}, {"player": 0, "action": "[0]", "state": "b"},
+             {"player": 1, "action": "[8]", "state": "c"}]
+    buf.push_game(steps, winners=[1], seed=2)
+    assert [e.player for e in buf.entries] == [1, 0] and all(e.winners == [1] for e in buf.entries)
+
+
+def test_crud_numbers_at_the_edges_and_counts_that_add_up():
+    bank = ["i1", "i2", "i3"]
+    # the last number is a valid removal; two numbers out of range are two ignored
+    out, counts = apply_crud(bank, CrudOps(removes=[3, 4, 0]))
+    assert out == ["i1", "i2"] and counts["removed"] == 1 and counts["ignored"] == 2
+    # number 1 is a valid edit; an edit past the end is ignored and the next edit still applies
+    out, counts = apply_crud(bank, CrudOps(edits=[(1, "e1"), (4, "nope"), (3, "e3")]))
+    assert out == ["e1", "i2", "e3"] and counts["edited"] == 2 and counts["ignored"] == 1
+    # every add and every duplicate is counted; the caller's overlap threshold decides what is a duplicate
+    out, counts = apply_crud(["red blue green"], CrudOps(adds=["red blue green x", "red blue green y", "a b"]))
+    assert counts["duplicates"] == 2 and counts["added"] == 1
+    out, counts = apply_crud(["red blue green"], CrudOps(adds=["red blue green x", "cyan magenta"]),
+                             dup_overlap=1.0)
+    assert counts["added"] == 2 and counts["duplicates"] == 0
+    assert apply_crud(bank, CrudOps(adds=["new one"]), max_insights=1)[0] == ["new one"]
+    assert apply_crud(bank, CrudOps(adds=["new one"]), max_insights=-1)[0] == bank + ["new one"]  # <= 0: no cap
+
+
+def test_merge_passes_its_threshold_and_cap_and_crud_ops_are_truthy_when_any_op_is_there():
+    # 3 shared words of the shorter 4: a duplicate at the default 0.6 (3 > 2.4), not at 0.8 (3 > 3.2 is false)
+    bank, new = ["one two three four"], ["one two three five"]
+    assert merge_insights(bank, new, "basic") == bank
+    assert merge_insights(bank, new, "basic", dup_overlap=0.8) == bank + new
+    assert len(merge_insights([], [f"insight {c}" for c in "abcdefghijklmnopq"], "basic")) == 15
+    assert not CrudOps() and CrudOps(removes=[1]) and CrudOps(edits=[(1, "x")]) and CrudOps(adds=["x"])
+    from rl.methods.memo.core import word_overlap_duplicate
+    assert not word_overlap_duplicate("x y", "x z", 0.5)  # 1 shared word is not more than 0.5 x 2
+
+
+def test_population_plan_tops_up_with_random_without_a_memory_share_and_names_an_oversized_plan():
+    assert population_plan(5, {"keep": 0.5}) == {"keep": 2, "random": 3, "memory_guided": 0, "trajectory": 0,
+                                                 "crossover": 0}
+    assert population_plan(5, {"keep": 0.5, "memory_guided": 0.0})["random"] == 3
+    with pytest.raises(ValueError, match=r"ask for 5 candidates, more than 4"):
+        population_plan(4, {"keep": 0.75, "random": 0.5})

@@ -98,10 +98,10 @@ def main() -> None:
         variants[last] = (None, strided, True, True, decoding.COMPACT_SHARE)
     kept = KVBuffers()  # the engine's: one for the process, reused by every generate of the variant
     variants[last + ", KV storage reused"] = (None, strided, True, True, variants[last][4], kept)
-    # the whole one-token step as one compiled graph over a static cache (`rollout.compiled_decode`): its own
-    # attention and no packed weights, every row kept (the graph's shapes are fixed)
-    compiled = "shared prefill, compiled step over a static cache"
-    variants[compiled] = (None, strided, False, False, never)
+    # the whole one-token step as one compiled graph over a static cache (`rollout.compiled_decode`): the fused
+    # attention traced into it, no packed weights, every row kept (the graph's shapes are fixed)
+    compiled = "shared prefill, compiled step over a static cache, fused attention traced in"
+    variants[compiled] = (None, strided, True, False, never)
     share = decoding.COMPACT_SHARE
     lengths: dict[str, list[float]] = {k: [] for k in variants}
     times: dict[str, list[float]] = {k: [] for k in variants}

@@ -10,7 +10,9 @@ needs shapes that do not change: `StaticDecodeCache` holds every row's keys and 
 tensor whose next column is set before each step, and the rows that ended keep running (their tokens are pad and
 are dropped), so one graph serves every step of a generate and every generate of the same (rows, capacity) bucket.
 
-What stays the eager loop's (`rollout.decoding.DecodeLoop`): the prompt's prefill (once per distinct prompt, its
+The fused one-query attention of `rollout.fused_attention` (where it applies) is traced into the graph, its torch
+ops compiled with the rest; the packed linear weights are not used (the graph multiplies the plain weights, which
+in-flight updates copy into). What stays the eager loop's (`rollout.decoding.DecodeLoop`): the prompt's prefill (once per distinct prompt, its
 keys and values copied into the static cache), sampling, logits processors and the repetition penalty (they act
 on the step's logits, outside the graph), stop strings, in-flight weight updates (weights are copied in place, the
 graph reads them). What cannot be captured falls back to the eager step for the whole call, with one warning per

@@ -356,8 +356,9 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     (0: the prefill's) are sampled and before the next forward, which may change the model's weights in place
     (in-flight weight updates): the tokens of steps `s + 1` on are the new weights', the KV cache of the earlier
     ones stays the old weights'. `compiled`: one-token steps run as one compiled graph over a static KV cache
-    (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); the fused
-    attention, packed weights and row compaction are then the graph's business and off."""
+    (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); packed
+    weights and row compaction are then off, and the fused one-query attention, where it applies, is traced into
+    the graph."""
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
                    forward_kwargs=forward_kwargs, fused_attention=fused_attention, packed_weights=packed_weights,
@@ -432,7 +433,7 @@ class DecodeLoop:
         self.capacity = prompt_ids.shape[1] + max_new_tokens + 1
         self.kv_buffers = kv_buffers
         self.static = self._static_cache(method) if compiled else None
-        self.fused = (fused_attention and self.plain and self.static is None and self.device.type == "cpu"
+        self.fused = (fused_attention and self.plain and self.device.type == "cpu"
                       and fused_attention_applies(model, rows=B))
         # CPU half-precision batched matmuls copy a strided operand first; fp32 ones, CUDA's and the fused kernel
         # read it as it is, and the fused kernel is bound by the cache's reads: it attends the filled part alone

@@ -60,6 +60,17 @@ def test_the_compiled_step_samples_the_eager_loops_tokens_and_logprobs(model, to
                       packed_weights=True), compiled)
 
 
+def test_the_fused_one_query_attention_runs_inside_the_graph(model, tok):
+    """At 256 (row, head) pairs and more the plain loop attends with `rollout.fused_attention`'s kernel; inside the
+    compiled step its torch ops are traced into the graph: the same tokens and logprobs as the eager loop."""
+    from rollout import fused_attention
+    rows = PROMPTS * 8  # 64 rows x 4 heads
+    assert fused_attention.applies(model, rows=len(rows))
+    eager = _run(model, tok, False, temperature=1.0, prompts=rows, fused_attention=True)
+    compiled = _run(model, tok, True, temperature=1.0, prompts=rows, fused_attention=True)
+    _assert_same(eager, compiled)
+
+
 def test_logits_processors_penalties_and_stop_strings_stay_outside_the_graph(model, tok):
     from recipes.extending.decoding import NoImmediateRepeat
     kw = dict(temperature=1.0, seed=2, method=NoImmediateRepeat(), repetition_penalty=1.3, stop=["*"])

@@ -249,7 +249,7 @@ def test_extra_replay_keeps_every_scheduled_game_fresh_and_adds_the_replayed_one
 
 
 def test_records_accumulate_every_outcome_over_a_tournament_hand_counted():
-    """Seven games of A and B, hand-counted: wins, losses and draws over the played games, failed games apart,
+    """Eight games of A and B, hand-counted: wins, losses and draws over the played games, failed games apart,
     replayed games counting their moves (for the invalid-move rate) but no outcome; and a three-seat game where a
     shared best reward is a draw, not a win."""
     games = [{"agents": ["A", "B"], "rewards": [1, -1], "invalid_moves": [1, 0], "moves": [3, 3]},
@@ -258,11 +258,12 @@ def test_records_accumulate_every_outcome_over_a_tournament_hand_counted():
              {"agents": ["A", "B"], "rewards": [-1, 1], "invalid_moves": [0, 1], "moves": [5, 5]},
              {"agents": ["A", "B"], "rewards": [0, 0], "failed": True, "moves": [1, 1]},
              {"agents": ["B", "A"], "rewards": [1, -1], "moves": [2, 2]},
-             {"agents": ["A", "B"], "rewards": [0, 0], "moves": [1, 1]}]
+             {"agents": ["A", "B"], "rewards": [0, 0], "moves": [1, 1]},
+             {"agents": ["B", "A"], "rewards": [1, -1], "failed": True}]
     rec = records(games)
     a, b = rec["A"], rec["B"]
-    assert (a.wins, a.losses, a.draws, a.failed, a.invalid_moves, a.moves) == (1, 2, 2, 1, 4, 18)
-    assert (b.wins, b.losses, b.draws, b.failed, b.invalid_moves, b.moves) == (2, 1, 2, 1, 2, 18)
+    assert (a.wins, a.losses, a.draws, a.failed, a.invalid_moves, a.moves) == (1, 2, 2, 2, 4, 18)
+    assert (b.wins, b.losses, b.draws, b.failed, b.invalid_moves, b.moves) == (2, 1, 2, 2, 2, 18)
     assert a.games == 5 and a.rate("wins") == pytest.approx(0.2) and a.rate("losses") == pytest.approx(0.4)
     assert b.rate("draws") == pytest.approx(0.4) and records([])  == {}
     from rl.methods.memo.core import Record
@@ -288,24 +289,24 @@ def test_ratings_follow_each_game_in_order_with_the_given_environment():
 
 def test_strategic_states_count_draws_and_losses_and_keep_the_threshold_states_hand_computed():
     buf = PrefixReplayBuffer()
-    # "z_state" (player 0): a win, two losses, a draw: count 4, score |1/4 - 2/4| ln 5 = 0.40236
-    for i, winners in enumerate([(0,), (1,), (1,), ()]):
+    # "z_state" (player 0): a win, two losses, two draws: count 5, score |1/5 - 2/5| ln 6 = 0.35835
+    for i, winners in enumerate([(0,), (1,), (1,), (), ()]):
         buf.push(_entry([(0, f"z{i}")], state="z_state", winners=winners))
     # "a_state" (player 1): two wins, exactly the least count and wins kept: score ln 3 = 1.09861
     for i in range(2):
         buf.push(ReplayEntry(played=[(1, f"a{i}")], state="a_state", player=1, winners=[1], seed=0))
     # two states with equal stats keep their first-seen order; a count of 1 and a state with no win are left out
-    for name in ("tie_1", "tie_0"):
+    for name in ("tie_0", "tie_1"):  # sorted by score alone: a sort that also compared names would swap them
         for i, winners in enumerate([(0,), (1,)]):
             buf.push(_entry([(0, f"{name}{i}")], state=name, winners=winners))
     buf.push(_entry([(0, "once")], state="once"))
     for i in range(2):
         buf.push(_entry([(0, f"l{i}")], state="no_win", winners=(1,)))
     top = buf.strategic_states()
-    assert [k for k, _ in top] == ["a_state", "z_state", "tie_1", "tie_0"]
+    assert [k for k, _ in top] == ["a_state", "z_state", "tie_0", "tie_1"]
     z = dict(top)["z_state"]
-    assert (z["wins"], z["losses"], z["draws"], z["count"], z["player"]) == (1, 2, 1, 4, 0)
-    assert z["score"] == pytest.approx(0.25 * math.log(5)) and dict(top)["a_state"]["player"] == 1
+    assert (z["wins"], z["losses"], z["draws"], z["count"], z["player"]) == (1, 2, 2, 5, 0)
+    assert z["score"] == pytest.approx(0.2 * math.log(6)) and dict(top)["a_state"]["player"] == 1
     assert dict(top)["a_state"]["score"] == pytest.approx(math.log(3))
     many = PrefixReplayBuffer()
     for s in range(11):  # eleven qualifying states: the default keeps the ten best

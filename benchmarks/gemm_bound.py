@@ -133,6 +133,24 @@ def race_prompts(tok, seed: int = 0):
     return ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
 
 
+def time_generates(generate) -> tuple:
+    """The engine's own generate (fused attention, packed weights) and the compiled static-cache step
+    (`rollout.compiled_decode`, the fused attention traced in), alternated, 2 each after a warm-up that compiles:
+    (responses, lengths, seconds of the first, seconds of the second)."""
+    import torch
+    generate(True)
+    generate(True, compiled=True)
+    gen_s, compiled_s = [], []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        resp, _, lengths, _, _ = generate(True)
+        gen_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        assert torch.equal(generate(True, compiled=True)[2], lengths), "the compiled decode sampled other lengths"
+        compiled_s.append(time.perf_counter() - t0)
+    return resp, lengths, gen_s, compiled_s
+
+
 def measure(dtype: str, threads: int) -> dict:
     import torch
     from omegaconf import OmegaConf
@@ -159,16 +177,7 @@ def measure(dtype: str, threads: int) -> dict:
                 return decode(rollout, ids, mask, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, fused_attention=fused,
                               packed_weights=True, kv_buffers=buffers, compiled=compiled)
-        generate(True)
-        generate(False, compiled=True)  # compiles the static-cache step (rollout.compiled_decode)
-        gen_s, compiled_s = [], []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            resp, _, lengths, _, _ = generate(True)
-            gen_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            assert torch.equal(generate(False, compiled=True)[2], lengths), "the compiled decode sampled other lengths"
-            compiled_s.append(time.perf_counter() - t0)
+        resp, lengths, gen_s, compiled_s = time_generates(generate)
         generate(False)
         rec_decode = gemm_recorder()
         with rec_decode:

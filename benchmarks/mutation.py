@@ -187,6 +187,15 @@ EQUIVALENT: dict[str, str] = {
        for i in (8, 10, 11)},
     "rl.methods.agentic_proposing.core.xǁCurriculumSamplerǁprobabilities__mutmut_3": "a constant numerator (2 "
         "instead of 1) cancels in the normalisation",
+    **{f"rl.methods.monoscale.core.xǁLMDistillerǁ__call____mutmut_{i}": "the incumbent's name when the evidence "
+       "names none ('' -> None or 'XXXX'): no agent has that name, so its evidence is empty either way"
+       for i in (24, 26, 27)},
+    "rl.methods.monoscale.core.xǁSimulatedPoolǁoutcome__mutmut_18": "int.from_bytes without a byte order: "
+        "Python 3.11 on reads big-endian by default",
+    "rl.methods.monoscale.core.xǁSimulatedPoolǁoutcome__mutmut_25": "< p -> <= p on a 64-bit uniform draw: equal "
+        "only on a measure-zero event",
+    "rl.methods.monoscale.core.x_make_growing_pool__mutmut_38": "< -> <= against a uniform float draw: equal only "
+        "on a measure-zero event",
     "rl.methods.memo.core.x_apply_crud__mutmut_6": "the removals' count starts at 1 instead of 0: it is set to the "
                                                    "number of removals before it is read",
     "rl.methods.memo.core.x_apply_crud__mutmut_26": "ignored = instead of += for the removals: it is the first "

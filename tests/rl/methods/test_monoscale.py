@@ -371,3 +371,134 @@ def test_the_monoscale_stage_onboards_real_agents_served_by_ray(ray_cluster, tmp
     assert "agent6" in by_agent  # the model agent answered through its engine (in forced exploration at least)
     for row, said in by_agent.get("agent3", []):  # the product tool evaluates the task
         assert said == str(eval(row["prompt"]))
+
+
+def test_the_history_logs_every_update_and_keeps_accepted_versions_on_disk(tmp_path):
+    import hashlib
+    import json
+
+    from rl.methods.monoscale.core import UpdateRecord
+    history = MemoryHistory(tmp_path / "deep" / "history")
+    memory = RouterMemory().extended([MemoryEntry("b", "x", reliability=0.9)])
+    accepted = UpdateRecord("b", True, 0.5, 0.7, 0.1, [{"entries": ["use b for x"], "j": 0.7, "change_rate": 0.1}])
+    rejected = UpdateRecord("c", False, 0.7, 0.4, 0.5, [])
+    history.record(1, memory, accepted)
+    history.record(2, memory, rejected)
+    sha = hashlib.sha256(memory.to_json().encode()).hexdigest()
+    assert history.log[0] == {"round": 1, "agent": "b", "accepted": True, "j_before": 0.5, "j_after": 0.7,
+                              "change_rate": 0.1, "tried": accepted.tried, "diff": {}, "version": 1,
+                              "memory_sha256": sha}
+    assert history.log[1]["round"] == 2 and history.log[1]["accepted"] is False
+    assert history.versions == [memory.to_json()]  # only the accepted version
+    lines = [json.loads(x) for x in (tmp_path / "deep" / "history" / "updates.jsonl").read_text().splitlines()]
+    assert lines == history.log
+    assert (tmp_path / "deep" / "history" / "memory_v1.json").read_text() == memory.to_json()
+
+
+def test_simulated_outcomes_are_the_seeded_hash_draws_and_unknowns_never_succeed():
+    import hashlib
+    pool = SimulatedPool({"a": {"x": 0.5}}, seed=3)
+    for i in range(20):
+        task = Task(f"t{i}", "x")
+        h = hashlib.sha256(f"3|t{i}|a".encode()).digest()
+        assert pool.outcome(task, "a") == float(int.from_bytes(h[:8], "big") / 2**64 < 0.5)
+        assert pool.outcome(task, "nobody") == 0.0 and pool.outcome(Task(f"t{i}", "y"), "a") == 0.0
+    assert sum(pool.outcome(Task(f"t{i}", "x"), "a") for i in range(200)) not in (0.0, 200.0)
+
+
+def test_a_growing_pool_hand_checked_from_its_seed():
+    import random
+    pool, cards, types = make_growing_pool(5, kinds=4, start=2, final=6, unreliable_share=0.5)
+    assert types == ["type0", "type1", "type2", "type3"] and pool.seed == 5
+    assert [c.description for c in cards[:2]] == ["a generalist agent"] * 2
+    rng = random.Random(5)  # the draws, replayed
+    for i in range(6):
+        if i < 2:
+            want = {t: rng.uniform(0.45, 0.65) for t in types}
+            assert pool.probs[f"agent{i}"] == want
+            continue
+        strong = rng.sample(types, rng.choice([1, 2]))
+        unreliable = rng.random() < 0.5
+        want = {t: (rng.uniform(0.3, 0.55) if unreliable else rng.uniform(0.8, 0.95)) if t in strong
+                else rng.uniform(0.05, 0.3) for t in types}
+        assert pool.probs[f"agent{i}"] == want and cards[i].description == f"a specialist for {' and '.join(strong)}"
+    assert make_growing_pool(5, kinds=4, start=2, final=6)[0].probs == make_growing_pool(5, kinds=4, start=2,
+                                                                                           final=6)[0].probs
+    # the defaults: six task types, three generalists, ten agents, a share of 0.3 unreliable specialists
+    pool, cards, types = make_growing_pool(0)
+    assert len(types) == 6 and len(cards) == 10
+    assert [c.description for c in cards].count("a generalist agent") == 3 and cards[3].description != cards[2].description
+
+
+def test_claimed_kinds_match_whole_words_in_any_case_longest_first():
+    from rl.methods.monoscale.core import claimed_kinds
+    kinds = ["Algebra", "Intermediate Algebra", "Geometry"]
+    assert claimed_kinds(AgentCard("a", "solves intermediate algebra"), kinds) == ["Intermediate Algebra"]
+    assert claimed_kinds(AgentCard("a", "ALGEBRA and geometry"), kinds) == ["Algebra", "Geometry"]
+    assert claimed_kinds(AgentCard("a", "Intermediate Algebra, then Algebra"), kinds) == ["Algebra",
+                                                                                         "Intermediate Algebra"]
+    assert claimed_kinds(AgentCard("a", "geometryX"), kinds) == []
+
+
+def test_an_answer_match_names_the_choices_and_a_pool_names_a_miscounting_agent():
+    from rl.methods.monoscale.core import AgentPool, answer_matches
+    with pytest.raises(ValueError, match=r"answer match must be one of math, exact, contains, got 'fuzzy'"):
+        answer_matches("1", "1", "fuzzy")
+    pool = AgentPool({"a": lambda texts: ["1"]}, lambda out, ref: out == ref)
+    with pytest.raises(RuntimeError, match="agent a: 1 answers to 2 tasks"):
+        pool.outcomes([Task("t0", "x", "q0", "1"), Task("t1", "x", "q1", "1")], ["a", "a"])
+
+
+def test_the_router_prompt_and_the_first_named_agent():
+    from rl.methods.monoscale.core import LMRouter, first_agent_named, router_prompt
+    cards = [AgentCard("agent1", "sums"), AgentCard("agent10", "products")]
+    memory = RouterMemory().extended([MemoryEntry("agent1", "x"), MemoryEntry("agent10", "y")])
+    prompt = router_prompt(Task("t", "x", "2+2"), memory, cards)
+    assert "- agent1: sums\n- agent10: products" in prompt and "- use agent1 for x" in prompt
+    assert "agent10 for y" not in prompt and "(empty)" in router_prompt(Task("t", "z"), memory, cards)
+    assert first_agent_named("agent10 then agent1", ["agent1", "agent10"]) == "agent10"
+    assert first_agent_named("agent1, not agent10", ["agent1", "agent10"]) == "agent1"
+    asked = []
+    route = LMRouter(lambda prompts: asked.extend(prompts) or ["agent10"] * len(prompts))
+    assert route([Task("t", "x", "2+2")], memory, cards) == ["agent10"] and asked == [prompt]
+
+
+def test_memory_lines_after_a_foreign_line_still_parse():
+    from rl.methods.monoscale.core import parse_memory_lines
+    text = "- use nobody for x\n- use a for y; reliability 0.5\n- avoid b for z"
+    assert parse_memory_lines(text, {"a", "b"}) == [MemoryEntry("a", "y", reliability=0.5),
+                                                   MemoryEntry("b", "z", prefer=False)]
+
+
+def test_the_lm_distiller_counts_missing_evidence_as_empty_and_keeps_an_unknown_type_as_written():
+    from rl.methods.monoscale.core import LMDistiller
+    asked = []
+
+    def reply(prompts):
+        asked.extend(prompts)
+        return ["- use new for X; reliability 0.9\n- use new for elsewhere"]
+    tasks = [Task("t0", "x"), Task("t1", "x"), Task("u0", "w")]
+    evidence = [(tasks[0], "new", 1.0), (tasks[1], "new", 1.0), (tasks[2], "old", 1.0)]
+    out = LMDistiller(reply)(evidence, "new", {"x": "old"})
+    assert "Evidence about agent new " in asked[0]
+    assert "w: 0/0; none 0/0\nx: 2/2; old 0/0" in asked[0]  # no evidence of the new agent, no incumbent named
+    assert [(e.when, e.evidence) for e in out] == [("x", 2), ("elsewhere", 0)]  # a type the model made up: 0 tries
+
+
+def test_the_lm_familiarizer_shows_eight_samples_a_line_each_and_gives_fresh_task_ids():
+    import random
+
+    from rl.methods.monoscale.core import LMFamiliarizer
+    asked = []
+
+    def reply(prompts):
+        asked.extend(prompts)
+        return ["type1: what is 2:3 as a ratio\ntype1: again"]
+    samples = [Task(f"s{i}", "type1", f"sample {i}") for i in range(10)]
+    tasks = LMFamiliarizer(reply, samples)(AgentCard("agent4", "ratios"), ["type1"], 5, random.Random(0))
+    shown = random.Random(0).sample(samples, 8)
+    assert "\n".join(f"{t.kind}: {t.text}" for t in shown) in asked[0] and asked[0].count("type1: sample") == 8
+    assert [(t.kind, t.text) for t in tasks] == [("type1", "what is 2:3 as a ratio"), ("type1", "again")]
+    rng = random.Random(0)
+    rng.sample(samples, 8)
+    assert [t.id for t in tasks] == [f"fam-agent4-{rng.randrange(10**9)}" for _ in range(2)]

@@ -191,7 +191,7 @@ EQUIVALENT: dict[str, str] = {
        "names none ('' -> None or 'XXXX'): no agent has that name, so its evidence is empty either way"
        for i in (24, 26, 27)},
     "rl.methods.monoscale.core.xǁSimulatedPoolǁoutcome__mutmut_18": "int.from_bytes without a byte order: "
-        "Python 3.11 on reads big-endian by default",
+        "from Python 3.11 on (the suite's) big-endian is the default; on 3.10 the call would raise",
     "rl.methods.monoscale.core.xǁSimulatedPoolǁoutcome__mutmut_25": "< p -> <= p on a 64-bit uniform draw: equal "
         "only on a measure-zero event",
     "rl.methods.monoscale.core.x_make_growing_pool__mutmut_38": "< -> <= against a uniform float draw: equal only "

@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.weight_sync import cpu_kind  # noqa: E402
+
 PEER = ROOT / "benchmarks" / "trl_grpo_baseline.py"
 # The peer's shapes: intermediate = 2 * hidden, heads = hidden / 64 (its Qwen2 vs our Llama: same blocks
 # apart from Qwen2's qkv biases; its vocab is a 1024-token BPE, ours 101 characters).
@@ -188,29 +191,25 @@ RACE_LOOPRL = {
 
 def race(args: argparse.Namespace, work: Path) -> None:
     """The realistic workload at equal cores (2): TRL's fp32 and bf16 with 2 threads, looprl's settings above;
-    each side's step time, tokens/s, looprl's phases and its utilisation of the measured machine limits."""
+    each side's step time, tokens/s, looprl's phases and its utilisation of the measured machine limits. The sides
+    run `--rounds` times, their order alternating from round to round (the machine's speed drifts within a run:
+    the per-round figures show it); each side's figure is its median over rounds."""
     w = WORKLOADS["realistic"]
     report: dict = {"workload": {**w, "model": "85m", "beta": 0.0, "steps": args.steps, "cores": 2},
-                    "trl": {}, "looprl": {}}
-
-    def run_trl_side() -> None:
-        for dtype in args.trl_dtypes if args.trl_python else []:
-            report["trl"][dtype] = run_trl(args.trl_python, "85m", args.steps, work, 2, dtype, w)
-            print(json.dumps({"trl": dtype, **report["trl"][dtype]}), flush=True)
-
-    if not args.looprl_first:
-        run_trl_side()
-    for name, c in RACE_LOOPRL.items():
-        if args.race_arms and name not in args.race_arms:
-            continue
-        r = run_looprl("85m", args.steps, work / f"race-{name}", c["threads"], c["dtype"], c["staleness"],
-                       c.get("engine", "hf"), w, c["extra"])
-        report["looprl"][name] = r
-        print(json.dumps({"looprl": name, "step_s": r["step_s_mean_excl_first"], "phases": r["phase_s_median"],
-                          "perf": r["perf_median"]}), flush=True)
-    if args.looprl_first:
-        run_trl_side()
-    report["order"] = "looprl first" if args.looprl_first else "TRL first"
+                    "cpu": cpu_kind(), "rounds": [], "trl": {}, "looprl": {}}
+    for round_ in range(args.rounds):
+        sides = [lambda r=round_: race_trl(args, work, w, r), lambda r=round_: race_looprl(args, work, w, r)]
+        looprl_first = args.looprl_first != (round_ % 2 == 1)
+        results: dict = {"order": "looprl first" if looprl_first else "TRL first"}
+        for side in (sides[::-1] if looprl_first else sides):
+            results.update(side())
+        report["rounds"].append(results)
+    for side in ("trl", "looprl"):
+        for name in {k for r in report["rounds"] for k in r.get(side, {})}:
+            runs = [r[side][name] for r in report["rounds"] if name in r.get(side, {})]
+            report[side][name] = {**runs[-1], "step_s_mean_excl_first": statistics.median(
+                x["step_s_mean_excl_first"] for x in runs), "step_s_per_round": [x["step_s_mean_excl_first"]
+                                                                                for x in runs]}
     best_trl = {d: t["step_s_mean_excl_first"] for d, t in report["trl"].items()}
     for name, r in report["looprl"].items():
         dtype = RACE_LOOPRL[name]["dtype"]
@@ -218,6 +217,28 @@ def race(args: argparse.Namespace, work: Path) -> None:
             r["speedup_vs_trl_same_dtype"] = best_trl[dtype] / r["step_s_mean_excl_first"]
             r["speedup_vs_trl_best"] = min(best_trl.values()) / r["step_s_mean_excl_first"]
     Path(args.race_out).write_text(json.dumps(report, indent=2))
+
+
+def race_trl(args: argparse.Namespace, work: Path, w: dict, round_: int) -> dict:
+    """TRL's side of one round of the race: each of `--trl-dtypes` (none without `--trl-python`)."""
+    out = {}
+    for dtype in args.trl_dtypes if args.trl_python else []:
+        out[dtype] = run_trl(args.trl_python, "85m", args.steps, work / f"round{round_}", 2, dtype, w)
+        print(json.dumps({"round": round_, "trl": dtype, **out[dtype]}), flush=True)
+    return {"trl": out}
+
+
+def race_looprl(args: argparse.Namespace, work: Path, w: dict, round_: int) -> dict:
+    """looprl's side of one round of the race: each arm of RACE_LOOPRL (or `--race-arms`)."""
+    out = {}
+    for name, c in RACE_LOOPRL.items():
+        if args.race_arms and name not in args.race_arms:
+            continue
+        out[name] = run_looprl("85m", args.steps, work / f"round{round_}" / f"race-{name}", c["threads"],
+                               c["dtype"], c["staleness"], c.get("engine", "hf"), w, c["extra"])
+        print(json.dumps({"round": round_, "looprl": name, "step_s": out[name]["step_s_mean_excl_first"],
+                          "phases": out[name]["phase_s_median"], "perf": out[name]["perf_median"]}), flush=True)
+    return {"looprl": out}
 
 
 def main() -> None:
@@ -228,7 +249,10 @@ def main() -> None:
     p.add_argument("--race-arms", nargs="*", default=None, choices=list(RACE_LOOPRL),
                    help="realistic workload: only these looprl arms (default: all)")
     p.add_argument("--looprl-first", action="store_true",
-                   help="realistic workload: run looprl's arms before TRL (the machine's speed drifts within a run)")
+                   help="realistic workload: run looprl's arms before TRL in the first round (the machine's speed "
+                        "drifts within a run)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="realistic workload: rounds of the race, the sides' order alternating (medians reported)")
     p.add_argument("--trl-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="realistic workload: TRL's dtypes")
     p.add_argument("--models", nargs="+", default=["tiny", "85m"], choices=list(MODELS))

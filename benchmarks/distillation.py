@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from recipe_runs import heldout_curve
+
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"grpo": [], "distill": ["algorithm.distill_reward_weight=0"], "distill_reward": []}
 
@@ -39,18 +41,6 @@ def looprl_run(overrides: list[str]) -> None:
         raise SystemExit(f"looprl run {' '.join(overrides)} failed with exit code {proc.returncode}")
 
 
-def curve(out_dir: Path) -> list[tuple[int, float]]:
-    """(step, held-out accuracy): before RL, every evaluation during it, after the last step."""
-    summary = json.loads((out_dir / "summary.json").read_text())
-    points = [(0, summary["accuracy_before_rl"])]
-    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        if "eval/accuracy" in m:
-            points.append((int(m["step"]), m["eval/accuracy"]))
-    points.append((int(summary["steps"]), summary["accuracy_after_rl"]))
-    return sorted(dict(points).items())
-
-
 def first_reaching(points: list[tuple[int, float]], level: float) -> int | None:
     return next((step for step, acc in points if acc >= level), None)
 
@@ -62,7 +52,7 @@ def run_arm(arm: str, seed: int, teacher_run: Path, args: argparse.Namespace) ->
                 "sft.enabled=false", f"data.train_path={teacher_run / 'data/train.jsonl'}",
                 f"data.eval_path={teacher_run / 'data/eval.jsonl'}", f"trainer.steps={args.steps}",
                 f"trainer.eval_every={args.eval_every}", "trainer.save_hf=false", *teacher, *ARMS[arm]])
-    return {"arm": arm, "seed": seed, "curve": curve(out_dir)}
+    return {"arm": arm, "seed": seed, "curve": heldout_curve(out_dir)}
 
 
 def plot(report: dict, path: Path) -> None:

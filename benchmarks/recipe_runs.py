@@ -30,6 +30,18 @@ def run_recipe(recipe: str, overrides: list[str], out_dir: Path, name: str) -> d
     return summary
 
 
+def heldout_curve(out_dir: Path) -> list[tuple[int, float]]:
+    """(step, held-out accuracy) of a run: before RL, every evaluation during it, after the last step."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    points = [(0, summary["accuracy_before_rl"])]
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if "eval/accuracy" in m:
+            points.append((int(m["step"]), m["eval/accuracy"]))
+    points.append((int(summary["steps"]), summary["accuracy_after_rl"]))
+    return sorted(dict(points).items())
+
+
 def seed_sweep_parser(name: str, seeds: list[int], overrides_help: str) -> argparse.ArgumentParser:
     """The options every recipe benchmark takes: `--seeds`, `--out` (benchmarks/results/NAME.json),
     `--runs-dir` (runs/NAME) and recipe overrides; a script adds its own."""

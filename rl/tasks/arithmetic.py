@@ -99,6 +99,16 @@ def chat_rows(problems: list[tuple[int, int, int]], rng: random.Random, wrong_or
     return rows
 
 
+def sft_problems(path: str | Path) -> list[tuple[int, int, int]]:
+    """The (a, b, c) of each `a+b*c=` prompt of an SFT file written by `write_synthetic_task`, in order."""
+    problems = []
+    for line in Path(path).read_text().splitlines():
+        a, rest = json.loads(line)["prompt"].rstrip("=").split("+")
+        b, c = rest.split("*")
+        problems.append((int(a), int(b), int(c)))
+    return problems
+
+
 @register("task", "arithmetic_chat")
 def arithmetic_chat_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float,
                          wrong_order_fraction: float, seed: int, **_: Any) -> dict[str, str]:
@@ -107,11 +117,7 @@ def arithmetic_chat_task(out_dir: str | Path, *, num_train: int, num_eval: int, 
     paths = write_synthetic_task(out_dir, num_train=num_train, num_eval=num_eval, sft_fraction=sft_fraction,
                                  wrong_order_fraction=wrong_order_fraction, seed=seed)
     rng = random.Random(seed + 1)
-    problems = []
-    for line in Path(paths["sft"]).read_text().splitlines():
-        a, rest = json.loads(line)["prompt"].rstrip("=").split("+")
-        b, c = rest.split("*")
-        problems.append((int(a), int(b), int(c)))
+    problems = sft_problems(paths["sft"])
     Path(paths["sft"]).write_text("".join(json.dumps(r) + "\n" for r in chat_rows(problems, rng, wrong_order_fraction)))
     return paths
 
@@ -134,12 +140,8 @@ def calculator_chat_task(out_dir: str | Path, *, num_train: int, num_eval: int, 
     paths = write_synthetic_task(out_dir, num_train=num_train, num_eval=num_eval, sft_fraction=sft_fraction,
                                  wrong_order_fraction=wrong_order_fraction, seed=seed)
     rng = random.Random(seed + 1)
-    rows = []
-    for line in Path(paths["sft"]).read_text().splitlines():
-        a, rest = json.loads(line)["prompt"].rstrip("=").split("+")
-        b, c = rest.split("*")
-        conversation = calculator_conversation(int(a), int(b), int(c), rng.random() < wrong_order_fraction)
-        rows.append({"messages": conversation})
+    rows = [{"messages": calculator_conversation(a, b, c, rng.random() < wrong_order_fraction)}
+            for a, b, c in sft_problems(paths["sft"])]
     Path(paths["sft"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
 

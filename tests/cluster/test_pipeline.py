@@ -373,9 +373,11 @@ def _cli(*args, timeout=300):
 
 def test_bad_input_exits_nonzero_with_one_clear_error(ray_cluster, tmp_path):
     """The `looprl` process itself: exit status 2, the error on stderr, no traceback (a check that needs Ray; it
-    joins the test session's instance instead of starting one)."""
+    joins the test session's instance, named by address so that other Ray instances on the machine do not matter,
+    instead of starting one)."""
+    address = ray_cluster.get_runtime_context().gcs_address
     res = _cli("run", str(ROOT / "recipes/quickstart.yaml"), f"output_dir={tmp_path}/o",
-               "data.train_path=/nonexistent/train.jsonl", "cluster.join_running=true")
+               "data.train_path=/nonexistent/train.jsonl", f"cluster.address={address}")
     assert res.returncode == 2, res.stderr[-2000:]
     assert "data.train_path: dataset '/nonexistent/train.jsonl' does not exist" in res.stderr
     assert "Traceback" not in res.stderr

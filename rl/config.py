@@ -54,7 +54,7 @@ class ModelConfig:
 
 @dataclass
 class SyntheticTaskConfig:
-    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/methods/factuality/task.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/methods/rubric_self_grade/task.py) | addition (a+b= with a fixed-width sum, for masked-diffusion models) | styles (sums solved in a sparse or a dense style, DenseSteer's task, rl/methods/densesteer/task.py)
+    task: str = "arithmetic"  # synthetic task (registry kind "task"): arithmetic (a+b*c=, rl/tasks/arithmetic.py) | facts (made-up people and facts with an evidence corpus, rl/methods/factuality/task.py) | plans (research goals with rubrics; SFT teaches plans and grading, rl/methods/rubric_self_grade/task.py) | addition (a+b= with a fixed-width sum, for masked-diffusion models) | styles (sums solved in a sparse or a dense style, DenseSteer's task, rl/methods/densesteer/task.py) | long_tail_arithmetic (a+b*c= where one problem in eight chains eight products: answers with a long tail of lengths; params long_fraction, long_products)
     num_train: int = 4000  # generated training problems (SFT warm-up and RL prompts draw from disjoint parts)
     num_eval: int = 200  # held-out problems, never trained on
     sft_fraction: float = 0.5  # share of training problems used by the SFT warm-up; RL uses the rest

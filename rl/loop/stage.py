@@ -96,6 +96,9 @@ class RLRun:
                 metrics = self._step_or_explain()
                 step = trainer.step_idx
                 self._evaluate(step, metrics)
+                # wall time of this process's RL steps so far, evaluations included: the x-axis of a curve
+                # against wall time (perf/step_s leaves out what runs between steps)
+                metrics["perf/elapsed_s"] = time.perf_counter() - t0
                 logger.log(step, metrics)
                 last = metrics
                 if (tc.checkpoint_every and step % tc.checkpoint_every == 0
@@ -124,7 +127,9 @@ class RLRun:
         evaluates = tc.eval_every and step % tc.eval_every == 0 and (step < tc.steps or tc.select_by)
         if not self.eval_rows or not (evaluates or (tc.select_by and step == tc.steps)):
             return
+        t0 = time.perf_counter()
         ev = self.roles.evaluate(self.eval_rows)
+        metrics["time/eval"] = time.perf_counter() - t0
         metrics["eval/accuracy"] = ev["accuracy"]
         if ev["runs"] > 1:
             metrics["eval/accuracy_std_over_runs"] = ev["accuracy_std_over_runs"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.registry import register
+from rl.tasks import write_splits
 
 
 def make_problem(rng: random.Random) -> tuple[int, int, int]:
@@ -176,3 +177,68 @@ def addition_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fra
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths[name] = str(path)
     return paths
+
+
+def make_chain(rng: random.Random, products: int) -> tuple[int, ...]:
+    """`a` and `products` (b, c) pairs of `a+b1*c1+b2*c2+...=`, drawn as `make_problem` draws a, b and c."""
+    terms = [rng.randint(10, 99)]
+    for _ in range(products):
+        terms += [rng.randint(10, 99), rng.randint(2, 9)]
+    return tuple(terms)
+
+
+def chain_prompt(terms: tuple[int, ...]) -> str:
+    return "+".join([str(terms[0])] + [f"{b}*{c}" for b, c in zip(terms[1::2], terms[2::2])]) + "="
+
+
+def chain_value(terms: tuple[int, ...]) -> int:
+    return terms[0] + sum(b * c for b, c in zip(terms[1::2], terms[2::2]))
+
+
+def chain_target(terms: tuple[int, ...], wrong: bool) -> str:
+    """The work for a chain: every product, then the running sum, then the boxed value. `wrong`: the first term
+    in the wrong order of operations (`(a+b1)*c1`, as `wrong_order_target` does for one product); a chain of one
+    product is exactly `correct_target` / `wrong_order_target`."""
+    a, pairs = terms[0], list(zip(terms[1::2], terms[2::2]))
+    work, total = [], a
+    if wrong:
+        (b, c), pairs = pairs[0], pairs[1:]
+        work += [f"{a}+{b}={a + b}", f"{a + b}*{c}={(a + b) * c}"]
+        total = (a + b) * c
+    work += [f"{b}*{c}={b * c}" for b, c in pairs]
+    for b, c in pairs:
+        work.append(f"{total}+{b * c}={total + b * c}")
+        total += b * c
+    return ",".join(work) + f"\\boxed{{{total}}}"
+
+
+@register("task", "long_tail_arithmetic")
+def long_tail_arithmetic_task(out_dir: str | Path, *, num_train: int, num_eval: int, sft_fraction: float,
+                              wrong_order_fraction: float, seed: int, long_fraction: float = 0.125,
+                              long_products: int = 8, **_: Any) -> dict[str, str]:
+    """The a+b*c= task with a long tail of answer lengths, for measuring rollouts whose lengths differ: a
+    `long_fraction` share of problems (one in eight by default) chain `long_products` products
+    (`a+b1*c1+...+b8*c8=`), whose work is about eight times as long as one product's. SFT targets use the wrong
+    order of operations for the first product in a `wrong_order_fraction` share, so RL has the quickstart's choice
+    to make on every problem; the answer is the value with the right order. Params (`data.synthetic.params`):
+    long_fraction, long_products."""
+    if not 0 <= long_fraction <= 1 or long_products < 1:
+        raise ValueError(f"data.synthetic.params: the long_tail_arithmetic task needs 0 <= long_fraction <= 1 and "
+                         f"long_products >= 1; got long_fraction={long_fraction}, long_products={long_products}")
+    rng = random.Random(seed)
+    seen: set[tuple[int, ...]] = set()
+    while len(seen) < num_train + num_eval:
+        seen.add(make_chain(rng, long_products if rng.random() < long_fraction else 1))
+    problems = sorted(seen, key=lambda t: (len(t), t))
+    rng.shuffle(problems)
+    eval_set, train_set = problems[:num_eval], problems[num_eval:]
+    n_sft = int(len(train_set) * sft_fraction)
+
+    def rows(ps: list[tuple[int, ...]], sft: bool) -> list[dict[str, Any]]:
+        out = [{"prompt": chain_prompt(t), "answer": str(chain_value(t))} for t in ps]
+        if sft:
+            out = [{**r, "target": chain_target(t, rng.random() < wrong_order_fraction)} for r, t in zip(out, ps)]
+        return out
+
+    return write_splits(out_dir, {"sft": rows(train_set[:n_sft], True), "train": rows(train_set[n_sft:], False),
+                                  "eval": rows(eval_set, False)})

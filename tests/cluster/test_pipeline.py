@@ -350,6 +350,10 @@ def test_failing_reward_plugin_marks_samples_and_run_completes(ray_cluster, tmp_
         (m["step"], m["reward/mean"]) for m in metrics]
     assert sum(m["reward/failures"] for m in metrics) > 0
     assert metrics[0]["eval/accuracy_std_over_runs"] >= 0 and 0 <= metrics[0]["eval/accuracy"] <= 1
+    # the elapsed wall time covers each step and the evaluation after it (curves against wall time read it)
+    elapsed = [0.0] + [m["perf/elapsed_s"] for m in metrics]
+    for before, m, after in zip(elapsed, metrics, elapsed[1:]):
+        assert m["time/eval"] > 0 and after - before >= m["perf/step_s"] + m["time/eval"]
     for key in ("time/generate", "time/reward", "time/train", "time/sync", "time/other", "perf/tokens_per_s",
                 "perf/mfu", "perf/mbu", "perf/step_over_floor", "rollout/engine_s"):
         assert key in metrics[0]

@@ -145,3 +145,36 @@ def test_a_masked_diffusion_model_samples_with_the_block_sampler_and_logs_its_co
         diffusion.generate(["1+1="], SamplingParams(max_new_tokens=4, decoding="plain"))
     with pytest.raises(ValueError, match="causal"):
         engine.generate(["1+1="], SamplingParams(max_new_tokens=4, decoding="diffusion"))
+
+
+def test_length_buckets_group_rows_within_the_factor_or_the_slack_of_their_shortest():
+    from rollout.hf_engine import length_buckets
+    # sorted: 10, 12, 41 (<= max(2*10, 10+32)=42), then 43 starts a group, 90 > max(86, 75), 200, 230 <= 400
+    assert length_buckets([10, 200, 12, 90, 230, 41, 43], 2.0) == [[0, 2, 5], [1, 4], [3], [6]]
+    assert length_buckets([10, 200, 12], 0) == [[0, 1, 2]]
+    assert length_buckets([], 2.0) == []
+
+
+def test_continuations_of_very_different_lengths_decode_apart_and_sample_what_they_would_alone(engine, monkeypatch):
+    """`generate_ids` on 10-token and 150-token contexts: no decode call pads a short context to the long ones
+    (the waste that made partial-rollout rounds slower than synchronous steps), and greedy continuations equal
+    those of each context decoded alone and those of one padded call (`length_buckets: 0`)."""
+    import random
+    rng = random.Random(0)
+    contexts = [[rng.randrange(3, 20) for _ in range(n)] for n in (10, 150, 11, 149, 10)]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    widths, decode = [], engine._decode
+
+    def spy(ids, mask, sp):
+        widths.append(sorted(int(n) for n in mask.sum(1)))
+        return decode(ids, mask, sp)
+
+    monkeypatch.setattr(engine, "_decode", spy)
+    together = engine.generate_ids(contexts, greedy, seeds=list(range(5)))
+    assert sorted(widths) == [[10, 10, 11], [149, 150]]
+    alone = [engine.generate_ids([c], greedy, seeds=[0])[0] for c in contexts]
+    monkeypatch.setattr(engine, "length_buckets", 0)
+    padded = engine.generate_ids(contexts, greedy, seeds=list(range(5)))
+    for a, b, c in zip(together, alone, padded):
+        assert a.ids == b.ids == c.ids and a.ended == b.ended == c.ended
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4) and a.logprobs == pytest.approx(c.logprobs, abs=1e-4)

@@ -24,7 +24,7 @@ products and needs about six times the work; math-verify reward). Every arm and 
 checkpoint (the recipe's SFT warm-up with seed 0, made first unless `--sft-run` names a run that has one) on
 that run's RL and held-out splits; the seed varies the RL sampling. Arms: `sync`, `one_step_off`, `in_flight`
 (one-step-off with weights swapped in between decode steps, `rollout.in_flight_updates`) and `partial` (the
-recipe's partial rollouts: 32 tokens a round, 32 open groups, tokens at most 2 versions old). Held-out accuracy
+recipe's partial rollouts: 64 tokens a round, 32 open groups, tokens at most 2 versions old). Held-out accuracy
 (greedy, 200 problems) every `--eval-every` steps against the run's elapsed wall time (`perf/elapsed_s`,
 evaluations included: every arm runs the same evaluations); samples trained per second over the steps' own
 time (`perf/step_s`, as above; for the one-step-off arms the generation that runs during an evaluation is not in
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,7 @@ ARMS = {"sync": ["trainer.max_staleness=0"], "one_step_off": ["trainer.max_stale
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace, reward: str) -> dict:
     out = Path(args.runs_dir) / f"{arm}_seed{seed}"
+    shutil.rmtree(out, ignore_errors=True)  # a finished run in place would be reused, not timed again
     cmd = [sys.executable, "-m", "cluster.cli", "run", str(ROOT / "recipes/quickstart.yaml"), f"seed={seed}",
            f"output_dir={out}", f"trainer.steps={args.steps}", reward, *WORKLOAD, *ARMS[arm]]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -134,6 +136,7 @@ def run_long_tail(args: argparse.Namespace) -> dict:
     for seed in args.seeds:
         for arm, overrides in LONG_TAIL_ARMS.items():  # alternating within each seed, as above
             out = Path(args.runs_dir) / f"long_tail_{arm}_seed{seed}"
+            shutil.rmtree(out, ignore_errors=True)  # a finished run in place would be reused, not timed again
             run_recipe(LONG_TAIL_RECIPE, [f"seed={seed}", *start, *overrides], out, f"{arm} seed {seed}")
             rows.append(long_tail_row(arm, seed, out))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)

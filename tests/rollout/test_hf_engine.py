@@ -170,6 +170,7 @@ def test_continuations_of_very_different_lengths_decode_apart_and_sample_what_th
         return decode(ids, mask, sp)
 
     monkeypatch.setattr(engine, "_decode", spy)
+    monkeypatch.setattr(engine, "length_buckets", 2.0)
     together = engine.generate_ids(contexts, greedy, seeds=list(range(5)))
     assert sorted(widths) == [[10, 10, 11], [149, 150]]
     alone = [engine.generate_ids([c], greedy, seeds=[0])[0] for c in contexts]

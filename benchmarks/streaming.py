@@ -101,10 +101,10 @@ def sft_checkpoint(args: argparse.Namespace) -> Path:
     return run
 
 
-def long_tail_row(arm: str, seed: int, out: Path) -> dict:
-    """One long-tail run's figures: its accuracy curve against steps and elapsed wall time, its throughput."""
-    summary = json.loads((out / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def long_tail_row(arm: str, seed: int, summary: dict) -> dict:
+    """One long-tail run's figures (from `run_recipe`'s summary and metrics): its accuracy curve against steps and
+    elapsed wall time, its throughput."""
+    metrics = summary["metrics"]
     curve = [{"step": 0, "elapsed_s": 0.0, "accuracy": summary["accuracy_before_rl"]}]
     curve += [{"step": m["step"], "elapsed_s": m["perf/elapsed_s"], "accuracy": m["eval/accuracy"]}
               for m in metrics if "eval/accuracy" in m]
@@ -137,15 +137,15 @@ def run_long_tail(args: argparse.Namespace) -> dict:
         for arm, overrides in LONG_TAIL_ARMS.items():  # alternating within each seed, as above
             out = Path(args.runs_dir) / f"long_tail_{arm}_seed{seed}"
             shutil.rmtree(out, ignore_errors=True)  # a finished run in place would be reused, not timed again
-            run_recipe(LONG_TAIL_RECIPE, [f"seed={seed}", *start, *overrides], out, f"{arm} seed {seed}")
-            rows.append(long_tail_row(arm, seed, out))
+            summary = run_recipe(LONG_TAIL_RECIPE, [f"seed={seed}", *start, *overrides], out, f"{arm} seed {seed}")
+            rows.append(long_tail_row(arm, seed, summary))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
     summary = {}
+    sync = {r["seed"]: r for r in rows if r["arm"] == "sync"}
+    # accuracy at equal wall time: each seed's shortest run, so that every arm has got that far
+    shortest = {s: min(r["elapsed_s"] for r in rows if r["seed"] == s) for s in args.seeds}
     for arm in LONG_TAIL_ARMS:
         mine = [r for r in rows if r["arm"] == arm]
-        sync = {r["seed"]: r for r in rows if r["arm"] == "sync"}
-        # accuracy at equal wall time: each seed's shortest run, so that every arm has got that far
-        shortest = {s: min(r["elapsed_s"] for r in rows if r["seed"] == s) for s in args.seeds}
         summary[arm] = {"samples_per_s": statistics.mean(r["samples_per_s"] for r in mine),
                         "vs_sync": statistics.mean(r["samples_per_s"] / sync[r["seed"]]["samples_per_s"] for r in mine),
                         "tokens_vs_sync": statistics.mean(r["tokens_per_s"] / sync[r["seed"]]["tokens_per_s"]

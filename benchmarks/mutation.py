@@ -28,6 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 _ULORA = ("x_ema_prior", "xǁSequenceContextǁ", "x_context_sums", "x_finish_optimizer_step",
           "x_sequence_state", "x_restore_sequence_state", "x_has_sequence_state", "xǁ_UtilizationGatesǁ",
           "x__ulora_linear_class", "x_ulora", "x_share_sequence_context")
+# CORE: the revision of committed tokens inside the diffusion sampler (its probes, candidates, score and remasking)
+_CORE = ("xǁRemaskingǁ", "x__margin", "x__remask", "x__revise", "x_diffusion_generate")
+# DSR: its tree-guided repair (spans, the repair ladder, local then global calls), Sugeno grading and the splice of
+# components; the Lean-lite checker and the synthetic statement generator are the harness it is tested against
+_DSR = ("x_sugeno_score", "x_assemble", "x_spans", "x_node_at", "x_smallest_containing", "x_is_wrapper",
+        "x_repair_ladder", "x_replace_node", "x_rename_hypotheses", "x_splice", "x_component_spans",
+        "x_component_of_column", "x__declared", "x_drive", "x_tree_guided_repair", "x__component_text",
+        "x__with_component", "x__local_request", "x_local_fix_holds", "x__global_call", "x_global_repair")
 TARGETS: dict[str, tuple[str, ...]] = {
     "advantages": ("rl.advantages.",),
     "losses": ("rl.losses.",),
@@ -41,6 +49,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "bliss": ("rl.methods.bliss.core.",),
     "agentic_proposing": ("rl.methods.agentic_proposing.core.",),
     "memo": ("rl.methods.memo.core.",),
+    "core": tuple(f"models.diffusion.{name}" for name in _CORE),
+    "dsr": tuple(f"rl.methods.dsr.core.{name}" for name in _DSR),
 }
 
 # mutants that compute the same results as the code (checked by reading them: `mutmut show NAME`)

@@ -29,7 +29,7 @@ _ULORA = ("x_ema_prior", "xǁSequenceContextǁ", "x_context_sums", "x_finish_opt
           "x_sequence_state", "x_restore_sequence_state", "x_has_sequence_state", "xǁ_UtilizationGatesǁ",
           "x__ulora_linear_class", "x_ulora", "x_share_sequence_context")
 # CORE: the revision of committed tokens inside the diffusion sampler (its probes, candidates, score and remasking)
-_CORE = ("xǁRemaskingǁ", "x__margin", "x__remask", "x__revise", "x_diffusion_generate")
+_CORE = ("xǁRemaskingǁ", "x__margin", "x__remask", "x__revise", "x__sample")
 # DSR: its tree-guided repair (spans, the repair ladder, local then global calls), Sugeno grading and the splice of
 # components; the Lean-lite checker and the synthetic statement generator are the harness it is tested against
 _DSR = ("x_sugeno_score", "x_assemble", "x_spans", "x_node_at", "x_smallest_containing", "x_is_wrapper",
@@ -60,6 +60,12 @@ _PRECISION = ("an intermediate's dtype (float64 -> the input's): the same values
 _DEVICE = ("a tensor made on the default device instead of its input's: the same on the CPU the suite runs on; a "
            "CUDA run of the stage (tests/cluster/test_gpu.py) is what tells them apart")
 _CAST = "a dtype the next operation casts to anyway (assignment into a float32 tensor, a bool or int mask times floats)"
+# LeanScorer's measure, as specified (rl/methods/dsr/README.md): the α = 0.5 set has as many A's as the α = 1 set
+# and a penalty of at most 1, so its term never exceeds the α = 1 term and the score is #A / n (tested on every grading
+# of up to five conditions); what only the α = 0.5 term or the B penalty reads cannot change a score
+_SUGENO_B = "the B penalty: it scales only the α = 0.5 term, which never exceeds the α = 1 term"
+_SUGENO_HALF = "the α = 0.5 term: it never exceeds the α = 1 term (as many A's, times a penalty of at most 1)"
+_SUGENO_ALL_A = "the all-A shortcut: #A / n is 1 on an all-A grading anyway (and min(1, 2) is 1)"
 EQUIVALENT: dict[str, str] = {
     **{f"rl.advantages.x_discounted_outcome_returns__mutmut_{i}": _DIM for i in (8, 10, 12, 20)},
     "rl.advantages.x_outcome_token_rewards__mutmut_14": _DIM,
@@ -215,6 +221,14 @@ EQUIVALENT: dict[str, str] = {
     "rl.methods.memo.core.x_apply_crud__mutmut_91": "max_insights >= 0 instead of > 0: at 0 the slice [-0:] is the "
                                                     "whole list, as no cap is",
     "rl.methods.memo.core.xǁPrefixReplayBufferǁsample__mutmut_8": "choices(..., k=1) -> choices(...): k's default is 1",
+    **{f"rl.methods.dsr.core.x_sugeno_score__mutmut_{i}": _SUGENO_B for i in (15, 16, 17, *range(19, 29), 35, 36, 37,
+                                                                            54, 56, 57)},
+    **{f"rl.methods.dsr.core.x_sugeno_score__mutmut_{i}": _SUGENO_HALF for i in (65, 66, 67, 68, 69, 87)},
+    **{f"rl.methods.dsr.core.x_sugeno_score__mutmut_{i}": _SUGENO_ALL_A for i in (11, 12, 46, 47, 48)},
+    **{f"rl.methods.dsr.core.x_sugeno_score__mutmut_{i}": "μ's C test: the thresholded sets hold only A's and B's "
+       "(a C is graded 0 < 0.5), and a grading with a C has returned 0 before" for i in (38, 39, 41)},
+    "rl.methods.dsr.core.x_sugeno_score__mutmut_78": "min(2, μ) for min(1, μ): μ is at most 1",
+    "rl.methods.dsr.core.x_sugeno_score__mutmut_80": "μ of the empty α = 1 set is 0 either way",
 }
 
 

@@ -378,7 +378,6 @@ def _remask(events: list, x: torch.Tensor, logp: torch.Tensor, margin: torch.Ten
         debt[row] += 1
 
 
-@torch.no_grad()
 def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, gen_length: int,
                        block_length: int, steps: int, mask_id: int, temperature: float = 0.0,
                        remasking: str = "low_confidence", generator: torch.Generator | None = None,
@@ -390,8 +389,16 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
     are committed (`low_confidence` remasking keeps the rest masked) — or random ones (`random`) — as many as the
     schedule says, and every one left at a block's last step. `revise` sends committed tokens back to the mask at
     its probe steps (`Remasking`: CORE and its controls)."""
+    with torch.no_grad():
+        return _sample(model, prompt_ids, prompt_mask, gen_length, block_length, steps, mask_id, temperature,
+                       remasking, generator, commit_log, revise or Remasking())
+
+
+def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_length: int, block_length: int,
+            steps: int, mask_id: int, temperature: float, remasking: str, generator: torch.Generator | None,
+            commit_log: bool, revise: Remasking) -> DiffusionOutput:
+    """`diffusion_generate`'s loop (a plain function, no decorator, so that mutation testing reaches its lines)."""
     blocks = _check_schedule(gen_length, block_length, steps, remasking)
-    revise = revise or Remasking()
     per_block = steps // blocks
     probe_at = revise.probe_steps(steps, per_block)
     device = prompt_ids.device
@@ -441,7 +448,6 @@ def diffusion_generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: 
                            remasked=remasked)
 
 
-@torch.no_grad()
 def _revise(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids: torch.Tensor, P: int,
             window: tuple[int, int], logp: torch.Tensor, margin: torch.Tensor, mask_id: int, revise: Remasking,
             generator: torch.Generator | None, state_logits: torch.Tensor | None = None) -> tuple[list[list], int]:
@@ -463,7 +469,9 @@ def _revise(model: nn.Module, x: torch.Tensor, attn: torch.Tensor, position_ids:
                 others = others[(x[row, P:] != mask_id) & ~torch.isin(others, pos)]
                 pick = torch.rand(len(others), generator=generator, device=x.device) < revise.perturb_frac
                 perturbed[row, others[pick]] = mask_id
-        lp = torch.log_softmax(model(input_ids=perturbed, attention_mask=attn, position_ids=position_ids).logits.float(), -1)
+        with torch.no_grad():
+            logits = model(input_ids=perturbed, attention_mask=attn, position_ids=position_ids).logits
+        lp = torch.log_softmax(logits.float(), -1)
         used = 1
     else:
         used = 0

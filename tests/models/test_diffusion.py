@@ -293,3 +293,155 @@ def test_the_core_score_is_the_drop_in_support_when_the_candidates_are_masked_to
     assert Remasking("core").score == "state"  # the spec's reading by default
     with pytest.raises(ValueError, match="score"):
         Remasking("core", score="margin")
+
+
+def test_the_margin_is_the_chosen_probability_minus_the_largest_other():
+    from models.diffusion import _margin
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]])
+    assert _margin(probs, torch.tensor([0, 2])).tolist() == pytest.approx([0.2, -0.3])
+
+
+def test_a_remasked_token_is_masked_again_forgotten_and_owed_to_the_next_step():
+    from models.diffusion import _remask
+    P, mask_id = 2, 99
+    x = torch.tensor([[1, 2, 5, 6, 7], [1, 2, 8, 9, 4]])
+    logp, margin = torch.full((2, 3), -0.5), torch.full((2, 3), 0.4)
+    commit_step, debt = torch.full((2, 3), 3), torch.zeros(2, dtype=torch.long)
+    _remask([[0, 1, 6, 0.3], [1, 0, 8, 0.2], [1, 2, 4, 0.1]], x, logp, margin, commit_step, debt, P, mask_id)
+    assert x.tolist() == [[1, 2, 5, 99, 7], [1, 2, 99, 9, 99]]
+    assert logp.tolist() == [[-0.5, 0.0, -0.5], [0.0, -0.5, 0.0]]
+    assert margin.tolist() == [[pytest.approx(0.4), 0.0, pytest.approx(0.4)], [0.0, pytest.approx(0.4), 0.0]]
+    assert commit_step.tolist() == [[3, -1, 3], [-1, 3, -1]] and debt.tolist() == [1, 2]
+
+
+def test_remasking_settings_out_of_range_are_refused_one_by_one():
+    from models.diffusion import Remasking
+    for bad in ({"probes": -1}, {"m": 0}, {"candidates": 0}, {"perturb_frac": 1.0}, {"perturb_frac": -0.1}):
+        with pytest.raises(ValueError, match=r"probes >= 0, m >= 1, candidates >= 1, 0 <= perturb_frac < 1"):
+            Remasking("core", **{"probes": 1, **bad})
+    Remasking("core", probes=0, m=1, candidates=1, perturb_frac=0.99)  # the edges themselves are allowed
+    assert Remasking("none", probes=2).probe_steps(8) == set() and Remasking("core", probes=0).probe_steps(8) == set()
+    assert Remasking("low_margin", probes=1).probe_steps(8) == {3}
+
+
+def test_block_sampling_logs_its_blocks_and_the_log_probabilities_it_committed_with():
+    tok, m = _tiny()
+    enc = tok(["12+3=", "5+5="], return_tensors="pt", padding=True)
+    out = diffusion_generate(m, enc["input_ids"], enc["attention_mask"], gen_length=8, block_length=4, steps=4,
+                             mask_id=tok.mask_token_id, commit_log=True)
+    assert [e["block"] for e in out.log] == [0, 0, 1, 1] and [e["step"] for e in out.log] == [0, 1, 2, 3]
+    ids = torch.cat([enc["input_ids"], torch.full((2, 8), tok.mask_token_id)], 1)
+    attn = torch.cat([enc["attention_mask"], torch.ones(2, 8, dtype=torch.long)], 1)
+    with torch.no_grad():
+        logits = m(ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits.float(), -1)
+    P = enc["input_ids"].shape[1]
+    for row, pos, token, confidence in out.log[0]["committed"]:
+        assert float(out.logp[row, pos]) == pytest.approx(float(logp[row, P + pos, token]), abs=1e-5)
+        assert confidence == pytest.approx(float(logp[row, P + pos, token].exp()), abs=1e-5)
+
+
+def test_a_row_samples_and_probes_alike_alone_and_beside_a_longer_prompt():
+    """Left padding is masked in every forward, the CORE probe's included: a row's tokens, log-probabilities and
+    probe scores do not depend on the rows beside it."""
+    from models.diffusion import Remasking
+    tok, m = _tiny(seed=1)
+    kw = dict(gen_length=8, block_length=4, steps=8, mask_id=tok.mask_token_id, commit_log=True,
+              revise=Remasking("core", 2, 4, 2))
+    both = tok(["123+456=", "5+5="], return_tensors="pt", padding=True)
+    alone = tok(["5+5="], return_tensors="pt")
+    assert (both["attention_mask"][1] == 0).sum() == 4
+    a = diffusion_generate(m, both["input_ids"], both["attention_mask"], **kw)
+    b = diffusion_generate(m, alone["input_ids"], alone["attention_mask"], **kw)
+    assert torch.equal(a.tokens[1], b.tokens[0]) and torch.allclose(a.logp[1], b.logp[0], atol=1e-5)
+    probes_a = [[ev for ev in e["remasked"] if ev[0] == 1] for e in a.log if "probe" in e]
+    probes_b = [e["remasked"] for e in b.log if "probe" in e]
+    assert len(probes_b) == 2 and all(len(p) == 2 for p in probes_b)
+    for pa, pb in zip(probes_a, probes_b):
+        assert [ev[1:3] for ev in pa] == [ev[1:3] for ev in pb]
+        assert [ev[3] for ev in pa] == pytest.approx([ev[3] for ev in pb], abs=1e-4)
+
+
+def test_sampling_and_random_remasking_draw_from_the_given_generator_alone():
+    from models.diffusion import Remasking
+    tok, m = _tiny()
+    enc = tok(["12+3=", "5+5="], return_tensors="pt", padding=True)
+    kw = dict(gen_length=8, block_length=8, steps=8, mask_id=tok.mask_token_id, commit_log=True, temperature=0.9,
+              revise=Remasking("random", 3, 6, 2))
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)  # the process's own stream differs between the runs
+        runs.append(diffusion_generate(m, enc["input_ids"], enc["attention_mask"],
+                                       generator=torch.Generator().manual_seed(7), **kw))
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert [e.get("remasked") for e in runs[0].log] == [e.get("remasked") for e in runs[1].log]
+
+
+def test_probes_look_back_one_block_only():
+    """A probe's candidates are the committed tokens of its own block and the one before, never earlier ones."""
+    from models.diffusion import Remasking
+    tok, m = _tiny(seed=2)
+    enc = tok(["12+3=", "5+5="], return_tensors="pt", padding=True)
+    out = diffusion_generate(m, enc["input_ids"], enc["attention_mask"], gen_length=12, block_length=4, steps=12,
+                             mask_id=tok.mask_token_id, commit_log=True, revise=Remasking("low_margin", 5, 16, 6))
+    probes = [e for e in out.log if "probe" in e]
+    late = [e for e in probes if e["step"] >= 8]  # in the third block
+    assert late and all(4 <= pos < 12 for e in late for _, pos, *_ in e["remasked"])
+    assert any(pos < 8 for e in late for _, pos, *_ in e["remasked"])  # the previous block is a candidate
+
+
+def _probe_case():
+    """Two rows after the prompt "47+38=": row 0 with five committed response tokens and one mask, row 1 with one
+    committed token; margins chosen so that row 0's candidates are its positions 1 and 2."""
+    tok, m = _tiny(seed=3)
+    mask_id = tok.mask_token_id
+    prompt = tok(["47+38=", "47+38="], return_tensors="pt")["input_ids"]
+    x = torch.cat([prompt, torch.tensor([[5, 9, 7, 4, 6, mask_id], [8, mask_id, mask_id, mask_id, mask_id, mask_id]])],
+                  1)
+    logp = torch.tensor([[-0.1, -2.0, -0.5, -0.3, -0.2, 0.0], [-0.7, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    margin = torch.tensor([[0.9, 0.1, 0.2, 0.8, 0.7, 0.0], [0.3, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    return m, mask_id, prompt.shape[1], x, logp, margin
+
+
+def test_a_perturbed_probe_also_masks_the_other_committed_tokens_the_generator_picks():
+    from models.diffusion import Remasking, _revise
+    m, mask_id, P, x, logp, margin = _probe_case()
+    attn, pos_ids = torch.ones_like(x), torch.arange(x.shape[1])[None].expand(2, -1)
+    # a seed whose draws for row 0's three other committed tokens (response positions 0, 3, 4) pick some, not all
+    seed = next(s for s in range(100) if 0 < (torch.rand(3, generator=torch.Generator().manual_seed(s)) < 0.5).sum() < 3)
+    torch.manual_seed(seed + 1)  # the process's own stream is not what picks
+    events, used = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
+                           Remasking("core", 1, candidates=2, m=2, perturb_frac=0.5, score="commit"),
+                           torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    probe = x.clone()
+    probe[0, [P + 1, P + 2]] = mask_id
+    others = torch.tensor([P, P + 3, P + 4])
+    probe[0, others[torch.rand(3, generator=g) < 0.5]] = mask_id
+    probe[1, P] = mask_id  # row 1's only committed token is its candidate; nothing else to perturb
+    with torch.no_grad():
+        lp = torch.log_softmax(m(probe, attention_mask=attn, position_ids=pos_ids).logits.float(), -1)
+    want = {(0, i): float(logp[0, i] - lp[0, P + i, x[0, P + i]]) for i in (1, 2)}
+    want[(1, 0)] = float(logp[1, 0] - lp[1, P, x[1, P]])
+    assert used == 1 and {(r, p): s for r, p, _, s in events} == pytest.approx(want, abs=1e-5)
+
+
+def test_an_unperturbed_probe_draws_nothing_and_rows_without_candidates_are_passed_over():
+    from models.diffusion import Remasking, _revise
+    m, mask_id, P, x, logp, margin = _probe_case()
+    attn, pos_ids = torch.ones_like(x), torch.arange(x.shape[1])[None].expand(2, -1)
+    g = torch.Generator().manual_seed(5)
+    before = g.get_state()
+    _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
+            Remasking("core", 1, candidates=2, m=1, score="commit"), g)
+    assert torch.equal(g.get_state(), before)  # later sampling draws what it would without the probe
+    # row 0 all masked in the window: row 1 (one candidate) is still revised
+    y = x.flip(0)
+    events, _ = _revise(m, y, attn, pos_ids, P, (P + 1, x.shape[1]), logp.flip(0), margin.flip(0), mask_id,
+                        Remasking("low_margin", 1, candidates=2, m=1), None)
+    assert [e[:2] for e in events] == [[1, 1]]
+    events, _ = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
+                        Remasking("low_margin", 1, candidates=2, m=1), None)
+    assert [e[:2] for e in events] == [[0, 1], [1, 0]]  # a row with one committed token has one candidate
+    with pytest.raises(ValueError, match="remasking score 'state' needs the current state's logits"):
+        _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id, Remasking("core", 1), None)

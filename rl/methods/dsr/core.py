@@ -384,7 +384,7 @@ def repair_ladder(tree: dict[str, Any], error_node: Path_) -> list[Path_]:
     component's root, skipping redundant wrappers (the root is never skipped). The caller goes on to component
     repair (with the NL) and the statement-level global repair."""
     ladder: list[Path_] = []
-    path = error_node[:-1] if error_node else ()
+    path = error_node[:-1]  # the root's parent is the root itself
     while True:
         if path == () or not is_wrapper(node_at(tree, path)):
             ladder.append(path)
@@ -417,27 +417,30 @@ def rename_hypotheses(binders: list[str]) -> list[str]:
     return out
 
 
-def splice(conditions: list[str], conclusion: str, name: str = "test") -> str:
-    """`theorem NAME <conditions…> : <conclusion> := by sorry`, hypotheses renamed h1, h2, …"""
+THEOREM = "theorem test "  # every statement's frame before its first component
+
+
+def splice(conditions: list[str], conclusion: str) -> str:
+    """`theorem test <conditions…> : <conclusion> := by sorry`, hypotheses renamed h1, h2, …"""
     binders = " ".join(rename_hypotheses(conditions))
-    return f"theorem {name} {binders} : {conclusion} := by sorry".replace("  ", " ")
+    return f"{THEOREM}{binders} : {conclusion} := by sorry".replace("  ", " ")
 
 
-def component_spans(conditions: list[str], conclusion: str, name: str = "test") -> list[tuple[int, int]]:
-    """Each component's [start, end) in `splice(conditions, conclusion, name)`: the conditions (as renamed), then
-    the conclusion."""
-    out, pos = [], len(f"theorem {name} ")
+def component_spans(conditions: list[str], conclusion: str) -> list[tuple[int, int]]:
+    """Each component's [start, end) in `splice(conditions, conclusion)`: the conditions (as renamed), then the
+    conclusion."""
+    out, pos = [], len(THEOREM)
     for c in rename_hypotheses(conditions):
         out.append((pos, pos + len(c)))
         pos += len(c) + 1
-    goal = (pos if conditions else len(f"theorem {name} ")) + 2  # past ": "
+    goal = pos + 2  # past ": " (with no conditions `pos` is the frame's end, where ": " starts)
     return [*out, (goal, goal + len(conclusion))]
 
 
-def component_of_column(conditions: list[str], conclusion: str, column: int, name: str = "test") -> int:
+def component_of_column(conditions: list[str], conclusion: str, column: int) -> int:
     """Which component (index into conditions; len(conditions) for the conclusion) a column of `splice(...)` falls
-    in; -1 for the statement's own frame (`theorem NAME`, `:=`)."""
-    for i, (start, end) in enumerate(component_spans(conditions, conclusion, name)):
+    in; -1 for the statement's own frame (`theorem test`, `:=`)."""
+    for i, (start, end) in enumerate(component_spans(conditions, conclusion)):
         if start <= column < end:
             return i
     return -1
@@ -530,32 +533,33 @@ def _with_component(conditions: list[str], conclusion: str, i: int, text: str) -
     return list(conditions), text
 
 
+def _spells(tree: dict[str, Any], text: str) -> bool:
+    """Whether the operator tree assembles to the component's text (a malformed tree does not)."""
+    try:
+        return assemble(tree) == text
+    except TreeError:
+        return False
+
+
 def _local_request(conditions: list[str], conclusion: str, tree: dict[str, Any] | None, comp: int,
-                   err: LeanLiteError, exhausted: set, nl_component: str, name: str
-                   ) -> tuple[Path_ | str, RepairRequest, tuple[int, int]] | None:
+                   err: LeanLiteError, exhausted: set, nl_component: str
+                   ) -> tuple[Path_ | str, RepairRequest, int] | None:
     """The next local repair of component `comp` for error `err`: the lowest rung of its operator tree's ladder
     above the smallest node containing the error that is not exhausted, else the whole component with its NL
-    (None when that is exhausted too); the request and the span of the statement it edits."""
+    (None when that is exhausted too); the request and the column of the statement where its edit starts. A
+    component without a tree, or whose tree no longer spells it, is repaired whole."""
     text = _component_text(conditions, conclusion, comp)
-    start = component_spans(conditions, conclusion, name)[comp][0]
+    start = component_spans(conditions, conclusion)[comp][0]
     target: Path_ | str = "component"
-    if tree is not None:
-        try:
-            if assemble(tree) != text:
-                raise TreeError("the tree no longer spells the component")
-            node = smallest_containing(tree, err.column - start)
-            target = next((p for p in repair_ladder(tree, node) if (comp, p) not in exhausted), "component")
-        except TreeError:
-            target = "component"
+    if tree is not None and _spells(tree, text):
+        node = smallest_containing(tree, err.column - start)
+        target = next((p for p in repair_ladder(tree, node) if (comp, p) not in exhausted), "component")
     if target == "component":
         if (comp, "component") in exhausted:
             return None
-        return target, RepairRequest("component", text, err.message, _declared(conditions, comp), nl_component), \
-            (start, start + len(text))
-    snippet = assemble(node_at(tree, target))
-    node_start = start + spans(tree)[target][0]
-    return target, RepairRequest("subtree", snippet, err.message, _declared(conditions, comp)), \
-        (node_start, node_start + len(snippet))
+        return target, RepairRequest("component", text, err.message, _declared(conditions, comp), nl_component), start
+    return target, RepairRequest("subtree", assemble(node_at(tree, target)), err.message,
+                                 _declared(conditions, comp)), start + spans(tree)[target][0]
 
 
 def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list[dict[str, Any] | None],
@@ -577,47 +581,39 @@ def tree_guided_repair_steps(conditions: list[str], conclusion: str, trees: list
     import random
     rng = rng or random.Random(0)
     conditions, trees = list(conditions), list(trees)
-    name = "test"
-    statement = splice(conditions, conclusion, name)
-    errors = check(statement)
-    trace = RepairTrace(statement, len(errors))
+    errors = check(splice(conditions, conclusion))
+    calls: list[dict[str, Any]] = []
     exhausted: set[tuple[int, Path_ | str]] = set()
     local_success = False
-    calls = 0
-
-    while errors and calls < min(local_calls, budget - 1):
+    while errors and len(calls) < min(local_calls, budget - 1):
         err = errors[0]
-        comp = component_of_column(conditions, conclusion, err.column, name)
+        comp = component_of_column(conditions, conclusion, err.column)
         if comp < 0:
             break
-        local = _local_request(conditions, conclusion, trees[comp], comp, err, exhausted, nl_components[comp], name)
+        local = _local_request(conditions, conclusion, trees[comp], comp, err, exhausted, nl_components[comp])
         if local is None:
             break
-        target, request, span = local
+        target, request, edit_start = local
         fixed = yield request
-        calls += 1
         new_tree = None if target == "component" else replace_node(trees[comp], target, fixed)
         new_conditions, new_conclusion = _with_component(conditions, conclusion, comp,
                                                          fixed if new_tree is None else assemble(new_tree))
-        new_errors = check(splice(new_conditions, new_conclusion, name))
-        ok = local_fix_holds(errors, new_errors, span[0], len(fixed))
-        trace.calls.append({"kind": request.kind, "component": comp, "node": None if new_tree is None else list(target),
-                            "code": request.code, "fixed": fixed, "accepted": ok, "errors_after": len(new_errors)})
+        new_errors = check(splice(new_conditions, new_conclusion))
+        ok = local_fix_holds(errors, new_errors, edit_start, len(fixed))
+        calls.append({"kind": request.kind, "component": comp, "node": None if new_tree is None else list(target),
+                      "code": request.code, "fixed": fixed, "accepted": ok, "errors_after": len(new_errors)})
         if not ok:
             exhausted.add((comp, target))
             continue
+        # rungs exhausted before this success lie under the repaired node, a leaf now: no later ladder reaches them
         conditions, conclusion, trees[comp] = new_conditions, new_conclusion, new_tree
         errors, local_success = new_errors, True
-        if new_tree is not None:  # the repaired node is now a leaf: the rungs above it stay available later
-            exhausted = {e for e in exhausted if e[0] != comp}
-    statement = splice(conditions, conclusion, name)
+    statement = splice(conditions, conclusion)
     global_done = False
-    while calls < budget and (errors or (local_success and not global_done)):
-        statement, errors = yield from _global_call(statement, errors, nl_statement, rng, trace, check)
-        calls += 1
+    while len(calls) < budget and (errors or (local_success and not global_done)):
+        statement, errors = yield from _global_call(statement, errors, nl_statement, rng, calls, check)
         global_done = True
-    trace.statement, trace.errors = statement, len(errors)
-    return trace
+    return RepairTrace(statement, len(errors), calls)
 
 
 def local_fix_holds(errors: list[LeanLiteError], new_errors: list[LeanLiteError], start: int, length: int) -> bool:
@@ -627,14 +623,15 @@ def local_fix_holds(errors: list[LeanLiteError], new_errors: list[LeanLiteError]
     return outside and len(new_errors) <= len(errors)
 
 
-def _global_call(statement: str, errors: list[LeanLiteError], nl: str, rng: Any, trace: RepairTrace,
+def _global_call(statement: str, errors: list[LeanLiteError], nl: str, rng: Any, calls: list[dict[str, Any]],
                  check: Checker) -> Generator[RepairRequest, str, tuple[str, list[LeanLiteError]]]:
-    """One statement-level rewrite, kept when it has fewer errors (as many: with probability 0.5)."""
+    """One statement-level rewrite (recorded in `calls`), kept when it has fewer errors (as many: with probability
+    0.5)."""
     msg = "; ".join(e.message for e in errors[:3]) if errors else NO_ERRORS
     fixed = yield RepairRequest("statement", statement, msg, nl=nl)
     new_errors = check(fixed)
     keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
-    trace.calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
+    calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
                         "errors_after": len(new_errors)})
     return (fixed, new_errors) if keep else (statement, errors)
 
@@ -651,13 +648,10 @@ def global_repair_steps(statement: str, nl_statement: str, budget: int = 4, rng:
     import random
     rng = rng or random.Random(0)
     errors = check(statement)
-    trace = RepairTrace(statement, len(errors))
-    calls = 0
-    while errors and calls < budget:
-        statement, errors = yield from _global_call(statement, errors, nl_statement, rng, trace, check)
-        calls += 1
-    trace.statement, trace.errors = statement, len(errors)
-    return trace
+    calls: list[dict[str, Any]] = []
+    while errors and len(calls) < budget:
+        statement, errors = yield from _global_call(statement, errors, nl_statement, rng, calls, check)
+    return RepairTrace(statement, len(errors), calls)
 
 
 # -- synthetic statements (the effect run's data: LeanLite, labelled as such) -----------------------------------------

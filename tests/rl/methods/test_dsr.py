@@ -337,3 +337,188 @@ def test_the_dsr_task_teaches_every_role_on_distinct_statements(tmp_path):
     c = perturb("(h : x + 1 > y)", "C", rng)
     assert c != "(h : x + 1 > y)" and c.startswith("(h : ") and check(splice(["(x : Real)", "(y : Real)", c], "x > 0")) == []
     assert perturb("(x : Real)", "C", rng) == "(x : Nat)" and perturb("(x : Real)", "B", rng) is None
+
+
+def test_sugeno_with_this_measure_is_the_share_of_a_grades_unless_a_c_appears():
+    """Every grading of one to five conditions: μ of the α = 0.5 set never exceeds μ of the α = 1 set (as many A's,
+    times a penalty of at most 1), so the integral is #A / n, and 0 with any C (also for no conditions at all)."""
+    from itertools import product
+    assert sugeno_score([]) == 0.0 and sugeno_score(["A"]) == 1.0
+    for n in range(1, 6):
+        for grades in product("ABC", repeat=n):
+            want = 0.0 if "C" in grades else grades.count("A") / n
+            assert sugeno_score(list(grades)) == pytest.approx(want), grades
+
+
+def test_malformed_tree_nodes_are_refused_as_tree_errors():
+    with pytest.raises(TreeError, match="not an operator-tree node"):
+        assemble({"children": []})
+    with pytest.raises(TreeError, match="not an operator-tree node"):
+        assemble("x + y")
+    with pytest.raises(TreeError, match="not an operator-tree node"):
+        assemble({"formal_content": "abs(<SLOT>)", "children": ["y"]})
+
+
+def test_columns_between_nodes_and_components_belong_to_the_enclosing_one():
+    # the space after the leaf x belongs to "x ^ 2", not to x; the space after a condition to the frame
+    assert smallest_containing(TREE, LINEAR.index(" ^")) == (0, 0)
+    conditions = ["(x : Real)", "(h : x > 0)"]
+    s = splice(conditions, "x > 1")
+    assert component_of_column(conditions, "x > 1", s.index(") (") + 1) == -1
+    assert component_of_column(conditions, "x > 1", s.index(" : x > 1")) == -1
+    assert splice([], "1 > 0") == "theorem test : 1 > 0 := by sorry" and check(splice([], "1 > 0")) == []
+    assert component_of_column([], "1 > 0", splice([], "1 > 0").index("1 > 0")) == 0
+
+
+def test_a_replaced_node_is_a_leaf_holding_the_repair():
+    assert replace_node(TREE, (0, 1, 0), "abs(z)")["children"][0]["children"][1] == {
+        "formal_content": "(<SLOT>)", "children": [{"formal_content": "abs(z)", "children": []}]}
+    assert replace_node(TREE, (), "x > 0") == {"formal_content": "x > 0", "children": []}
+
+
+def test_a_local_fix_holds_when_the_first_error_left_is_outside_the_edit_and_errors_did_not_grow():
+    from rl.methods.dsr.core import LeanLiteError, local_fix_holds
+
+    def errs(*columns):
+        return [LeanLiteError(c, "e") for c in columns]
+    assert local_fix_holds(errs(10), [], 10, 5)  # compiles
+    assert not local_fix_holds(errs(10), errs(10), 10, 5)  # the edit's first column
+    assert not local_fix_holds(errs(10), errs(14), 10, 5)  # its last
+    assert local_fix_holds(errs(10), errs(15), 10, 5)  # just past it
+    assert local_fix_holds(errs(10), errs(9), 10, 5)  # before it
+    assert not local_fix_holds(errs(10), errs(10), 10, 0)  # an empty edit still covers its own column
+    assert local_fix_holds(errs(10), errs(11), 10, 0)
+    assert local_fix_holds(errs(10, 30), errs(20, 30), 10, 5)  # as many errors as before: partial success
+    assert not local_fix_holds(errs(10), errs(20, 30), 10, 5)  # more errors: refused
+
+
+def test_each_call_is_recorded_with_what_it_changed():
+    from rl.methods.dsr.core import NO_ERRORS, tree_guided_repair
+    rec = Recorder(lambda r: "abs(x)" if r.code == "abs(y)" else r.code)
+    trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=4)
+    broken, fixed = splice(CONDITIONS, LINEAR), splice(CONDITIONS, "x ^ 2 + (abs(x)) > 0")
+    assert trace.calls == [
+        {"kind": "subtree", "component": 2, "node": [0, 1, 0], "code": "abs(y)", "fixed": "abs(x)", "accepted": True,
+         "errors_after": 0},
+        {"kind": "statement", "code": fixed, "fixed": fixed, "accepted": False, "errors_after": 0}]  # as many: coin
+    assert rec.requests[0].error == "unknown identifier 'y'"
+    assert rec.requests[1].error == NO_ERRORS and rec.requests[1].nl == " ".join(NL)
+    # a subtree fix whose first error stays inside the repaired node is refused, and recorded as such
+    rec = Recorder(lambda r: "abs(w)" if r.code == "abs(y)" else r.code)
+    trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=2)
+    assert trace.calls[0] == {"kind": "subtree", "component": 2, "node": [0, 1, 0], "code": "abs(y)",
+                              "fixed": "abs(w)", "accepted": False, "errors_after": 1}
+    assert trace.calls[1] == {"kind": "statement", "code": broken, "fixed": broken, "accepted": False,
+                              "errors_after": 1}
+    assert trace.statement == broken and trace.errors == 1
+
+
+def test_components_without_a_tree_or_whose_tree_no_longer_spells_them_are_repaired_whole():
+    from rl.methods.dsr.core import tree_guided_repair
+    conditions = ["(x : Real)", "(h : y > 0)", "(h : x < 5)"]  # y undeclared in the second condition
+    nl = ["x is real", "y is positive", "x is below 5", "x is at most 9"]
+    stale = {"formal_content": "<SLOT> > <SLOT>", "children": [leaf("z"), leaf("0")]}  # spells "z > 0"
+    for trees in ([None, None, None, None], [None, stale, None, None], [None, "not a tree", None, None]):
+        rec = Recorder(lambda r: "(h1 : x > 0)" if r.kind == "component" else r.code)
+        trace = tree_guided_repair(conditions, "x ≤ 9", trees, nl, " ".join(nl), rec, budget=4)
+        first = rec.requests[0]
+        assert (first.kind, first.code, first.nl) == ("component", "(h1 : y > 0)", "y is positive")
+        assert first.error == "unknown identifier 'y'" and first.declared == "(x : Real)"
+        assert trace.errors == 0 and trace.statement == splice(["(x : Real)", "(h1 : x > 0)", "(h : x < 5)"], "x ≤ 9")
+        assert [r.kind for r in rec.requests] == ["component", "statement"] and trace.calls[0]["node"] is None
+    # with a tree: the subtree request carries the declarations before its component only
+    tree = {"formal_content": "(h1 : <SLOT>)", "children": [
+        {"formal_content": "<SLOT> > <SLOT>", "children": [leaf("y"), leaf("0")]}]}
+    rec = Recorder()
+    tree_guided_repair(conditions, "x ≤ 9", [None, tree, None, None], nl, " ".join(nl), rec, budget=4)
+    assert (rec.requests[0].kind, rec.requests[0].code, rec.requests[0].declared) == ("subtree", "y > 0",
+                                                                                      "(x : Real)")
+
+
+def test_the_budget_and_the_local_share_default_to_the_released_four_and_one():
+    from rl.methods.dsr.core import drive, global_repair, tree_guided_repair, tree_guided_repair_steps
+    rec = Recorder()
+    trace = tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec)
+    assert [r.kind for r in rec.requests] == ["subtree"] + ["statement"] * 3 and len(trace.calls) == 4
+    rec = Recorder()
+    drive(tree_guided_repair_steps(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL)), rec)
+    assert [r.kind for r in rec.requests] == ["subtree"] + ["statement"] * 3
+    rec = Recorder()
+    global_repair(splice(CONDITIONS, LINEAR), "the NL", rec)
+    assert len(rec.requests) == 4 and all(r.nl == "the NL" for r in rec.requests)
+    # the last call of the budget is always global, whatever the local share asks for
+    rec = Recorder()
+    tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, " ".join(NL), rec, budget=2, local_calls=7)
+    assert [r.kind for r in rec.requests] == ["subtree", "statement"]
+
+
+def test_statements_that_compile_cost_no_call_and_frame_errors_go_straight_to_global_repair():
+    from rl.methods.dsr.core import (
+        drive_batched,
+        global_repair_steps,
+        tree_guided_repair,
+        tree_guided_repair_steps,
+    )
+    good = ["(x : Real)", "(h1 : x > 0)"]
+    rec = Recorder()
+    trace = tree_guided_repair(good, "x ^ 2 > 0", [None, None, None], NL, " ".join(NL), rec)
+    assert rec.requests == [] and trace.calls == [] and trace.errors == 0
+    traces = drive_batched([tree_guided_repair_steps(good, "x ^ 2 > 0", [None, None, None], NL, "nl"),
+                            global_repair_steps(splice(CONDITIONS, LINEAR), "nl")], lambda rs: [r.code for r in rs])
+    assert [len(t.calls) for t in traces] == [0, 4] and traces[0].statement == splice(good, "x ^ 2 > 0")
+    with pytest.raises(ValueError, match="repair_batch returned 0 fixes for 1 requests"):
+        drive_batched([global_repair_steps(splice(CONDITIONS, LINEAR), "nl")], lambda rs: [])
+    # an empty conclusion: the error sits on the frame (':='), no component holds it
+    rec = Recorder()
+    trace = tree_guided_repair(good, "", [None, None, None], NL, " ".join(NL), rec)
+    assert [r.kind for r in rec.requests] == ["statement"] * 4 and trace.errors == 1
+
+
+def test_the_first_condition_is_a_component_like_any_other():
+    from rl.methods.dsr.core import tree_guided_repair
+    rec = Recorder(lambda r: "(x : Real)" if r.kind == "component" else r.code)
+    trace = tree_guided_repair(["(x : Reel)"], "x > 0", [None, None], ["x is real", "x is positive"], "nl", rec)
+    assert (rec.requests[0].kind, rec.requests[0].code, rec.requests[0].declared) == ("component", "(x : Reel)", "")
+    assert trace.errors == 0
+
+
+def test_a_rewrite_with_as_many_errors_is_kept_on_a_coin_flip_of_the_given_rng():
+    """Global repair keeps a rewrite with fewer errors always, one with as many when the rng's draw is below 0.5
+    (the default rng is `random.Random(0)`, whose first draw, 0.84, refuses it), one with more never."""
+    import random
+
+    from rl.methods.dsr.core import drive, global_repair, global_repair_steps, tree_guided_repair
+    broken = splice(CONDITIONS, LINEAR)
+    other = splice(CONDITIONS, "x ^ 2 + (abs(z)) > 0")  # another undeclared name: as many errors
+    keeps = next(s for s in range(100) if random.Random(s).random() < 0.5)
+    rec = Recorder(lambda r: other)
+    assert global_repair(broken, "nl", rec, budget=1).statement == broken
+    assert global_repair(broken, "nl", rec, budget=1, rng=random.Random(keeps)).statement == other
+    assert drive(global_repair_steps(broken, "nl", budget=1), rec).statement == broken
+    assert drive(global_repair_steps(broken, "nl", budget=1, rng=random.Random(keeps)), rec).statement == other
+    local = Recorder(lambda r: other if r.kind == "statement" else r.code)
+    assert tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, "nl", local, budget=2).statement == broken
+    assert tree_guided_repair(CONDITIONS, LINEAR, [None, None, TREE], NL, "nl", local, budget=2,
+                              rng=random.Random(keeps)).statement == other
+
+
+def test_global_requests_name_the_first_three_errors():
+    from rl.methods.dsr.core import global_repair
+    statement = "theorem test (x : Real) : a + b + c + d > x := by sorry"
+    rec = Recorder()
+    global_repair(statement, "nl", rec, budget=1)
+    assert rec.requests[0].error == ("unknown identifier 'a'; unknown identifier 'b'; unknown identifier 'c'")
+
+
+def test_after_a_local_success_the_next_error_of_the_component_gets_its_own_ladder():
+    from rl.methods.dsr.core import tree_guided_repair
+    two = {"formal_content": "<SLOT> > <SLOT>", "children": [
+        {"formal_content": "<SLOT> + <SLOT>", "children": [
+            {"formal_content": "abs(<SLOT>)", "children": [leaf("y")]},
+            {"formal_content": "abs(<SLOT>)", "children": [leaf("z")]}]}, leaf("0")]}
+    conclusion = "abs(y) + abs(z) > 0"
+    rec = Recorder(lambda r: {"abs(y)": "abs(x)", "abs(z)": "abs(x)"}.get(r.code, r.code))
+    trace = tree_guided_repair(CONDITIONS, conclusion, [None, None, two], NL, " ".join(NL), rec, local_calls=3)
+    assert [(r.kind, r.code) for r in rec.requests] == [("subtree", "abs(y)"), ("subtree", "abs(z)"),
+                                                        ("statement", splice(CONDITIONS, "abs(x) + abs(x) > 0"))]
+    assert [c["node"] for c in trace.calls[:2]] == [[0, 0], [0, 1]] and trace.errors == 0

@@ -3,6 +3,7 @@ estimators and losses and of the methods, one change at a time (an operator, a c
 runs the fast tests that cover each mutant; a mutant the tests do not fail on survived.
 
     python benchmarks/mutation.py [--only advantages losses zo_finetuner] [--out benchmarks/results/mutation.json]
+    python benchmarks/mutation.py --only core --no-run   # the JSON from what mutmut recorded, no run
     make mutation
 
 The modules and the tests mutmut may run are `[tool.mutmut]` in pyproject.toml; mutmut keeps its work in
@@ -66,6 +67,10 @@ _CAST = "a dtype the next operation casts to anyway (assignment into a float32 t
 _SUGENO_B = "the B penalty: it scales only the α = 0.5 term, which never exceeds the α = 1 term"
 _SUGENO_HALF = "the α = 0.5 term: it never exceeds the α = 1 term (as many A's, times a penalty of at most 1)"
 _SUGENO_ALL_A = "the all-A shortcut: #A / n is 1 on an all-A grading anyway (and min(1, 2) is 1)"
+_TIE = "< for <= against a uniform draw: the two differ only on a draw exactly at the bound (probability 0)"
+_FLAG = "None for False in a flag read only for its truth"
+_POSITIONS = ("positions left to the model or shifted by a constant: LLaDA derives them from the attention mask as "
+              "the sampler does, and rotary attention reads only their differences")
 EQUIVALENT: dict[str, str] = {
     **{f"rl.advantages.x_discounted_outcome_returns__mutmut_{i}": _DIM for i in (8, 10, 12, 20)},
     "rl.advantages.x_outcome_token_rewards__mutmut_14": _DIM,
@@ -221,6 +226,30 @@ EQUIVALENT: dict[str, str] = {
     "rl.methods.memo.core.x_apply_crud__mutmut_91": "max_insights >= 0 instead of > 0: at 0 the slice [-0:] is the "
                                                     "whole list, as no cap is",
     "rl.methods.memo.core.xǁPrefixReplayBufferǁsample__mutmut_8": "choices(..., k=1) -> choices(...): k's default is 1",
+    "rl.methods.dsr.core.x__global_call__mutmut_25": _TIE,
+    "rl.methods.dsr.core.x_smallest_containing__mutmut_6": "> for >= between nodes of equal depth: siblings' spans "
+                                                          "never overlap, so two nodes of one depth never both hold "
+                                                          "a column",
+    **{f"rl.methods.dsr.core.x_tree_guided_repair_steps__mutmut_{i}": _FLAG for i in (18, 129)},
+    "models.diffusion.x__margin__mutmut_22": "the chosen token's stand-in -2 for -1: probabilities are >= 0, so the "
+                                             "largest other one is the same at any negative value",
+    **{f"models.diffusion.x__revise__mutmut_{i}": _DEVICE for i in (8, 11, 29, 32, 45, 48, 130, 132, 136, 139)},
+    **{f"models.diffusion.x__sample__mutmut_{i}": _DEVICE for i in (17, 27, 31, 41, 45, 58, 61, 65, 68, 73, 77)},
+    "models.diffusion.x__revise__mutmut_49": _TIE,
+    **{f"models.diffusion.x__revise__mutmut_{i}": _DIM for i in (94, 96, 98)},
+    "models.diffusion.x__sample__mutmut_51": _DIM,
+    **{f"models.diffusion.x__revise__mutmut_{i}": _POSITIONS for i in (54, 57)},
+    **{f"models.diffusion.x__sample__mutmut_{i}": _POSITIONS for i in (47, 49, 113, 183)},
+    **{f"models.diffusion.x__sample__mutmut_{i}": _CAST + " (an integer fill is int64, the ids' dtype; a float "
+       "all-ones mask is read as a bool; int(debt) reads the same counts)" for i in (26, 30, 40, 44, 72, 76, 82, 84)},
+    **{f"models.diffusion.x__sample__mutmut_{i}": "a commit step's initial value: every position is committed by "
+       "the end of sampling, so it is always overwritten" for i in (78, 79)},
+    **{f"models.diffusion.x__sample__mutmut_{i}": "the block's-last-step rule (commit every open position): the "
+       "schedule's remaining tokens plus the debt of remasked ones already equal the open positions there"
+       for i in (137, 140)},
+    "models.diffusion.x__sample__mutmut_153": "break for continue when a row commits nothing: every row has the same "
+                                              "schedule and each probe sends back m tokens in every row, so when one "
+                                              "row commits nothing at a step, none does",
     **{f"rl.methods.dsr.core.x_sugeno_score__mutmut_{i}": _SUGENO_B for i in (15, 16, 17, *range(19, 29), 35, 36, 37,
                                                                             54, 56, 57)},
     **{f"rl.methods.dsr.core.x_sugeno_score__mutmut_{i}": _SUGENO_HALF for i in (65, 66, 67, 68, 69, 87)},
@@ -268,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(TARGETS), default=sorted(TARGETS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/mutation.json"))
     parser.add_argument("--max-children", type=int, default=2)
+    parser.add_argument("--no-run", action="store_true",
+                        help="only summarise what mutmut recorded (e.g. after rerunning survivors by name with "
+                             "`mutmut run NAME ...`)")
     args = parser.parse_args(argv)
-    for target in args.only:
+    for target in [] if args.no_run else args.only:
         print(f"mutation: {target} ({', '.join(p + '*' for p in TARGETS[target])})", flush=True)
         mutmut("run", "--max-children", str(args.max_children), *(p + "*" for p in TARGETS[target]))
     status = statuses()

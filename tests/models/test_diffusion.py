@@ -360,6 +360,10 @@ def test_a_row_samples_and_probes_alike_alone_and_beside_a_longer_prompt():
     for pa, pb in zip(probes_a, probes_b):
         assert [ev[1:3] for ev in pa] == [ev[1:3] for ev in pb]
         assert [ev[3] for ev in pa] == pytest.approx([ev[3] for ev in pb], abs=1e-4)
+    # the reconstruction's score reads the log-probabilities the sampler committed with
+    commit = diffusion_generate(m, alone["input_ids"], alone["attention_mask"],
+                                **{**kw, "revise": Remasking("core", 2, 4, 2, score="commit")})
+    assert commit.forwards == 8 + 2 and commit.remasked == 4 and (commit.tokens != tok.mask_token_id).all()
 
 
 def test_sampling_and_random_remasking_draw_from_the_given_generator_alone():
@@ -443,5 +447,5 @@ def test_an_unperturbed_probe_draws_nothing_and_rows_without_candidates_are_pass
     events, _ = _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id,
                         Remasking("low_margin", 1, candidates=2, m=1), None)
     assert [e[:2] for e in events] == [[0, 1], [1, 0]]  # a row with one committed token has one candidate
-    with pytest.raises(ValueError, match="remasking score 'state' needs the current state's logits"):
+    with pytest.raises(ValueError, match="^remasking score 'state' needs the current state's logits$"):
         _revise(m, x, attn, pos_ids, P, (P, x.shape[1]), logp, margin, mask_id, Remasking("core", 1), None)

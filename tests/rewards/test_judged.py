@@ -10,7 +10,7 @@ from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine
 
 # (question, reference, answer) -> the rating the judge is taught to give: a right answer 9, a wrong one 2
-STEPS = 320
+STEPS = 400  # the rating splits from the plateau (loss ~0.05) near step 250 with these settings
 CASES = [(f"What is {a}+{b}?", str(a + b), str(answer))
          for a, b in ((2, 3), (4, 1), (3, 3)) for answer in (a + b, a + b + 1)]
 

@@ -562,3 +562,158 @@ def test_onboarding_defaults_and_the_callers_distiller():
         return [MemoryEntry("b", "x", reliability=1.0)]
     out = onboard(*args, random.Random(1), distill=distill, tolerance=1.0, delta=1.0)
     assert seen == [(32, "b", {"x": "a", "y": "a"})] and out.memory.entries == (MemoryEntry("b", "x", reliability=1.0),)
+
+
+def test_the_router_sees_agents_it_was_never_told_to_use_as_registered_but_not_preferred():
+    from rl.methods.monoscale.core import NOT_PREFERRED, AgentCard, MemoryEntry, RouterMemory, shown_cards
+    cards = [AgentCard("calc", "adds numbers", "a+b"), AgentCard("search", "finds facts", "query"),
+             AgentCard("new", "solves puzzles", "grid"), AgentCard("avoided", "writes code", "spec")]
+    memory = RouterMemory((MemoryEntry("search", "facts"), MemoryEntry("avoided", "code", prefer=False)))
+    shown = shown_cards(cards, memory, trusted={"calc"})
+    assert shown[:2] == cards[:2]  # trusted from the start, and told to use
+    assert shown[2:] == [AgentCard("new", "solves puzzles" + NOT_PREFERRED, "grid"),
+                         AgentCard("avoided", "writes code" + NOT_PREFERRED, "spec")]
+    assert shown_cards(cards, RouterMemory(), trusted=set()) == [
+        AgentCard(c.name, c.description + NOT_PREFERRED, c.interface) for c in cards]
+
+
+def test_the_held_out_and_replay_sets_default_to_the_papers_300_and_48_tasks():
+    from rl.methods.monoscale.core import grow_pool, make_growing_pool
+    pool, cards, kinds = make_growing_pool(0)
+    seen: list[list] = []
+
+    def route(tasks, memory, shown):
+        seen.append([t.id for t in tasks])
+        return follow_memory(tasks, memory, shown)
+    grow_pool("fixed", route, pool, cards, kinds)
+    assert {len(names) for names in seen} == {300} and seen[0] == [f"test-{i}" for i in range(300)]
+    seen.clear()
+    grow_pool("monoscale", route, pool, cards[:4], kinds)  # one onboarding round: 16 familiarization tasks
+    ids = {i for names in seen for i in names}
+    assert {i for i in ids if i.startswith("replay-")} == {f"replay-{i}" for i in range(48)}
+    assert [len(names) for names in seen] == [300, 16, 16 + 48, 48, 16 + 48, 48, 300]
+    with pytest.raises(ValueError, match=r"^mode must be one of monoscale, accept_all, naive, fixed, got 'grow'$"):
+        grow_pool("grow", route, pool, cards, kinds)
+
+
+def test_a_growth_run_is_fixed_by_its_seed_and_uses_the_task_sets_it_is_given():
+    from rl.methods.monoscale.core import Task, grow_pool, make_growing_pool
+    pool, cards, kinds = make_growing_pool(3)
+    runs = [grow_pool("monoscale", follow_memory, pool, cards[:5], kinds, seed=s, test_size=60) for s in (4, 4, 5)]
+    assert runs[0] == runs[1] and runs[0]["j"] != runs[2]["j"]
+    seen: set[str] = set()
+
+    def route(tasks, memory, shown):
+        seen.update(t.id for t in tasks)
+        return follow_memory(tasks, memory, shown)
+    replay = [Task(f"mine-{i}", kinds[i % len(kinds)]) for i in range(10)]
+    test = [Task(f"held-{i}", kinds[i % len(kinds)]) for i in range(20)]
+    grow_pool("monoscale", route, pool, cards[:4], kinds, test=test, replay=replay)
+    assert {i for i in seen if not i.startswith("fam-")} == {t.id for t in replay + test}
+
+
+def test_each_onboarding_round_gets_the_runs_trust_region_hooks_and_pool():
+    from rl.methods.monoscale.core import (
+        MemoryHistory,
+        distill_evidence,
+        familiarization_tasks,
+        grow_pool,
+        make_growing_pool,
+    )
+    pool, cards, kinds = make_growing_pool(2)
+    base = grow_pool("monoscale", follow_memory, pool, cards[:7], kinds, seed=2, test_size=60)
+    wide = grow_pool("monoscale", follow_memory, pool, cards[:7], kinds, seed=2, test_size=60, delta=0.5)
+    strict = grow_pool("monoscale", follow_memory, pool, cards[:7], kinds, seed=2, test_size=60, tolerance=-0.3)
+    assert any(u["accepted"] for u in base["updates"]) and not any(u["accepted"] for u in strict["updates"])
+    assert not any(u["accepted"] and u["change_rate"] > 0.2 for u in base["updates"])
+    assert any(u["accepted"] and u["change_rate"] > 0.2 for u in wide["updates"])
+    calls: dict[str, list] = {"familiarize": [], "distill": [], "explore_pool": []}
+
+    def familiarize(card, ks, n, rng):
+        calls["familiarize"].append((card.name, n))
+        return familiarization_tasks(card, ks, n, rng)
+
+    def distill(evidence, new_agent, incumbents):
+        calls["distill"].append(new_agent)
+        return distill_evidence(evidence, new_agent, incumbents)
+
+    def route(tasks, memory, shown):
+        if len(tasks) == 6:  # the explored half of a round's familiarization tasks
+            calls["explore_pool"].append([c.name for c in shown])
+        return follow_memory(tasks, memory, shown)
+    history = MemoryHistory()
+    run = grow_pool("monoscale", route, pool, cards[:6], kinds, seed=2, test_size=60, n_familiarization=6,
+                    familiarize=familiarize, distill=distill, history=history)
+    new = [c.name for c in cards[3:6]]
+    assert calls["familiarize"] == [(name, 12) for name in new] and calls["distill"] == new
+    assert calls["explore_pool"] == [[c.name for c in cards[:k]] for k in (3, 4, 5)]
+    assert [e["round"] for e in history.log] == [1, 2, 3] and [e["agent"] for e in history.log] == new
+    assert set(run) == {"mode", "j", "updates", "memory"} and run["mode"] == "monoscale"
+    accepted = [e for e in history.log if e["accepted"]]
+    assert run["memory"] == (history.versions[-1] if accepted else RouterMemory().to_json())
+
+
+def test_accepting_every_update_records_what_it_took():
+    from rl.methods.monoscale.core import (
+        MemoryEntry,
+        Task,
+        UpdateRecord,
+        accept_update,
+        make_growing_pool,
+        routing_change_rate,
+        success,
+    )
+    pool, cards, kinds = make_growing_pool(0)
+    memory = RouterMemory()
+    validation = [Task(f"v{i}", kinds[i % len(kinds)]) for i in range(12)]
+    replay = [Task(f"r{i}", kinds[(i * 5) % len(kinds)]) for i in range(8)]
+    j_before, _ = success(follow_memory, pool.outcomes, validation, memory, cards)
+    same, record = accept_update(memory, [], follow_memory, pool.outcomes, cards, validation, replay)
+    assert same is memory and record == UpdateRecord("", False, j_before, None, None, [])
+    entry = MemoryEntry(cards[3].name, kinds[0])
+    taken, record = accept_update(memory, [entry], follow_memory, pool.outcomes, cards, validation, [], agent="a3")
+    j_after, _ = success(follow_memory, pool.outcomes, validation, taken, cards)
+    assert taken.entries == (entry,) and (record.agent, record.accepted, record.j_after) == ("a3", True, j_after)
+    assert record.change_rate == 0.0 and record.tried == [{"entries": [entry.line()], "j": j_after, "change_rate": 0.0}]
+    _, record = accept_update(memory, [entry], follow_memory, pool.outcomes, cards, validation, replay)
+    assert record.change_rate == routing_change_rate(follow_memory(replay, memory, cards),
+                                                     follow_memory(replay, taken, cards))
+
+
+def test_each_onboarding_default_decides_a_round_where_it_binds():
+    """A round (simulated pool of seed 20, the fourth agent joining) in which each default of `onboard` decides
+    the outcome: the trust region (δ 0.2, tolerance 0, on) rejects the update, and a wider δ, a tolerance of 1,
+    no trust region or a margin of 0.5 each end the round otherwise."""
+    import random
+
+    from rl.methods.monoscale.core import familiarization_tasks, onboard
+    pool, cards, kinds = make_growing_pool(20)
+    draw = random.Random(20)
+    replay = [Task(f"r{i}", draw.choice(kinds)) for i in range(48)]
+    asked = []
+
+    def familiarize(card, ks, n, rng):
+        asked.append(n)
+        return familiarization_tasks(card, ks, n, rng, start_id=rng.randrange(10**9))
+    args = (RouterMemory(), cards[3], cards[:3], follow_memory, pool.outcomes, replay, kinds)
+    default = onboard(*args, random.Random(20), familiarize=familiarize)
+    assert asked == [32] and default.update.agent == cards[3].name and not default.update.accepted
+    assert default.memory == RouterMemory()
+    for change in ({"delta": 1.2}, {"tolerance": 1.0}, {"trust_region": False}, {"margin": 0.5}):
+        other = onboard(*args, random.Random(20), **change)
+        assert (other.memory, other.update) != (default.memory, default.update), change
+    ablation = onboard(*args, random.Random(20), trust_region=False)
+    assert ablation.update.accepted and ablation.update.agent == cards[3].name and ablation.update.change_rate > 0
+    assert ablation.update.change_rate == routing_change_rate(follow_memory(replay, RouterMemory(), cards[:4]),
+                                                             follow_memory(replay, ablation.memory, cards[:4]))
+
+
+def test_familiarization_tasks_are_numbered_from_zero_unless_told_otherwise():
+    import random
+
+    from rl.methods.monoscale.core import familiarization_tasks
+    card = AgentCard("b", "a specialist for x")
+    assert [t.id for t in familiarization_tasks(card, ["x", "y"], 3, random.Random(0))] == ["fam-b-0", "fam-b-1",
+                                                                                          "fam-b-2"]
+    assert [t.id for t in familiarization_tasks(card, ["x", "y"], 2, random.Random(0), start_id=7)] == ["fam-b-7",
+                                                                                                      "fam-b-8"]

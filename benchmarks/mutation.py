@@ -226,6 +226,15 @@ EQUIVALENT: dict[str, str] = {
     "rl.methods.memo.core.x_apply_crud__mutmut_91": "max_insights >= 0 instead of > 0: at 0 the slice [-0:] is the "
                                                     "whole list, as no cap is",
     "rl.methods.memo.core.xǁPrefixReplayBufferǁsample__mutmut_8": "choices(..., k=1) -> choices(...): k's default is 1",
+    **{f"rl.methods.monoscale.core.x_distill_evidence__mutmut_{i}": "the key looked up for a type without an "
+       "incumbent ('' -> None, 'XXXX' or left out): no agent has that name, so none has evidence" for i in (25, 27, 28)},
+    **{f"rl.methods.monoscale.core.x_distill_evidence__mutmut_{i}": "an incumbent without evidence as None instead "
+       "of []: both are falsy at the only place it is read before a type is skipped" for i in (21, 23)},
+    "rl.methods.monoscale.core.x_distill_evidence__mutmut_77": "reliability `or 1` for `or 0`: every entry has a "
+                                                              "reliability, and 0 and 1 are as far from 0.5",
+    "rl.methods.monoscale.core.x_familiarization_tasks__mutmut_21": _TIE,
+    "rl.methods.monoscale.core.x_claimed_kinds__mutmut_22": "the text put in place of a claimed type ('XX XX' for "
+                                                            "' '): it only has to name no type",
     "rl.methods.dsr.core.x__global_call__mutmut_25": _TIE,
     "rl.methods.dsr.core.x_smallest_containing__mutmut_6": "> for >= between nodes of equal depth: siblings' spans "
                                                           "never overlap, so two nodes of one depth never both hold "

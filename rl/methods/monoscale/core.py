@@ -140,7 +140,7 @@ def trust_region_update(memory: RouterMemory, candidates: list[MemoryEntry], rou
     while delta_m:
         candidate = memory.extended(delta_m)
         j_after, _ = success(route, outcomes, validation, candidate, cards)
-        change = routing_change_rate(replay_before, route(replay, candidate, cards)) if replay else 0.0
+        change = routing_change_rate(replay_before, route(replay, candidate, cards))  # 0 without replay tasks
         tried.append({"entries": [e.line() for e in delta_m], "j": j_after, "change_rate": change})
         if j_after >= j_before - tolerance and change <= delta:
             return candidate, UpdateRecord(agent, True, j_before, j_after, change, tried, memory_diff(memory, candidate))
@@ -331,7 +331,7 @@ def accept_update(memory: RouterMemory, candidates: list[MemoryEntry], route: Ro
         return memory, UpdateRecord(agent, False, j_before, None, None, [])
     candidate = memory.extended(list(candidates))
     j_after, _ = success(route, outcomes, validation, candidate, cards)
-    change = routing_change_rate(route(replay, memory, cards), route(replay, candidate, cards)) if replay else 0.0
+    change = routing_change_rate(route(replay, memory, cards), route(replay, candidate, cards))  # 0 without replay
     tried = [{"entries": [e.line() for e in candidates], "j": j_after, "change_rate": change}]
     return candidate, UpdateRecord(agent, True, j_before, j_after, change, tried, memory_diff(memory, candidate))
 

@@ -717,3 +717,85 @@ def test_familiarization_tasks_are_numbered_from_zero_unless_told_otherwise():
                                                                                           "fam-b-2"]
     assert [t.id for t in familiarization_tasks(card, ["x", "y"], 2, random.Random(0), start_id=7)] == ["fam-b-7",
                                                                                                       "fam-b-8"]
+
+
+def test_distilled_entries_by_hand():
+    """Per task type: "use b" when b beat the incumbent by the margin (boundary included), "avoid b" when it did
+    worse by it, nothing in between, nothing for a type with too little evidence of b or none of the incumbent;
+    strongest evidence first (|reliability - 0.5| x interactions)."""
+    def ev(kind, agent, *scores):
+        return [(Task(f"{kind}{agent}{i}", kind), agent, s) for i, s in enumerate(scores)]
+    evidence = (ev("t", "a", 1, 1) + ev("x", "b", 1, 1, 0, 1) + ev("x", "a", 0, 1, 0, 0) + ev("y", "b", 0, 0)
+                + ev("y", "a", 1, 1, 1) + ev("v", "b", 1) + ev("v", "a", 0) + ev("u", "b", 1, 1)
+                + ev("s", "b", 0.3, 0.3) + ev("s", "a", 0.35))
+    entries = distill_evidence(evidence, "b", {"t": "a", "x": "a", "y": "a", "v": "a", "s": "a"})
+    assert entries == [MemoryEntry("b", "y", failure_modes="y tasks (0% success)", reliability=0.0, evidence=5,
+                                   prefer=False),
+                       MemoryEntry("b", "x", reliability=0.75, evidence=8)]
+    at_margin = ev("z", "b", 0.5, 0.5) + ev("z", "a", 0.25) + ev("w", "b", 0.5, 0.5) + ev("w", "a", 0.75)
+    assert distill_evidence(at_margin, "b", {"z": "a", "w": "a"}, margin=0.25) == [
+        MemoryEntry("b", "w", failure_modes="w tasks (50% success)", reliability=0.5, evidence=3, prefer=False),
+        MemoryEntry("b", "z", reliability=0.5, evidence=3)]
+
+
+def test_a_type_named_inside_a_longer_one_is_not_claimed_by_that_mention():
+    from rl.methods.monoscale.core import claimed_kinds
+    card = AgentCard("nt", "solves Number Theory problems")
+    assert claimed_kinds(card, ["Theory", "Number Theory"]) == ["Number Theory"]
+    assert claimed_kinds(AgentCard("t", "theory and number theory"), ["Theory", "Number Theory"]) == [
+        "Theory", "Number Theory"]
+
+
+def _table_route(tasks, memory, cards):
+    """A router that follows "use A for T" entries and sends everything else to agent a."""
+    use = {e.when: e.agent for e in memory.entries if e.prefer}
+    return [use.get(t.kind, "a") for t in tasks]
+
+
+def _table_outcomes(tasks, choices):
+    """Agent b solves x tasks and half-solves z tasks; a solves y tasks (a synthetic harness of the test)."""
+    table = {("x", "b"): 1.0, ("y", "a"): 1.0, ("z", "b"): 0.5, ("z", "a"): 0.75}
+    return [table.get((t.kind, c), 0.0) for t, c in zip(tasks, choices)]
+
+
+def test_the_trust_region_accepts_at_its_bounds_by_hand():
+    """J on validation (x, y, y, z) and the routing change on replay (x, y, y, y) by hand: "use b for x" raises J
+    from 2/4 (a gets both y's) to 3/4 and reroutes 1 of 4 replay tasks (0.25); "use b for z" lowers J by 0.25/4
+    and reroutes none; "use b for w" changes nothing at all."""
+    validation = [Task("v0", "x"), Task("v1", "y"), Task("v2", "y"), Task("v3", "z")]
+    replay = [Task("r0", "x"), Task("r1", "y"), Task("r2", "y"), Task("r3", "y")]
+    memory, x, z, w = RouterMemory(), MemoryEntry("b", "x"), MemoryEntry("b", "z"), MemoryEntry("b", "w")
+    args = (_table_route, _table_outcomes, [], validation, replay)
+    new, record = trust_region_update(memory, [x], *args, delta=0.25)  # the change exactly at δ
+    assert new.entries == (x,) and record.accepted and (record.j_before, record.j_after) == (2.75 / 4, 3.75 / 4)
+    assert record.agent == "" and record.change_rate == 0.25
+    assert record.tried == [{"entries": [x.line()], "j": 3.75 / 4, "change_rate": 0.25}]
+    same, record = trust_region_update(memory, [x], *args, agent="b")  # δ 0.2 by default: refused
+    assert same is memory and record.accepted is False and record.agent == "b" and record.change_rate == 0.25
+    assert record.j_before == 2.75 / 4 and record.j_after == 3.75 / 4
+    new, record = trust_region_update(memory, [w], *args)  # J exactly as before, nothing rerouted: taken
+    assert new.entries == (w,) and record.accepted and record.j_after == record.j_before
+    same, record = trust_region_update(memory, [z], *args)  # J lower by 0.0625: tolerance 0 by default refuses
+    assert same is memory and not record.accepted and record.j_after == 2.5 / 4
+    new, record = trust_region_update(memory, [z], *args, tolerance=0.0625)
+    assert new.entries == (z,) and record.accepted
+    new, record = trust_region_update(memory, [x], _table_route, _table_outcomes, [], validation, [], agent="b")
+    assert record.accepted and record.change_rate == 0.0  # no replay tasks: no routing change to bound
+
+
+def test_success_is_the_mean_outcome_of_the_routers_choices():
+    from rl.methods.monoscale.core import success
+    memory = RouterMemory((MemoryEntry("b", "x"),))
+    assert success(_table_route, _table_outcomes, [Task("one", "x")], memory, []) == (1.0, ["b"])
+    assert success(_table_route, _table_outcomes, [Task("p", "z"), Task("q", "y")], memory, []) == (0.875, ["a", "a"])
+    assert success(_table_route, _table_outcomes, [], memory, []) == (0.0, [])
+
+
+def test_memory_serializes_byte_stably_and_routing_changes_are_shares():
+    memory = RouterMemory((MemoryEntry("b", "x", reliability=0.5, evidence=3),), version=2)
+    assert memory.to_json() == ('{"entries": [{"agent": "b", "evidence": 3, "failure_modes": "", "interface": "", '
+                                '"prefer": true, "reliability": 0.5, "when": "x"}], "version": 2}')
+    assert routing_change_rate(["a"], ["b"]) == 1.0 and routing_change_rate(["a", "b"], ["a", "c"]) == 0.5
+    assert routing_change_rate([], []) == 0.0
+    with pytest.raises(ValueError, match=r"^routing_change_rate: 2 choices against 1$"):
+        routing_change_rate(["a", "b"], ["a"])

@@ -40,7 +40,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -63,15 +62,10 @@ ARMS = {"sync": ["trainer.max_staleness=0"], "one_step_off": ["trainer.max_stale
 def run_arm(arm: str, seed: int, args: argparse.Namespace, reward: str) -> dict:
     out = Path(args.runs_dir) / f"{arm}_seed{seed}"
     shutil.rmtree(out, ignore_errors=True)  # a finished run in place would be reused, not timed again
-    cmd = [sys.executable, "-m", "cluster.cli", "run", str(ROOT / "recipes/quickstart.yaml"), f"seed={seed}",
-           f"output_dir={out}", f"trainer.steps={args.steps}", reward, *WORKLOAD, *ARMS[arm]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{arm} seed {seed} failed")
+    metrics = run_recipe("recipes/quickstart.yaml", [f"seed={seed}", f"trainer.steps={args.steps}", reward,
+                                                     *WORKLOAD, *ARMS[arm]], out, f"{arm} seed {seed}")["metrics"]
     # every step, the first too: partial rollouts open twice the groups a step takes at their first step, and
     # leaving that step out would credit them with the work it did ahead
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     seconds = sum(m["perf/step_s"] for m in metrics)
     samples = sum(m["batch/samples"] for m in metrics)
     tokens = sum(m["perf/tokens"] for m in metrics)

@@ -52,7 +52,8 @@ def _teach_judge(path) -> None:
 
 
 class EngineJudge:
-    """The engine behind a `reward.judges` entry, called as the reward service calls a judge client."""
+    """The engine behind a `reward.judges` entry, called as the reward service calls a judge client (greedy, 16
+    new tokens); `seeds` records each call's seed (tests/rl/methods/test_citation.py uses it too)."""
 
     def __init__(self, engine: HFEngine):
         self.engine, self.seeds = engine, []

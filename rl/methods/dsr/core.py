@@ -632,7 +632,7 @@ def _global_call(statement: str, errors: list[LeanLiteError], nl: str, rng: Any,
     new_errors = check(fixed)
     keep = len(new_errors) < len(errors) or (len(new_errors) == len(errors) and rng.random() < 0.5)
     calls.append({"kind": "statement", "code": statement, "fixed": fixed, "accepted": keep,
-                        "errors_after": len(new_errors)})
+                  "errors_after": len(new_errors)})
     return (fixed, new_errors) if keep else (statement, errors)
 
 

@@ -216,19 +216,12 @@ def test_the_correctness_judge_reads_its_last_rating_and_fails_a_sample_it_canno
     assert parse_rating("Rating: [[11]]") is None and parse_rating("Rating: 7") is None
     assert "{question}" in TEMPLATE and "[[rating]]" in TEMPLATE
 
-    class Judge:  # the engine behind a reward.judges entry, called as the reward service calls a JudgeClient
-        def __init__(self, engine):
-            self.engine, self.calls = engine, 0
-
-        def generate(self, prompts, **sampling):
-            from rollout.base import SamplingParams
-            self.calls += 1
-            return list(self.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=16))
-                        .responses)
-    judge = Judge(cite_engine[0])
+    from tests.rewards.test_judged import EngineJudge
+    judge = EngineJudge(cite_engine[0])
     out = judge_correctness(["What is 2+2?"], ["4"], ground_truth=["4"], judges={"correctness_judge": judge},
                             retries=1)
-    assert isinstance(out[0], RewardFailure) and "no [[rating]] in 2 tries" in out[0].reason and judge.calls == 2
+    assert isinstance(out[0], RewardFailure) and "no [[rating]] in 2 tries" in out[0].reason
+    assert judge.seeds == [0, 1]  # two calls: the first try and one retry, each with its own seed
 
 
 def test_the_llm_judge_asks_each_question_with_its_text_and_reads_the_first_rating_it_names():

@@ -565,7 +565,7 @@ def test_onboarding_defaults_and_the_callers_distiller():
 
 
 def test_the_router_sees_agents_it_was_never_told_to_use_as_registered_but_not_preferred():
-    from rl.methods.monoscale.core import NOT_PREFERRED, AgentCard, MemoryEntry, RouterMemory, shown_cards
+    from rl.methods.monoscale.core import shown_cards
     cards = [AgentCard("calc", "adds numbers", "a+b"), AgentCard("search", "finds facts", "query"),
              AgentCard("new", "solves puzzles", "grid"), AgentCard("avoided", "writes code", "spec")]
     memory = RouterMemory((MemoryEntry("search", "facts"), MemoryEntry("avoided", "code", prefer=False)))
@@ -578,7 +578,6 @@ def test_the_router_sees_agents_it_was_never_told_to_use_as_registered_but_not_p
 
 
 def test_the_held_out_and_replay_sets_default_to_the_papers_300_and_48_tasks():
-    from rl.methods.monoscale.core import grow_pool, make_growing_pool
     pool, cards, kinds = make_growing_pool(0)
     seen: list[list] = []
 
@@ -597,7 +596,6 @@ def test_the_held_out_and_replay_sets_default_to_the_papers_300_and_48_tasks():
 
 
 def test_a_growth_run_is_fixed_by_its_seed_and_uses_the_task_sets_it_is_given():
-    from rl.methods.monoscale.core import Task, grow_pool, make_growing_pool
     pool, cards, kinds = make_growing_pool(3)
     runs = [grow_pool("monoscale", follow_memory, pool, cards[:5], kinds, seed=s, test_size=60) for s in (4, 4, 5)]
     assert runs[0] == runs[1] and runs[0]["j"] != runs[2]["j"]
@@ -613,13 +611,7 @@ def test_a_growth_run_is_fixed_by_its_seed_and_uses_the_task_sets_it_is_given():
 
 
 def test_each_onboarding_round_gets_the_runs_trust_region_hooks_and_pool():
-    from rl.methods.monoscale.core import (
-        MemoryHistory,
-        distill_evidence,
-        familiarization_tasks,
-        grow_pool,
-        make_growing_pool,
-    )
+    from rl.methods.monoscale.core import familiarization_tasks
     pool, cards, kinds = make_growing_pool(2)
     base = grow_pool("monoscale", follow_memory, pool, cards[:7], kinds, seed=2, test_size=60)
     wide = grow_pool("monoscale", follow_memory, pool, cards[:7], kinds, seed=2, test_size=60, delta=0.5)
@@ -654,15 +646,7 @@ def test_each_onboarding_round_gets_the_runs_trust_region_hooks_and_pool():
 
 
 def test_accepting_every_update_records_what_it_took():
-    from rl.methods.monoscale.core import (
-        MemoryEntry,
-        Task,
-        UpdateRecord,
-        accept_update,
-        make_growing_pool,
-        routing_change_rate,
-        success,
-    )
+    from rl.methods.monoscale.core import UpdateRecord, accept_update, success
     pool, cards, kinds = make_growing_pool(0)
     memory = RouterMemory()
     validation = [Task(f"v{i}", kinds[i % len(kinds)]) for i in range(12)]

@@ -99,10 +99,10 @@ def main() -> None:
     kept = KVBuffers()  # the engine's: one for the process, reused by every generate of the variant
     variants[last + ", KV storage reused"] = (None, strided, True, True, variants[last][4], kept)
     # the whole one-token step as one compiled graph over a static cache (`rollout.compiled_decode`): the fused
-    # attention traced into it, no packed weights, every row kept (the graph's shapes are fixed), the static cache
-    # kept between generates in the engine's buffers, as the engine keeps it
-    compiled = "shared prefill, compiled step over a static cache, fused attention traced in"
-    variants[compiled] = (None, strided, True, False, never, kept)
+    # attention over the filled positions and the packed weights as opaque calls in it, every row kept (the graph's
+    # shapes are fixed), the static cache kept between generates in the engine's buffers, as the engine keeps it
+    compiled = "shared prefill, compiled step over a static cache, fused attention and packed weights in the graph"
+    variants[compiled] = (None, strided, True, True, never, kept)
     share = decoding.COMPACT_SHARE
     lengths: dict[str, list[float]] = {k: [] for k in variants}
     times: dict[str, list[float]] = {k: [] for k in variants}

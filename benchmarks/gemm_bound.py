@@ -135,7 +135,8 @@ def race_prompts(tok, seed: int = 0):
 
 def time_generates(generate) -> tuple:
     """The engine's own generate (fused attention, packed weights) and the compiled static-cache step
-    (`rollout.compiled_decode`, the fused attention traced in), alternated, 2 each after a warm-up that compiles:
+    (`rollout.compiled_decode`, the fused attention and packed weights in its graph), alternated, 2 each after a
+    warm-up that compiles:
     (responses, lengths, seconds of the first, seconds of the second)."""
     import torch
     generate(True)

@@ -10,9 +10,13 @@ needs shapes that do not change: `StaticDecodeCache` holds every row's keys and 
 tensor whose next column is set before each step, and the rows that ended keep running (their tokens are pad and
 are dropped), so one graph serves every step of a generate and every generate of the same (rows, capacity) bucket.
 
-The fused one-query attention of `rollout.fused_attention` (where it applies) is traced into the graph, its torch
-ops compiled with the rest; the packed linear weights are not used (the graph multiplies the plain weights, which
-in-flight updates copy into). What stays the eager loop's (`rollout.decoding.DecodeLoop`): the prompt's prefill (once per distinct prompt, its
+On CPU two products stay opaque calls inside the graph, because inductor's own code for them is slower than the
+eager loop's: the one-query attention (`rollout.fused_attention.attend_filled`, where the fused kernel applies: its
+compiled kernel over the positions filled so far, where the graph's own attention would read the whole capacity
+every step) and the linear layers (`rollout.packed_linear`'s `looprl::packed_linear`, oneDNN's packed weights,
+where the graph's `mm` multiplies plain ones; not with in-flight updates, which copy into the plain weights).
+Everything between them (embedding, norms, rotary, residual adds, activations, the cache's writes) is fused by
+inductor. What stays the eager loop's (`rollout.decoding.DecodeLoop`): the prompt's prefill (once per distinct prompt, its
 keys and values copied into the static cache), sampling, logits processors and the repetition penalty (they act
 on the step's logits, outside the graph), stop strings, in-flight weight updates (weights are copied in place, the
 graph reads them). What cannot be captured falls back to the eager step for the whole call, with one warning per

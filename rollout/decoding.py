@@ -356,9 +356,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     (0: the prefill's) are sampled and before the next forward, which may change the model's weights in place
     (in-flight weight updates): the tokens of steps `s + 1` on are the new weights', the KV cache of the earlier
     ones stays the old weights'. `compiled`: one-token steps run as one compiled graph over a static KV cache
-    (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); packed
-    weights and row compaction are then off, and the fused one-query attention, where it applies, is traced into
-    the graph."""
+    (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); row
+    compaction is then off, packed weights run as the graph's `looprl::packed_linear` and the fused one-query
+    attention, where it applies, over the static cache's filled positions (`looprl::attend_filled`). Weights are
+    not packed when `between_steps` is given (an in-flight update would leave the packed copies behind)."""
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
                    forward_kwargs=forward_kwargs, fused_attention=fused_attention, packed_weights=packed_weights,
@@ -379,8 +380,12 @@ def _decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
                       forward_kwargs=forward_kwargs, fused_attention=fused_attention, kv_buffers=kv_buffers,
                       repetition_penalty=repetition_penalty, compiled=compiled)
     try:
-        with (fused_decode_attention(model, enabled=loop.fused, rows=loop.batch_size),
-              packed_linear_weights(model, enabled=packed_weights and loop.static is None, rows=loop.batch_size)):
+        # packed copies would keep the old weights after an in-flight update: weights that may change are read as
+        # they are
+        graph = loop.static is not None
+        with (fused_decode_attention(model, enabled=loop.fused, rows=loop.batch_size, static_cache=graph),
+              packed_linear_weights(model, enabled=packed_weights and between_steps is None, rows=loop.batch_size,
+                                    graph=graph)):
             logits = loop.insert_first(loop.prefill())
             step = 0
             while not loop.done():

@@ -16,6 +16,12 @@ duration; blocks of more than one query (the prompt's prefill, inserted spans) a
 run the model's own kernel (eager or sdpa) with the same additive mask. The first call in a process compiles
 (seconds; `dynamic=True`, so batch and cache lengths do not recompile). Should the first call fail (inductor
 needs a C++ compiler), the loop warns once and decodes with the model's own kernel.
+
+Inside the compiled decode step on CPU (`rollout.compiled_decode`: `fused_decode_attention(static_cache=True)`) the
+keys and values are a static cache's whole capacity; there the graph calls `looprl::attend_filled`, a custom op that
+runs the same kernel over the positions filled so far (`cache_position`'s last + 1), so that a step reads what it
+attends to and not the whole capacity (a CUDA graph, which fixes its reads at capture, attends the whole capacity
+with the model's own kernel and the mask).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from models.blocks import attention_implementation
 from rollout.base import run_or_fall_back
 
 PREFIX = "looprl_fused_decode|"
+STATIC_PREFIX = "looprl_fused_static_decode|"  # the same kernel over a static cache's filled positions
 # the fewest (row, head) pairs a decode step must attend for the kernel to pay: its compile costs 3-4 s in every
 # process (the on-disk cache warm), which a small batch never wins back (the race's 128 rows x 12 heads: 1,536)
 MIN_ROW_HEADS = 256
@@ -53,6 +60,23 @@ def attend_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     probs = scores.softmax(-1)
     out = (probs[..., None] * value[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
     return out.reshape(B, 1, H, D).to(query.dtype)
+
+
+@torch.library.custom_op("looprl::attend_filled", mutates_args=())
+def attend_filled(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  cache_position: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`attend_one_query` (compiled) over a static cache's positions up to `cache_position`'s last one: key/value
+    `[B, Hkv, capacity, D]`, the query's own keys and values already written at that position."""
+    filled = int(cache_position[-1]) + 1
+    return _kernel()(query, key[:, :, :filled], value[:, :, :filled],
+                     None if mask is None else mask[..., :filled], scaling)
+
+
+@attend_filled.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+      cache_position: torch.Tensor, scaling: float) -> torch.Tensor:
+    B, H, _, D = query.shape
+    return query.new_empty((B, 1, H, D))
 
 
 def _kernel() -> Any:
@@ -88,14 +112,29 @@ def _attention(own: str) -> Any:
     return attention
 
 
+def _static_attention(own: str) -> Any:
+    fallback = _model_kernel(own)
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        position = kwargs.get("cache_position")
+        if (query.shape[2] == 1 and not module.training and query.device.type == "cpu" and position is not None
+                and kwargs.get("softcap") is None and kwargs.get("s_aux") is None):
+            return torch.ops.looprl.attend_filled(query, key, value, attention_mask, position, scaling), None
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return attention
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
     for own in ("eager", "sdpa"):
-        if PREFIX + own not in AttentionInterface._global_mapping:
-            AttentionInterface.register(PREFIX + own, _attention(own))
-            # an additive mask: the fused kernel adds it, and both model kernels take it as it is
-            ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX + own, eager_mask)
+        for prefix, make in ((PREFIX, _attention), (STATIC_PREFIX, _static_attention)):
+            if prefix + own not in AttentionInterface._global_mapping:
+                AttentionInterface.register(prefix + own, make(own))
+                # an additive mask: the fused kernel adds it, and both model kernels take it as it is
+                ALL_MASK_ATTENTION_FUNCTIONS.register(prefix + own, eager_mask)
 
 
 def applies(model: torch.nn.Module, rows: int | None = None) -> bool:
@@ -108,12 +147,15 @@ def applies(model: torch.nn.Module, rows: int | None = None) -> bool:
 
 
 @contextmanager
-def fused_decode_attention(model: torch.nn.Module, enabled: bool = True, rows: int | None = None) -> Iterator[bool]:
-    """While inside, `model`'s one-query attention runs the fused kernel (when `enabled` and `applies(model, rows)`);
-    yields whether it does. The model's own kernel is restored on exit."""
+def fused_decode_attention(model: torch.nn.Module, enabled: bool = True, rows: int | None = None,
+                           static_cache: bool = False) -> Iterator[bool]:
+    """While inside, `model`'s one-query attention runs the fused kernel (when `enabled` and `applies(model, rows)`;
+    with `static_cache`, over the filled positions of a static cache: `attend_filled`); yields whether it does. The
+    model's own kernel is restored on exit."""
     if not (enabled and applies(model, rows)):
         yield False
         return
     _register()
-    with attention_implementation(model, PREFIX + model.config._attn_implementation):
+    prefix = STATIC_PREFIX if static_cache else PREFIX
+    with attention_implementation(model, prefix + model.config._attn_implementation):
         yield True

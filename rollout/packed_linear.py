@@ -17,12 +17,18 @@ model takes about 0.1-0.2 s a generate. A call that needs gradients, or whose in
 weight's, runs the plain `F.linear`. The products equal `F.linear`'s to fp32 rounding (the same oneDNN kernels in
 another blocking order). Should the packed path fail on its first call (a build without oneDNN's bf16 support),
 the loop warns once and decodes with `F.linear`.
+
+Inside the compiled decode step (`rollout.compiled_decode`, `graph=True`) the same products run as one custom op,
+`looprl::packed_linear`, that the graph calls with the plain weight: inductor cannot take oneDNN's packed tensors as
+graph inputs, so the op looks the packed copy up by the weight's storage (packed on first use, dropped on exit, as
+above); on a CPU it multiplies a 128-row decode block about 1.5x faster than the graph's own `mm` on plain weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import MethodType
 from typing import Any
 
 import torch
@@ -31,6 +37,9 @@ import torch.nn.functional as F
 from rollout.base import run_or_fall_back
 
 _state = {"ran": False, "failed": None}  # whether a packed product has run once; why the packed path could not
+# the packed copies `looprl::packed_linear` reads, by weight storage, and the row hint: set while a graph-mode
+# `packed_linear_weights` runs
+_graph: dict[str, Any] = {"packs": None, "rows": None}
 
 
 def _supported(dtype: torch.dtype) -> bool:
@@ -58,6 +67,28 @@ def _multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@torch.library.custom_op("looprl::packed_linear", mutates_args=())
+def graph_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with `weight`'s packed copy, made on first use while a graph-mode
+    `packed_linear_weights` runs (outside one, the plain product)."""
+    packs = _graph["packs"]
+    if packs is None:
+        return F.linear(x, weight, bias)
+    key = (weight.data_ptr(), weight.dtype, tuple(weight.shape))
+    if key not in packs:
+        packs[key] = _pack(weight, _graph["rows"])
+    return _multiply(x, packs[key], bias)
+
+
+@graph_product.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _graph_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.looprl.packed_linear(x, module.weight, module.bias)
+
+
 def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch.Tensor], rows: int | None) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = module.weight
@@ -79,19 +110,24 @@ def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch
 
 
 @contextmanager
-def packed_linear_weights(model: torch.nn.Module, enabled: bool = True, rows: int | None = None
-                          ) -> Iterator[dict[torch.nn.Module, torch.Tensor]]:
+def packed_linear_weights(model: torch.nn.Module, enabled: bool = True, rows: int | None = None,
+                          graph: bool = False) -> Iterator[dict[Any, torch.Tensor]]:
     """While inside, every module of `model` that `packs` runs its forward with its weight packed once (on its first
-    call; `rows`: the number of rows a call multiplies, a hint to the layout). Yields the packed weights by module
-    (empty when not `enabled`, or none packs); the modules' own forwards are restored and the packed copies dropped
-    on exit."""
-    packed: dict[torch.nn.Module, torch.Tensor] = {}
+    call; `rows`: the number of rows a call multiplies, a hint to the layout). Yields the packed weights (by module;
+    with `graph`, by weight storage: the forwards call `looprl::packed_linear`, which a compiled graph can hold),
+    empty when not `enabled` or none packs; the modules' own forwards are restored and the packed copies dropped on
+    exit."""
+    packed: dict[Any, torch.Tensor] = {}
     modules = [m for m in model.modules() if packs(m)] if enabled and _state["failed"] is None else []
+    if graph and modules:
+        _graph.update(packs=packed, rows=rows)
     for module in modules:
-        module.forward = _packed_forward(module, packed, rows)
+        module.forward = MethodType(_graph_forward, module) if graph else _packed_forward(module, packed, rows)
     try:
         yield packed
     finally:
         for module in modules:
             module.__dict__.pop("forward", None)
+        if graph and modules:
+            _graph.update(packs=None, rows=None)
         packed.clear()

@@ -60,15 +60,37 @@ def test_the_compiled_step_samples_the_eager_loops_tokens_and_logprobs(model, to
                       packed_weights=True), compiled)
 
 
-def test_the_fused_one_query_attention_runs_inside_the_graph(model, tok):
+def test_the_fused_attention_and_packed_weights_run_inside_the_graph_over_the_filled_positions(model, tok,
+                                                                                                monkeypatch):
     """At 256 (row, head) pairs and more the plain loop attends with `rollout.fused_attention`'s kernel; inside the
-    compiled step its torch ops are traced into the graph: the same tokens and logprobs as the eager loop."""
-    from rollout import fused_attention
+    compiled step it runs as `looprl::attend_filled` over the positions filled so far (not the static capacity),
+    and the linear layers multiply oneDNN-packed weights through `looprl::packed_linear`, each packed once a
+    generate: the same tokens and logprobs as the eager loop."""
+    from rollout import fused_attention, packed_linear
     rows = PROMPTS * 8  # 64 rows x 4 heads
     assert fused_attention.applies(model, rows=len(rows))
-    eager = _run(model, tok, False, temperature=1.0, prompts=rows, fused_attention=True)
-    compiled = _run(model, tok, True, temperature=1.0, prompts=rows, fused_attention=True)
+    eager = _run(model, tok, False, temperature=1.0, prompts=rows, fused_attention=True, packed_weights=True)
+    windows, packs = [], []
+    kernel, pack = fused_attention._kernel, packed_linear._pack
+
+    def recording_kernel():
+        compiled_kernel = kernel()
+
+        def attend(query, key, value, mask, scaling):
+            windows.append(key.shape[2])
+            return compiled_kernel(query, key, value, mask, scaling)
+        return attend
+    monkeypatch.setattr(fused_attention, "_kernel", recording_kernel)
+    monkeypatch.setattr(packed_linear, "_pack", lambda weight, r: packs.append(r) or pack(weight, r))
+    compiled = _run(model, tok, True, temperature=1.0, prompts=rows, fused_attention=True, packed_weights=True)
     _assert_same(eager, compiled)
+    prompt = tok(rows, return_tensors="pt", padding=True)["input_ids"].shape[1]
+    steps = int(compiled[2].max()) - 1  # the first token comes from the prefill's logits
+    layers = model.config.num_hidden_layers
+    # every layer of every one-token step attends to the prompt and the tokens fed so far, one more each step
+    assert windows == [prompt + 1 + s for s in range(steps) for _ in range(layers)]
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert packs == [len(rows)] * linears  # each weight packed once, for the generate's row count
 
 
 def test_logits_processors_penalties_and_stop_strings_stay_outside_the_graph(model, tok):
@@ -91,8 +113,10 @@ def test_one_graph_serves_every_generate_of_a_bucket(model, tok):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_weights_changed_between_steps_are_read_by_the_graph(model, tok):
-    """In-flight weight updates copy into the model's tensors: the compiled step reads them, as the eager one does."""
+@pytest.mark.parametrize("packed_weights", [False, True])
+def test_weights_changed_between_steps_are_read_by_the_graph(model, tok, packed_weights):
+    """In-flight weight updates copy into the model's tensors: the compiled step reads them, as the eager one does
+    (neither packs a copy of weights that may change)."""
     head = model.lm_head.weight
     saved = head.detach().clone()
 
@@ -101,9 +125,9 @@ def test_weights_changed_between_steps_are_read_by_the_graph(model, tok):
             with torch.no_grad():
                 head.mul_(-1.0)
     try:
-        eager = _run(model, tok, False, between_steps=swap)
+        eager = _run(model, tok, False, between_steps=swap, packed_weights=packed_weights)
         head.data.copy_(saved)
-        compiled = _run(model, tok, True, between_steps=swap)
+        compiled = _run(model, tok, True, between_steps=swap, packed_weights=packed_weights)
     finally:
         head.data.copy_(saved)
     _assert_same(eager, compiled)

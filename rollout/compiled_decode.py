@@ -8,7 +8,9 @@ step is then bound by launches and Python, not by the weights' reads (`benchmark
 needs shapes that do not change: `StaticDecodeCache` holds every row's keys and values at their final positions
 (`transformers.StaticCache`, capacity rounded up to `CAPACITY_BUCKET`), the attention mask is one `[B, capacity]`
 tensor whose next column is set before each step, and the rows that ended keep running (their tokens are pad and
-are dropped), so one graph serves every step of a generate and every generate of the same (rows, capacity) bucket.
+are dropped) until the rows still decoding fit a smaller multiple of `ROW_BUCKET`: then the live rows (and enough
+ended ones to fill it) move into that row count's static cache and graph. One graph serves every step of a generate
+at a row count and every generate of the same (rows, capacity) bucket.
 
 On CPU two products stay opaque calls inside the graph, because inductor's own code for them is slower than the
 eager loop's: the one-query attention (`rollout.fused_attention.attend_filled`, where the fused kernel applies: its
@@ -39,6 +41,9 @@ from rollout.base import run_or_fall_back
 
 # capacities are rounded up to a multiple of this, so that generates whose prompts differ by a few tokens share a graph
 CAPACITY_BUCKET = 32
+# the compiled step drops the rows that ended in steps of this many rows (each row count is a graph of its own, a
+# compile the first time a process meets it): 128 rows run on as 96, 64, 32 once that many still decode
+ROW_BUCKET = 32
 # (rows, capacity) buckets one process may compile (dynamo's own default of 8 would silently fall back to eager)
 RECOMPILE_LIMIT = 64
 _warned: set[str] = set()
@@ -72,6 +77,13 @@ def compiled_decode_blocker(model: torch.nn.Module, method_hooks: bool, kv_polic
 
 def bucket_capacity(capacity: int) -> int:
     return -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+def fewer_rows(rows: int, alive: int) -> int | None:
+    """The row count a compiled decode of `rows` rows goes on with when `alive` of them still decode: the least
+    multiple of `ROW_BUCKET` that holds them, when below `rows`; None: all `rows` go on."""
+    target = max(ROW_BUCKET, -(-alive // ROW_BUCKET) * ROW_BUCKET)
+    return target if target < rows else None
 
 
 class StaticDecodeCache:
@@ -108,6 +120,24 @@ class StaticDecodeCache:
             layer.cumulative_length.fill_(P)
         self.mask[:, :P] = mask
         self.length = P
+
+    def move_rows(self, keep: torch.Tensor, into: StaticDecodeCache) -> None:
+        """Rows `keep` of this cache (their filled positions and mask) into `into`, a cache of `len(keep)` rows and
+        the same capacity, which goes on from the same position."""
+        if into.batch_size != len(keep) or into.capacity != self.capacity:
+            raise ValueError(f"compiled decode: {len(keep)} rows of a {self.capacity}-position cache do not fit a "
+                             f"cache of {into.batch_size} rows and {into.capacity} positions")
+        filled = self.length
+        if not into.cache.layers[0].is_initialized:
+            keys0 = self.cache.layers[0].keys
+            into.cache.early_initialization(len(keep), keys0.shape[1], keys0.shape[-1], keys0.dtype, keys0.device)
+        for source, target in zip(self.cache.layers, into.cache.layers):
+            target.keys[:, :, :filled].copy_(source.keys[keep, :, :filled])
+            target.values[:, :, :filled].copy_(source.values[keep, :, :filled])
+            target.cumulative_length.fill_(filled)
+        into.mask.zero_()
+        into.mask[:, :filled] = self.mask[keep, :filled]
+        into.length = filled
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token a row (`tokens [B]` at `positions [B]`) into position `length`; the next-token logits

@@ -49,6 +49,7 @@ from rollout.compiled_decode import (
     bucket_capacity,
     compiled_decode_blocker,
     compiled_step,
+    fewer_rows,
     warn_once,
 )
 from rollout.fused_attention import applies as fused_attention_applies
@@ -356,8 +357,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     (0: the prefill's) are sampled and before the next forward, which may change the model's weights in place
     (in-flight weight updates): the tokens of steps `s + 1` on are the new weights', the KV cache of the earlier
     ones stays the old weights'. `compiled`: one-token steps run as one compiled graph over a static KV cache
-    (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); row
-    compaction is then off, packed weights run as the graph's `looprl::packed_linear` and the fused one-query
+    (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); rows that
+    ended then leave the batch by row buckets (`rollout.compiled_decode.ROW_BUCKET`), packed weights run as the graph's `looprl::packed_linear` and the fused one-query
     attention, where it applies, over the static cache's filled positions (`looprl::attend_filled`). Weights are
     not packed when `between_steps` is given (an in-flight update would leave the packed copies behind)."""
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -469,13 +470,32 @@ class DecodeLoop:
         if blocker is not None:
             warn_once(blocker)
             return None
+        self.static_kept = self.kv_buffers.static if self.kv_buffers is not None else {}
+        return self._kept_static(self.batch_size)
+
+    def _kept_static(self, rows: int) -> Any:
+        """The static cache of `rows` rows for this generate (the caller's kept one, or a new one), reset."""
         dtype = next(self.model.parameters()).dtype
-        key = (id(self.model), self.batch_size, bucket_capacity(self.capacity), dtype)
-        kept = self.kv_buffers.static if self.kv_buffers is not None else {}
-        if key not in kept:
-            kept[key] = StaticDecodeCache(self.model, self.batch_size, self.capacity, compiled_step(self.device))
-        kept[key].reset()
-        return kept[key]
+        key = (id(self.model), rows, bucket_capacity(self.capacity), dtype)
+        if key not in self.static_kept:
+            self.static_kept[key] = StaticDecodeCache(self.model, rows, self.capacity, compiled_step(self.device))
+        self.static_kept[key].reset()
+        return self.static_kept[key]
+
+    def _drop_ended_static(self, tokens: torch.Tensor) -> torch.Tensor:
+        """In the compiled step, once the rows still decoding fit a smaller row bucket (`fewer_rows`), the live
+        ones and enough ended ones to fill it move into that bucket's static cache (the ended ones run on, their
+        tokens dropped, as in the full batch); returns the step's tokens of the rows kept."""
+        alive = ~(self.state.finished | self.capped)[self.live]
+        rows = fewer_rows(len(self.live), int(alive.sum()))
+        if rows is None:
+            return tokens
+        keep = torch.cat([alive.nonzero().flatten(), (~alive).nonzero().flatten()])[:rows].sort().values
+        smaller = self._kept_static(rows)
+        self.static.move_rows(keep, smaller)
+        self.static = smaller
+        self.live, self.rows, self.next_pos = self.live[keep], [self.rows[k] for k in keep.tolist()], self.next_pos[keep]
+        return tokens[keep]
 
     @staticmethod
     def _no_lookahead(n: int) -> list[list[int]]:
@@ -633,7 +653,9 @@ class DecodeLoop:
         the blocks with insertions); the next-token logits."""
         if self.kv_policy is not None:
             self.kv_policy(self.cache, self.state)
-        if self.plain and self.static is None:  # the compiled graph's rows stay (its shapes are fixed)
+        if self.plain and self.static is not None:  # the compiled graph's rows go by row buckets
+            tokens = self._drop_ended_static(tokens)
+        elif self.plain:
             keep = compaction(~(self.state.finished | self.capped)[self.live], self.cache)
             if keep is not None:
                 self.live, self.rows, tokens = self.live[keep], [self.rows[k] for k in keep.tolist()], tokens[keep]

@@ -10,7 +10,7 @@ import torch
 from models.ouro import build_tiny_ouro
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rollout import compiled_decode
-from rollout.decoding import decode
+from rollout.decoding import KVBuffers, decode
 
 PROMPTS = ["12+3*4=", "5+6*7=", "1+1*1=", "99+9*9="] * 2
 
@@ -70,6 +70,7 @@ def test_the_fused_attention_and_packed_weights_run_inside_the_graph_over_the_fi
     rows = PROMPTS * 8  # 64 rows x 4 heads
     assert fused_attention.applies(model, rows=len(rows))
     eager = _run(model, tok, False, temperature=1.0, prompts=rows, fused_attention=True, packed_weights=True)
+    monkeypatch.setattr(compiled_decode, "ROW_BUCKET", 8)  # 11 of the 64 rows end early
     windows, packs = [], []
     kernel, pack = fused_attention._kernel, packed_linear._pack
 
@@ -82,8 +83,16 @@ def test_the_fused_attention_and_packed_weights_run_inside_the_graph_over_the_fi
         return attend
     monkeypatch.setattr(fused_attention, "_kernel", recording_kernel)
     monkeypatch.setattr(packed_linear, "_pack", lambda weight, r: packs.append(r) or pack(weight, r))
-    compiled = _run(model, tok, True, temperature=1.0, prompts=rows, fused_attention=True, packed_weights=True)
+    buffers = KVBuffers()
+    compiled = _run(model, tok, True, temperature=1.0, prompts=rows, fused_attention=True, packed_weights=True,
+                    kv_buffers=buffers)
     _assert_same(eager, compiled)
+    # the rows that ended went out of the graph's batch by row buckets: 64 rows, then fewer, down to the bucket
+    # that held the rows still decoding at the last step
+    alive_last = int((compiled[2] == compiled[2].max()).sum())
+    bucket = compiled_decode.ROW_BUCKET
+    assert sorted(key[1] for key in buffers.static)[::len(buffers.static) - 1] == [
+        max(bucket, -(-alive_last // bucket) * bucket), len(rows)]
     prompt = tok(rows, return_tensors="pt", padding=True)["input_ids"].shape[1]
     steps = int(compiled[2].max()) - 1  # the first token comes from the prefill's logits
     layers = model.config.num_hidden_layers
@@ -181,3 +190,12 @@ def test_the_engine_option_decodes_through_the_graph(tmp_path, tok, model, monke
     engine.generate(PROMPTS[:4][::-1], sp)
     again = engine.generate(PROMPTS[:4], sp)
     assert len(engine.kv_buffers.static) == 1 and torch.equal(again.response_ids, compiled.response_ids)
+
+
+def test_rows_go_on_in_the_least_row_bucket_that_holds_the_live_ones():
+    bucket = compiled_decode.ROW_BUCKET
+    assert bucket == 32
+    assert compiled_decode.fewer_rows(128, 128) is None and compiled_decode.fewer_rows(128, 97) is None
+    assert compiled_decode.fewer_rows(128, 96) == 96 and compiled_decode.fewer_rows(128, 65) == 96
+    assert compiled_decode.fewer_rows(96, 33) == 64 and compiled_decode.fewer_rows(128, 0) == 32
+    assert compiled_decode.fewer_rows(32, 1) is None and compiled_decode.fewer_rows(8, 0) is None

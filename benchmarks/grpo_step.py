@@ -174,6 +174,10 @@ LEARNER_CPU_BF16 = [*LEARNER_CPU_BF16_BUCKETS, "learner.pack_sequences=true"]
 LEARNER_UNSHARED = LEARNER_CPU[:2]
 RACE_LOOPRL = {
     "bfloat16_sync": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU_BF16),
+    # the engine's decode step compiled as one graph (`rollout.compiled_decode`; off by default)
+    "bfloat16_sync_compiled_decode": dict(dtype="bfloat16", threads=2, staleness=0,
+                                          extra=[*ROLLOUT_EAGER, "rollout.engine_params.hf.compiled_decode=true",
+                                                 *LEARNER_CPU_BF16]),
     "bfloat16_sync_buckets": dict(dtype="bfloat16", threads=2, staleness=0,
                                   extra=ROLLOUT_EAGER + LEARNER_CPU_BF16_BUCKETS),
     "bfloat16_sync_budget_2048": dict(dtype="bfloat16", threads=2, staleness=0, extra=ROLLOUT_EAGER + LEARNER_CPU),

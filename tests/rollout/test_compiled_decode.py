@@ -199,3 +199,39 @@ def test_rows_go_on_in_the_least_row_bucket_that_holds_the_live_ones():
     assert compiled_decode.fewer_rows(128, 96) == 96 and compiled_decode.fewer_rows(128, 65) == 96
     assert compiled_decode.fewer_rows(96, 33) == 64 and compiled_decode.fewer_rows(128, 0) == 32
     assert compiled_decode.fewer_rows(32, 1) is None and compiled_decode.fewer_rows(8, 0) is None
+
+
+def _registered_method(name, tmp_path, model):
+    """A registered causal decoding method, built with small settings for the 8-row, 20-token test decode."""
+    from rl.registry import lookup
+    cls = lookup("decoding", name)
+    if name == "densesteer":
+        torch.manual_seed(5)
+        torch.save({1: torch.randn(model.config.hidden_size)}, tmp_path / "vectors.pt")
+        return cls(str(tmp_path / "vectors.pt"), layer=1, strength=2.0)
+    if name in ("kv_snapkv", "kv_rkv", "beaconkv"):
+        return cls(budget=10, sink=2, recent=4)
+    if name in ("kv_streaming", "kv_h2o"):
+        return cls(budget=10)
+    if name == "guidance":
+        return cls(lookahead=3)
+    return cls()
+
+
+@pytest.mark.parametrize("name", ["plain", "kv_streaming", "kv_snapkv", "kv_rkv", "kv_h2o", "beaconkv", "densesteer",
+                                  "guidance"])
+def test_every_registered_decoding_method_decodes_alike_with_the_compiled_option(model, tok, tmp_path, name):
+    """The causal decoding methods the registry holds (the masked-diffusion ones have their own sampler): with the
+    compiled option each samples what the eager loop samples; those that hook the forward, edit the cache or insert
+    tokens decode eagerly and say why."""
+    compiled_decode._warned.clear()
+    eager = _run(model, tok, False, method=_registered_method(name, tmp_path, model), temperature=1.0, seed=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = _run(model, tok, True, method=_registered_method(name, tmp_path, model), temperature=1.0, seed=4)
+    said = [str(w.message) for w in caught if "compiled decode" in str(w.message)]
+    _assert_same(eager, compiled)
+    if name == "plain":
+        assert said == []
+    else:
+        assert len(said) == 1 and "this call decodes with the eager step" in said[0]

@@ -20,7 +20,10 @@ or as token-budget micro-batches each run as one packed row of its real tokens (
 Several `--max-tokens` give a variant per budget (named `...@budget`); several `--max-padding` a shared-prompts
 variant per padding allowed in a response bucket (`models.families.length_buckets`, named `...~padding`);
 `--compile` runs every variant also with the decoder layers' MLPs, norms and rotary embedding compiled
-(`learner.compile_position_wise`, named `.../compiled`; compiled in the warm-up step); `--batchings` keeps only
+(`models.blocks.compile_position_wise`, named `.../compiled`; compiled in the warm-up step); with
+`--compile-layers` those are compiled in every variant and the `.../compiled` ones run each decoder layer
+compiled whole (`models.blocks.compile_decoder_layers`, what `learner.compile_position_wise` does with packed rows
+and shared prompts); `--batchings` keeps only
 the micro-batchings named (the first variant named is then the ratios' base).
 Reports the median step time of each variant (after one warm-up step) and the ratios to the first kernel's one
 micro-batch.
@@ -78,6 +81,9 @@ def main() -> None:
     p.add_argument("--lengths", default="uniform", choices=["uniform", "race"],
                    help="prompt and response lengths: 18-30 and uniform 8-64, or the race's (see above)")
     p.add_argument("--compile", action="store_true", help="each variant also with compiled MLPs and norms")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="with --compile: MLPs, norms and rotary compiled in every variant, and the '/compiled' "
+                        "variants with the decoder layers compiled whole (models.blocks.compile_decoder_layers)")
     p.add_argument("--batchings", nargs="+", default=None,
                    choices=["one_micro_batch", "token_budget", "shared_prompts", "packed", "packed_shared_prompts"],
                    help="only these micro-batchings (default: all)")
@@ -142,11 +148,15 @@ def main() -> None:
         if args.compile:  # compiled in place once; each variant then sets or clears the compiled calls
             import sys
 
-            from models.blocks import compile_position_wise, compile_rotary
-            compile_position_wise(worker.strategy.engine.module)
+            from models.blocks import compile_decoder_layers, compile_position_wise, compile_rotary
+            if args.compile_layers:
+                compile_always_on(worker.strategy.engine.module)
+                compile_decoder_layers(worker.strategy.engine.module)
+            else:
+                compile_position_wise(worker.strategy.engine.module)
             compiled_calls = {m: m._compiled_call_impl for m in worker.strategy.engine.module.modules()
                               if getattr(m, "_compiled_call_impl", None) is not None}
-            for name in compile_rotary(worker.strategy.engine.module):  # its modeling module's function: compiled, original
+            for name in [] if args.compile_layers else compile_rotary(worker.strategy.engine.module):  # its modeling module's function: compiled, original
                 fn = sys.modules[name].apply_rotary_pos_emb
                 rotary[sys.modules[name]] = (fn, fn.looprl_original)
         for step in range(args.steps + 1):
@@ -180,6 +190,21 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("token_positions", "median_step_s", speedup_key)}))
+
+
+def compile_always_on(model) -> None:
+    """The position-wise modules' forwards and the rotary embedding compiled for every variant (`--compile-layers`:
+    what the whole layers are measured against), not through `_compiled_call_impl`, which the variants toggle."""
+    import torch
+
+    from models.blocks import POSITION_WISE, compile_rotary, decoder_layers
+    for layer in decoder_layers(model):
+        for name in POSITION_WISE:
+            module = getattr(layer, name, None)
+            if module is not None:
+                module.forward = torch.compile(module.forward, dynamic=True)
+    model.model.norm.forward = torch.compile(model.model.norm.forward, dynamic=True)
+    compile_rotary(model)
 
 
 if __name__ == "__main__":

@@ -242,7 +242,10 @@ def require(model: torch.nn.Module) -> None:
 def _register() -> None:
     from transformers import AttentionInterface
     if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, varlen_attention_forward)
+        # out of any compiled graph: a decoder layer compiled whole (`models.blocks.compile_decoder_layers`) runs
+        # its projections, rotary, norms and residual adds compiled around it, while the layout's Python lists
+        # (bucket shapes) would make every micro-batch a new graph
+        AttentionInterface.register(NAME, torch.compiler.disable(varlen_attention_forward))
 
 
 @contextmanager

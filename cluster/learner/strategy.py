@@ -157,8 +157,11 @@ class DeepSpeedStrategy:
             from models.adapters import make_adapter
             model = make_adapter(model, self.adapter_spec, lookup("adapter", self.adapter_spec["name"]))
         if compile_position_wise:
+            from models.blocks import compile_decoder_layers
             from models.blocks import compile_position_wise as compile_modules
-            compile_modules(model)
+            # packed rows with shared prompts pass no KV cache through the layers: each compiles whole (not under
+            # gradient checkpointing, whose layer call recomputes the forward)
+            (compile_decoder_layers if shared_packed and not gradient_checkpointing else compile_modules)(model)
         if gradient_checkpointing:
             # non-reentrant: works under ZeRO-3 and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -191,15 +191,18 @@ def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_sam
     assert torch.allclose(s["after"], e["after"], atol=1e-4)  # ... to the same place under both kernels
 
 
-def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny, packed):
     """`learner.compile_position_wise`: every decoder layer's MLP and norms, the final norm, and the rotary embedding
-    its attention applies, run compiled (inductor) in the learner; logprobs, the step's gradient norm and the model after it
-    equal the eager learner's (float rounding apart)."""
+    its attention applies, run compiled (inductor) in the learner; with packed rows and shared prompts each decoder
+    layer compiles whole instead (`models.blocks.compile_decoder_layers`); logprobs, the step's gradient norm and the
+    model after it equal the eager learner's (float rounding apart)."""
     import ray
     batch = _sft_batch(tiny)
     results = {}
     for compiled in (False, True):
-        group = _group(tiny, 1, 2, batch, lr=1e-2, compile_position_wise=compiled)
+        group = _group(tiny, 1, 2, batch, lr=1e-2, compile_position_wise=compiled, pack_sequences=packed,
+                       share_prompts=packed)
         try:
             results[compiled] = {
                 "compiled": ray.get(group.workers[0].__ray_call__.remote(
@@ -214,9 +217,12 @@ def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny):
             group.shutdown()
     eager, fused = results[False], results[True]
     assert eager["compiled"] == [] and not eager["rotary"]
-    assert fused["rotary"]  # the learner's process applies the compiled rotary embedding
-    assert fused["compiled"] == [f"model.layers.{i}.{m}" for i in range(2)
-                                 for m in ("input_layernorm", "mlp", "post_attention_layernorm")] + ["model.norm"]
+    if packed:  # the layers whole (their rotary embedding inside the graph) and the final norm
+        assert fused["compiled"] == ["model.layers.0", "model.layers.1", "model.norm"] and not fused["rotary"]
+    else:
+        assert fused["rotary"]  # the learner's process applies the compiled rotary embedding
+        assert fused["compiled"] == [f"model.layers.{i}.{m}" for i in range(2)
+                                     for m in ("input_layernorm", "mlp", "post_attention_layernorm")] + ["model.norm"]
     assert torch.allclose(eager["before"], fused["before"], atol=1e-5)
     assert abs(eager["step"]["grad_norm"] - fused["step"]["grad_norm"]) < 1e-4 * eager["step"]["grad_norm"]
     assert not torch.allclose(eager["before"], eager["after"], atol=1e-3)  # the step moved the model ...

@@ -186,3 +186,30 @@ def test_the_critic_reads_the_same_values_from_a_packed_row(qwen3_batch, tmp_pat
         padded = ValueFamily().forward(critic, batch)["values"]
         packed = ValueFamily().forward(critic, batch, pack=True)["values"]
     assert padded.abs().sum() > 0 and torch.allclose(padded, packed, atol=1e-5)
+
+
+def test_decoder_layers_compiled_whole_train_as_the_eager_ones_with_the_attention_between_graphs(qwen3_batch):
+    """`models.blocks.compile_decoder_layers` (the learner's compile with packed rows and shared prompts): the
+    logprobs and every parameter's gradient equal the eager model's, and the packed row's attention stays out of
+    the graphs, so that micro-batches of other layouts (other bucket shapes) reuse them."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from models.blocks import compile_decoder_layers
+    _, batch = qwen3_batch
+    tok = build_tiny_tokenizer()
+    results = []
+    for compiled in (False, True):
+        model = _qwen3(tok).train()
+        if compiled:
+            assert compile_decoder_layers(model) == 2 + 1  # its two layers and the final norm
+        logp, _ = response_logprobs(model, batch, pack=True, share_prompts=True)
+        (logp * batch.response_mask).sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (eager, eager_grads), (fused, fused_grads) = results
+    assert torch.allclose(eager, fused, atol=1e-5, rtol=1e-4)
+    assert all(torch.allclose(eager_grads[n], fused_grads[n], atol=1e-5, rtol=1e-4) for n in eager_grads)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    for rows in (slice(0, 6), slice(3, 9)):  # two prompts of the three: other totals and buckets
+        logp, _ = response_logprobs(model, batch.select(rows), pack=True, share_prompts=True)
+        logp.sum().backward()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs

@@ -70,8 +70,9 @@ def compile_decoder_layers(model: nn.Module) -> int:
     Why: beyond what `compile_position_wise` fuses inside each MLP and norm, a whole layer also fuses the residual
     adds into the norms after them, the rotary embedding into the projections' outputs and the reshapes around
     attention, forward and backward. On the race's bf16 learner step (packed rows, prompts once, AMX Xeon, 2
-    threads), alternated in one process: 3.62 s with the position-wise modules and rotary compiled, 3.20 s with
-    the layers whole (1.13x, faster in 5 pairs of 5; `benchmarks/learner_step.py --compile-layers`)."""
+    threads), alternated in one process: 3.59 s with the position-wise modules and rotary compiled, 3.33 s with
+    the layers whole (1.08x, faster in 5 pairs of 5; 3.62 -> 3.20 s in a first run;
+    `benchmarks/learner_step.py --compile-layers`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     modules = [*decoder_layers(base), getattr(getattr(base, "model", None), "norm", None)]
     compiled = 0

@@ -18,10 +18,10 @@ compiled kernel over the positions filled so far, where the graph's own attentio
 every step) and the linear layers (`rollout.packed_linear`'s `looprl::packed_linear`, oneDNN's packed weights,
 where the graph's `mm` multiplies plain ones; not with in-flight updates, which copy into the plain weights).
 Everything between them (embedding, norms, rotary, residual adds, activations, the cache's writes) is fused by
-inductor. What stays the eager loop's (`rollout.decoding.DecodeLoop`): the prompt's prefill (once per distinct prompt, its
-keys and values copied into the static cache), sampling, logits processors and the repetition penalty (they act
-on the step's logits, outside the graph), stop strings, in-flight weight updates (weights are copied in place, the
-graph reads them). What cannot be captured falls back to the eager step for the whole call, with one warning per
+inductor. What stays the eager loop's (`rollout.decoding.DecodeLoop`): the prompt's prefill (once per distinct
+prompt, its keys and values copied into the static cache), sampling, logits processors and the repetition penalty
+(they act on the step's logits, outside the graph), stop strings, in-flight weight updates (weights are copied in
+place, the graph reads them). What cannot be captured falls back to the eager step for the whole call, with one warning per
 reason (`compiled_decode_blocker`): residual or forward hooks, a KV policy and insertions (they change the cache or
 the fed block's shape), models whose layers carry per-row state (U-LoRA) and caches of another kind (the looped
 models' slot per loop), and a first compile that fails (inductor needs a C++ compiler on CPU).

@@ -358,9 +358,10 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     (in-flight weight updates): the tokens of steps `s + 1` on are the new weights', the KV cache of the earlier
     ones stays the old weights'. `compiled`: one-token steps run as one compiled graph over a static KV cache
     (`rollout.compiled_decode`; a method or model it cannot capture decodes eagerly, with one warning); rows that
-    ended then leave the batch by row buckets (`rollout.compiled_decode.ROW_BUCKET`), packed weights run as the graph's `looprl::packed_linear` and the fused one-query
-    attention, where it applies, over the static cache's filled positions (`looprl::attend_filled`). Weights are
-    not packed when `between_steps` is given (an in-flight update would leave the packed copies behind)."""
+    ended then leave the batch by row buckets (`rollout.compiled_decode.ROW_BUCKET`), packed weights run as the
+    graph's `looprl::packed_linear` and the fused one-query attention, where it applies, over the static cache's
+    filled positions (`looprl::attend_filled`). Weights are not packed when `between_steps` is given (an in-flight
+    update would leave the packed copies behind)."""
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
                    forward_kwargs=forward_kwargs, fused_attention=fused_attention, packed_weights=packed_weights,
@@ -494,7 +495,8 @@ class DecodeLoop:
         smaller = self._kept_static(rows)
         self.static.move_rows(keep, smaller)
         self.static = smaller
-        self.live, self.rows, self.next_pos = self.live[keep], [self.rows[k] for k in keep.tolist()], self.next_pos[keep]
+        self.live, self.next_pos = self.live[keep], self.next_pos[keep]
+        self.rows = [self.rows[k] for k in keep.tolist()]
         return tokens[keep]
 
     @staticmethod

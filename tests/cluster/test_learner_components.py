@@ -191,7 +191,8 @@ def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_sam
     assert torch.allclose(s["after"], e["after"], atol=1e-4)  # ... to the same place under both kernels
 
 
-@pytest.mark.parametrize("packed", [False, True])
+# the padded variant's compiled modules are checked in tests/models/test_blocks.py too: extended, for CI's budget
+@pytest.mark.parametrize("packed", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny, packed):
     """`learner.compile_position_wise`: every decoder layer's MLP and norms, the final norm, and the rotary embedding
     its attention applies, run compiled (inductor) in the learner; with packed rows and shared prompts each decoder

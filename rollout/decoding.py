@@ -495,8 +495,13 @@ class DecodeLoop:
         smaller = self._kept_static(rows)
         self.static.move_rows(keep, smaller)
         self.static = smaller
+        return self._keep_rows(keep, tokens)
+
+    def _keep_rows(self, keep: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Go on with the rows `keep` (indices into the rows the forward runs); returns the step's tokens of those."""
         self.live, self.next_pos = self.live[keep], self.next_pos[keep]
         self.rows = [self.rows[k] for k in keep.tolist()]
+        self.state.attention_mask = self.state.attention_mask[keep]
         return tokens[keep]
 
     @staticmethod
@@ -660,9 +665,7 @@ class DecodeLoop:
         elif self.plain:
             keep = compaction(~(self.state.finished | self.capped)[self.live], self.cache)
             if keep is not None:
-                self.live, self.rows, tokens = self.live[keep], [self.rows[k] for k in keep.tolist()], tokens[keep]
-                self.next_pos = self.next_pos[keep]
-                self.state.attention_mask = self.state.attention_mask[keep]
+                tokens = self._keep_rows(keep, tokens)
         if blocks is None:  # one token a row
             ids, mask = tokens[:, None], torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)
         else:

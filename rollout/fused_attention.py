@@ -94,14 +94,20 @@ def _model_kernel(name: str) -> Any:
     return eager_attention_forward
 
 
+def _one_query_step(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether a call is a decode step the kernel computes: one query per row, on CPU, in inference, with textbook
+    attention (no logit soft-capping, no attention sinks)."""
+    return (query.shape[2] == 1 and not module.training and query.device.type == "cpu"
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
+
+
 def _attention(own: str) -> Any:
     fallback = _model_kernel(own)
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if (query.shape[2] == 1 and not module.training and query.device.type == "cpu" and _state["failed"] is None
-                and kwargs.get("softcap") is None and kwargs.get("s_aux") is None):
+        if _one_query_step(module, query, kwargs) and _state["failed"] is None:
             # the first call compiles: no C++ compiler or an inductor bug leaves the model's kernel
             out = run_or_fall_back(_state, lambda: _kernel()(query, key, value, attention_mask, scaling),
                                    "rollout.fused_attention: the kernel did not compile",
@@ -119,8 +125,7 @@ def _static_attention(own: str) -> Any:
                   attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
         position = kwargs.get("cache_position")
-        if (query.shape[2] == 1 and not module.training and query.device.type == "cpu" and position is not None
-                and kwargs.get("softcap") is None and kwargs.get("s_aux") is None):
+        if _one_query_step(module, query, kwargs) and position is not None:
             return torch.ops.looprl.attend_filled(query, key, value, attention_mask, position, scaling), None
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return attention

@@ -6,22 +6,26 @@ buffers (the plain loop in half precision on CPU without the fused kernel), also
 one-query attention steps fused into one compiled kernel (`rollout.fused_attention`; compiled in the warm-up round)
 over strided views of the filled part (what the loop runs with it); and last the linear
 layers' weights packed once per generate (`rollout.packed_linear`), then the KV cache's storage reused from one
-generate to the next (`rollout.decoding.KVBuffers`): the `hf` engine's defaults on CPU. With
+generate to the next (`rollout.decoding.KVBuffers`), and the prompt's cache positions read once per group of rows
+that share it (`rollout.fused_attention.share_prompt_reads`; the earlier variants read every row's own copy): the
+`hf` engine's defaults on CPU. With
 `--eos`, rows end at the tokenizer's EOS (a random model samples it about once in 100 tokens, as the race's
 rollouts end: about half run the whole length) and the packed-weights variant runs twice, keeping the ended rows
 in the batch (as before) or dropping them once they are an eighth of it (`rollout.decoding.COMPACT_SHARE`, the
 loop's default, which the KV-storage variant keeps).
 
     python benchmarks/decode_step.py [--prompts 16] [--n 8] [--new-tokens 64] [--reps 3] [--threads 2]
-                                     [--dtype bfloat16] [--eos]
+                                     [--dtype bfloat16] [--eos] [--prompt-tokens 30] [--last N]
 
 Workload: the ~85M model of `benchmarks/grpo_step.py` (random weights, eager attention as the race's rollout
-runs it), `--prompts` distinct prompts of 18-30 tokens (left-padded), each sampled `--n` times at temperature 1 for
+runs it), `--prompts` distinct prompts of 60-100% of `--prompt-tokens` tokens (18-30 by default; left-padded), each
+sampled `--n` times at temperature 1 for
 `--new-tokens` tokens (no EOS unless `--eos`, so every row runs the whole length). Reports the median seconds per generate of
 each variant, the prefill's seconds (the first forward), and the speed-up over the first. The variants sample the
 same tokens (tests/rollout/test_decoding.py, tests/rollout/test_compiled_decode.py). The last variant is the decode
 step compiled as one graph over a static KV cache (`rollout.compiled_decode`, compiled in the warm-up round; its
-prefill is not timed apart). Results: benchmarks/results/decode_step.json (per `--dtype`).
+prefill is not timed apart; it reads the prompt once per group too). Results: benchmarks/results/decode_step.json
+(per `--dtype`, `_eos`, and `_prompt<N>` when `--prompt-tokens` is not 30).
 """
 
 from __future__ import annotations
@@ -56,21 +60,26 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--eos", action="store_true", help="rows end at EOS (results under '<dtype>_eos')")
+    p.add_argument("--prompt-tokens", type=int, default=30, help="the longest prompt; the shortest is 60%% of it")
+    p.add_argument("--last", type=int, default=0,
+                   help="run only the last N variants (0: all); the speed-ups are then over the first of those")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_step.json"))
     args = p.parse_args()
     import torch
 
     import rollout.decoding as decoding
+    import rollout.fused_attention as fused_attention
     from models.tiny import build_tiny_model, build_tiny_tokenizer
     from rollout.decoding import KVBuffers, decode
     torch.set_num_threads(args.threads)
     tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, max_position_embeddings=256, **SHAPE)
+    positions = max(256, 2 * (args.prompt_tokens + args.new_tokens))
+    model = build_tiny_model(tok, max_position_embeddings=positions, **SHAPE)
     model.config._attn_implementation = "eager"
     model = model.to(getattr(torch, args.dtype)).eval()
     g = torch.Generator().manual_seed(0)
-    P = 30
-    plen = torch.randint(18, P + 1, (args.prompts,), generator=g)
+    P = args.prompt_tokens
+    plen = torch.randint(int(0.6 * P), P + 1, (args.prompts,), generator=g)
     mask = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
     ids = torch.randint(5, len(tok), (args.prompts, P), generator=g) * mask + tok.pad_token_id * (1 - mask)
     ids, mask = ids.repeat_interleave(args.n, 0), mask.repeat_interleave(args.n, 0)
@@ -98,12 +107,17 @@ def main() -> None:
         variants[last] = (None, strided, True, True, decoding.COMPACT_SHARE)
     kept = KVBuffers()  # the engine's: one for the process, reused by every generate of the variant
     variants[last + ", KV storage reused"] = (None, strided, True, True, variants[last][4], kept)
+    once = last + ", KV storage reused, prompt read once per group"
+    variants[once] = variants[last + ", KV storage reused"]
     # the whole one-token step as one compiled graph over a static cache (`rollout.compiled_decode`): the fused
     # attention over the filled positions and the packed weights as opaque calls in it, every row kept (the graph's
     # shapes are fixed), the static cache kept between generates in the engine's buffers, as the engine keeps it
     compiled = "shared prefill, compiled step over a static cache, fused attention and packed weights in the graph"
     variants[compiled] = (None, strided, True, True, never, kept)
-    share = decoding.COMPACT_SHARE
+    if args.last:
+        variants = dict(list(variants.items())[-args.last:])
+    share, shortest_shared = decoding.COMPACT_SHARE, fused_attention.MIN_SHARED_PROMPT_BYTES
+    reads_prompt_once = {once, compiled}  # the others read every row's copy of its prompt
     lengths: dict[str, list[float]] = {k: [] for k in variants}
     times: dict[str, list[float]] = {k: [] for k in variants}
     prefills: dict[str, list[float]] = {k: [] for k in variants}
@@ -111,6 +125,7 @@ def main() -> None:
         for name, (method, cache_factory, fused, packed, compact_share, *buffers) in variants.items():
             decoding.reserved_cache = cache_factory
             decoding.COMPACT_SHARE = compact_share
+            fused_attention.MIN_SHARED_PROMPT_BYTES = shortest_shared if name in reads_prompt_once else 1 << 62
             started.clear()
             prefill.clear()
             torch.manual_seed(rep)
@@ -135,9 +150,10 @@ def main() -> None:
                               "prefill_s": round(prefill[0], 3)}), flush=True)
     decoding.reserved_cache = made
     decoding.COMPACT_SHARE = share
+    fused_attention.MIN_SHARED_PROMPT_BYTES = shortest_shared
     pre.remove()
     post.remove()
-    base = statistics.median(times["every row prefilled, strided cache views"])
+    base = statistics.median(next(iter(times.values())))
     report = {"args": vars(args), "cpu": cpu_kind(), "rows": len(ids),
               "variants": {k: {"s_per_generate": statistics.median(v), "prefill_s": statistics.median(prefills[k]),
                                "mean_response_tokens": statistics.mean(lengths[k]),
@@ -146,7 +162,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(out.read_text()) if out.exists() else {}
     runs = previous.get("runs", {}) if "runs" in previous else {}
-    runs[args.dtype + ("_eos" if args.eos else "")] = report
+    runs[args.dtype + ("_eos" if args.eos else "") + (f"_prompt{P}" if P != 30 else "")] = report
     out.write_text(json.dumps({"runs": runs}, indent=2))
     print(json.dumps(report["variants"], indent=1))
 

@@ -53,7 +53,7 @@ from rollout.compiled_decode import (
     warn_once,
 )
 from rollout.fused_attention import applies as fused_attention_applies
-from rollout.fused_attention import fused_decode_attention
+from rollout.fused_attention import fused_decode_attention, share_prompt_reads
 from rollout.packed_linear import packed_linear_weights
 
 
@@ -457,6 +457,7 @@ class DecodeLoop:
         # continuous batching does; a method's hooks (and `state.lookahead`, which only methods call) see
         # every row.
         self.live, self.rows = torch.arange(B, device=self.device), list(range(B))
+        self.groups: torch.Tensor | None = None  # each live row's prompt, while the fused kernel shares its reads
         self.state.lookahead = self.lookahead if self.static is None else self._no_lookahead
 
     def _static_cache(self, method: Any) -> Any:
@@ -502,6 +503,9 @@ class DecodeLoop:
         self.live, self.next_pos = self.live[keep], self.next_pos[keep]
         self.rows = [self.rows[k] for k in keep.tolist()]
         self.state.attention_mask = self.state.attention_mask[keep]
+        if self.groups is not None:
+            self.groups = self.groups[keep]
+            share_prompt_reads(self.groups, self.prompt_ids.shape[1])
         return tokens[keep]
 
     @staticmethod
@@ -549,13 +553,23 @@ class DecodeLoop:
         logits, self.cache = _prefill_shared(
             self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state, self.cache,
             self.forward_kwargs, lambda: reserved_cache(self.capacity, self.full_view, self.kv_buffers))
+        self._share_prompt_reads(self.cache)
         return logits
+
+    def _share_prompt_reads(self, cache: Any) -> None:
+        """After a shared prefill that copied the rows of each prompt from one forward (`cache`'s layers are the
+        kinds it copies), the fused kernel reads each prompt's cache positions once per group of rows
+        (`rollout.fused_attention.share_prompt_reads`; the rows' copies are equal)."""
+        if self.fused and all(type(layer) in COPYABLE_LAYERS for layer in cache.layers):
+            self.groups = distinct_prompts(self.prompt_ids, self.prompt_mask)[1]
+        share_prompt_reads(self.groups, self.prompt_ids.shape[1])
 
     def _prefill_static(self) -> torch.Tensor:
         cache = DynamicCache()
         if self.plain:
             logits, cache = _prefill_shared(self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state,
                                             cache, self.forward_kwargs, DynamicCache)
+            self._share_prompt_reads(cache)
         else:
             logits = _feed(self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state, cache,
                            self.forward_kwargs)

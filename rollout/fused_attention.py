@@ -22,10 +22,19 @@ keys and values are a static cache's whole capacity; there the graph calls `loop
 runs the same kernel over the positions filled so far (`cache_position`'s last + 1), so that a step reads what it
 attends to and not the whole capacity (a CUDA graph, which fixes its reads at capture, attends the whole capacity
 with the model's own kernel and the mask).
+
+The rows of a group (GRPO's n samples of one prompt, prefilled once and copied: `rollout.decoding._prefill_shared`)
+hold equal keys and values at the prompt's positions. Set by the loop (`share_prompt_reads`), the kernel reads those
+positions from one row of each group (`attend_shared_prompt`), so that a group's prompt comes from memory once and
+its other rows read it from the CPU's cache: the same numbers, bit for bit, with less memory traffic. It pays once a
+layer's cache outgrows the CPU's caches and loses up to 10% while it fits, so it runs where the rows' copies of the
+prompt hold at least `MIN_SHARED_PROMPT_BYTES` a layer (`benchmarks/decode_attention.py`: at 128 rows x 12 heads on
+2 cores, 1.8x in bf16 at 128-position prompts, 1.6x in fp32 at 48-64; `benchmarks/decode_step.py --prompt-tokens`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,8 +50,17 @@ STATIC_PREFIX = "looprl_fused_static_decode|"  # the same kernel over a static c
 # the fewest (row, head) pairs a decode step must attend for the kernel to pay: its compile costs 3-4 s in every
 # process (the on-disk cache warm), which a small batch never wins back (the race's 128 rows x 12 heads: 1,536)
 MIN_ROW_HEADS = 256
+# the least bytes of prompt keys and values a layer (all rows' copies) for the kernel to read a group's prompt once:
+# under it the layer's cache fits the CPU's caches and one copy saves nothing (measured on a 2-core AMX Xeon,
+# `benchmarks/decode_attention.py`: bf16 at 64 positions, 12.6 MB, level; at 128, 25 MB, 1.1-1.8x; fp32 at 32, 12.6
+# MB, 0.96-1.24x; at 48, 19 MB, 1.1-1.6x)
+MIN_SHARED_PROMPT_BYTES = 16 << 20
 _compiled: Any = None
+_compiled_shared: Any = None
 _state = {"ran": False, "failed": None}  # whether the compiled kernel has run once; why it could not
+# set by `share_prompt_reads` while a loop runs, per thread (loops in two threads keep their own): for each row, the
+# row whose copy of its prompt the kernel reads, and the prompt's length in cache positions
+_local = threading.local()
 
 
 def attend_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -62,14 +80,62 @@ def attend_one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.reshape(B, 1, H, D).to(query.dtype)
 
 
+def attend_shared_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         scaling: float, prompt_rows: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """`attend_one_query` where row b's first `prompt_length` positions are read from row `prompt_rows[b]` (a row
+    holding the same keys and values there). Compiled, the gather is the kernel's own indexed load (no copy): the
+    rows of a group read one copy of their prompt."""
+    B, Hkv, C = key.shape[0], key.shape[1], key.shape[2]
+    positions = torch.arange(C, device=key.device)
+    own = torch.arange(B, device=key.device)
+    rows = torch.where(positions[None] < prompt_length, prompt_rows[:, None], own[:, None])  # [B, C]
+    index = (rows[:, None, :], torch.arange(Hkv, device=key.device)[None, :, None], positions[None, None, :])
+    return attend_one_query(query, key[index], value[index], mask, scaling)
+
+
+def share_prompt_reads(groups: torch.Tensor | None, prompt_length: int = 0) -> None:
+    """From the next decode step on, rows with equal `groups [B]` (each row's prompt, as the loop's rows stand) read
+    the prompt's `prompt_length` cache positions from the group's first row (when some group has more than one row
+    and the rows' prompt copies hold `MIN_SHARED_PROMPT_BYTES` a layer); None: every row reads its own."""
+    if groups is None or prompt_length == 0 or len(groups.unique()) == len(groups):
+        shared_prompt().update(rows=None, length=0)
+        return
+    order = torch.arange(len(groups), device=groups.device)
+    first = torch.full((int(groups.max()) + 1,), len(groups), dtype=torch.long, device=groups.device)
+    first = first.scatter_reduce(0, groups, order, "amin")
+    shared_prompt().update(rows=first[groups], length=int(prompt_length))
+
+
+def shared_prompt() -> dict[str, Any]:
+    """This thread's `share_prompt_reads` setting: `rows` (each row's prompt row, or None) and `length`."""
+    if not hasattr(_local, "shared"):
+        _local.shared = {"rows": None, "length": 0}
+    return _local.shared
+
+
+def _prompt_bytes(key: torch.Tensor, length: int) -> int:
+    """The bytes of the rows' keys and values at the first `length` positions of a layer's cache `[B, Hkv, C, D]`."""
+    B, Hkv, _, D = key.shape
+    return 2 * B * Hkv * length * D * key.element_size()
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+            scaling: float) -> torch.Tensor:
+    """The compiled kernel, reading the prompt once per group while `share_prompt_reads` says so."""
+    rows, length = shared_prompt()["rows"], shared_prompt()["length"]
+    if rows is not None and len(rows) == key.shape[0] and _prompt_bytes(key, length) >= MIN_SHARED_PROMPT_BYTES:
+        return _shared_kernel()(query, key, value, mask, scaling, rows, length)
+    return _kernel()(query, key, value, mask, scaling)
+
+
 @torch.library.custom_op("looprl::attend_filled", mutates_args=())
 def attend_filled(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                   cache_position: torch.Tensor, scaling: float) -> torch.Tensor:
     """`attend_one_query` (compiled) over a static cache's positions up to `cache_position`'s last one: key/value
     `[B, Hkv, capacity, D]`, the query's own keys and values already written at that position."""
     filled = int(cache_position[-1]) + 1
-    return _kernel()(query, key[:, :, :filled], value[:, :, :filled],
-                     None if mask is None else mask[..., :filled], scaling)
+    return _attend(query, key[:, :, :filled], value[:, :, :filled], None if mask is None else mask[..., :filled],
+                   scaling)
 
 
 @attend_filled.register_fake
@@ -84,6 +150,13 @@ def _kernel() -> Any:
     if _compiled is None:
         _compiled = torch.compile(attend_one_query, dynamic=True)
     return _compiled
+
+
+def _shared_kernel() -> Any:
+    global _compiled_shared
+    if _compiled_shared is None:
+        _compiled_shared = torch.compile(attend_shared_prompt, dynamic=True)
+    return _compiled_shared
 
 
 def _model_kernel(name: str) -> Any:
@@ -109,7 +182,7 @@ def _attention(own: str) -> Any:
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
         if _one_query_step(module, query, kwargs) and _state["failed"] is None:
             # the first call compiles: no C++ compiler or an inductor bug leaves the model's kernel
-            out = run_or_fall_back(_state, lambda: _kernel()(query, key, value, attention_mask, scaling),
+            out = run_or_fall_back(_state, lambda: _attend(query, key, value, attention_mask, scaling),
                                    "rollout.fused_attention: the kernel did not compile",
                                    "decoding with the model's own attention")
             if out is not None:
@@ -162,5 +235,9 @@ def fused_decode_attention(model: torch.nn.Module, enabled: bool = True, rows: i
         return
     _register()
     prefix = STATIC_PREFIX if static_cache else PREFIX
-    with attention_implementation(model, prefix + model.config._attn_implementation):
-        yield True
+    share_prompt_reads(None)  # until the loop says which rows share a prompt
+    try:
+        with attention_implementation(model, prefix + model.config._attn_implementation):
+            yield True
+    finally:
+        share_prompt_reads(None)

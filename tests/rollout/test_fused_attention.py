@@ -3,10 +3,12 @@ with grouped heads, the compiled kernel against the formula, and the decode loop
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
 
+import rollout.compiled_decode as compiled_decode
 import rollout.fused_attention as fused
 from models.ouro import build_tiny_ouro
 from models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -187,3 +189,117 @@ def test_a_kernel_that_does_not_compile_leaves_the_models_kernel_with_one_warnin
     monkeypatch.setattr(fused, "_state", {"ran": True, "failed": None})
     with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
         decode(half, enc["input_ids"], enc["attention_mask"], fused_attention=True, **kw)
+
+
+def test_share_prompt_reads_points_each_row_at_its_groups_first_row():
+    groups = torch.tensor([2, 0, 2, 1, 0, 1])
+    fused.share_prompt_reads(groups, 48)
+    assert fused.shared_prompt()["rows"].tolist() == [0, 1, 0, 3, 1, 3] and fused.shared_prompt()["length"] == 48
+    fused.share_prompt_reads(groups[[1, 2, 3, 5]], 64)  # rows 0 and 4 left the batch: new first rows
+    assert fused.shared_prompt()["rows"].tolist() == [0, 1, 2, 2] and fused.shared_prompt()["length"] == 64
+    fused.share_prompt_reads(groups, 0)  # no prompt in the cache: every row reads its own
+    assert fused.shared_prompt()["rows"] is None
+    fused.share_prompt_reads(torch.tensor([3, 1, 2]), 64)  # no two rows share a prompt
+    assert fused.shared_prompt()["rows"] is None
+    seen = []  # another thread keeps its own setting
+    fused.share_prompt_reads(groups, 48)
+    thread = threading.Thread(target=lambda: seen.append(fused.shared_prompt()["rows"]))
+    thread.start()
+    thread.join()
+    assert seen == [None] and fused.shared_prompt()["rows"] is not None
+    fused.share_prompt_reads(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_prompt_kernel_reads_a_groups_prompt_from_one_row_alone(dtype):
+    """Rows 0-2 share a prompt of 5 positions, rows 3-4 another. With equal copies the kernel gives the one-query
+    kernel's numbers bit for bit; with the copies of rows 1, 2 and 4 overwritten it still does (it reads the prompt
+    from rows 0 and 3 alone), while a change past the prompt reaches the row that holds it."""
+    g = torch.Generator().manual_seed(1)
+    B, H, Hkv, C, D, P = 5, 4, 2, 9, 8, 5
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, C, D, generator=g).to(dtype) for _ in range(2))
+    first = torch.tensor([0, 0, 0, 3, 3])
+    k[:, :, :P], v[:, :, :P] = k[first, :, :P], v[first, :, :P]
+    mask = torch.zeros(B, 1, 1, C, dtype=dtype)
+    mask[3:, ..., :2] = torch.finfo(dtype).min  # the second prompt is left-padded by 2
+    dense = fused._kernel()(q, k, v, mask, 0.3)
+    shared = fused._shared_kernel()
+    assert torch.equal(shared(q, k, v, mask, 0.3, first, P), dense)
+    assert torch.equal(fused.attend_shared_prompt(q, k, v, mask, 0.3, first, P), attend_one_query(q, k, v, mask, 0.3))
+    stale_k, stale_v = k.clone(), v.clone()
+    stale_k[[1, 2, 4], :, :P] += 1.0
+    stale_v[[1, 2, 4], :, :P] -= 1.0
+    assert torch.equal(shared(q, stale_k, stale_v, mask, 0.3, first, P), dense)
+    assert not torch.equal(fused._kernel()(q, stale_k, stale_v, mask, 0.3), dense)  # the copies were read there
+    later = k.clone()
+    later[1, :, P:] += 1.0
+    moved = shared(q, later, v, mask, 0.3, first, P)
+    assert not torch.equal(moved[1], dense[1])
+    assert torch.equal(moved[[0, 2, 3, 4]], dense[[0, 2, 3, 4]])
+
+
+def test_the_shared_prompt_kernel_runs_from_min_shared_prompt_bytes_of_prompt_copies(monkeypatch):
+    """A layer of 5 rows x 2 key/value heads x head size 8 in fp32 whose 5-position prompt copies hold
+    2 x 5 x 2 x 5 x 8 x 4 = 3,200 bytes: at a threshold of 3,200 the shared kernel runs, at 3,201 the per-row one."""
+    B, Hkv, C, D, P = 5, 2, 9, 8, 5
+    q, k, v = torch.randn(B, 4, 1, D), torch.randn(B, Hkv, C, D), torch.randn(B, Hkv, C, D)
+    ran = []
+    shared, own = fused._shared_kernel(), fused._kernel()
+    monkeypatch.setattr(fused, "_shared_kernel", lambda: lambda *a: ran.append("shared") or shared(*a))
+    monkeypatch.setattr(fused, "_kernel", lambda: lambda *a: ran.append("own") or own(*a))
+    fused.share_prompt_reads(torch.tensor([0, 0, 0, 1, 1]), P)
+    for threshold in (3200, 3201):
+        monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", threshold)
+        fused._attend(q, k, v, None, 0.3)
+    fused._attend(q[:4], k[:4], v[:4], None, 0.3)  # rows that do not match the loop's (never in the loop): its own
+    fused.share_prompt_reads(None)
+    assert ran == ["shared", "own", "own"]
+
+
+def _long_prompts(tok, copies=16):
+    """4 prompts of 48-54 characters x 16 = 64 rows (256 (row, head) pairs with 4 heads): prompts past
+    48 positions."""
+    texts = ["12+3*4=" * 7, "5+6*7=" * 8, "1+2*3=" * 9, "9*9+1=" * 8]
+    return tok(texts * copies, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+
+
+# CI: the eager loop (the engine's default); the compiled step (off by default) in the extended suite
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.extended)])
+def test_the_loop_reads_each_prompt_once_per_group_and_samples_what_it_samples_without(tiny, monkeypatch, compiled):
+    """bf16, rows ending at EOS: with long prompts the loop runs the shared-prompt kernel at every decode step with
+    its rows as they stand (fewer as ended rows leave), and samples the same tokens with the same logprobs as the
+    loop whose rows read their own copies."""
+    tok, model = tiny
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    enc = _long_prompts(tok)
+    monkeypatch.setattr(compiled_decode, "ROW_BUCKET", 8)  # the compiled step's rows leave by eights
+    kw = dict(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id, fused_attention=True, packed_weights=True, compiled=compiled)
+    kernel = fused._shared_kernel()
+    seen: list[tuple[int, list[int]]] = []
+
+    def recording(q, k, v, mask, scaling, rows, length):
+        seen.append((length, rows.tolist()))
+        return kernel(q, k, v, mask, scaling, rows, length)
+    monkeypatch.setattr(fused, "_shared_kernel", lambda: recording)
+    runs = {}
+    for threshold in (0, 1 << 62):  # the tiny model's cache is far under the threshold: every size, then none
+        monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", threshold)
+        torch.manual_seed(5)
+        runs[threshold] = decode(half, enc["input_ids"], enc["attention_mask"], **kw)
+    shared, own = runs.values()
+    for a, b in zip(shared, own):
+        assert torch.equal(a, b)
+    lengths, ended = shared[2], shared[4]
+    assert ended.any() and not ended.all()  # rows ended at EOS, others ran on
+    steps = int(lengths.max())
+    assert len(seen) == 2 * (steps - 1)  # both layers of every decode step, only in the first run
+    P = enc["input_ids"].shape[1]
+    assert all(length == P for length, _ in seen)
+    batches = [rows for _, rows in seen]
+    assert batches[0] == [i % 4 for i in range(64)] == batches[1]  # row i holds prompt i % 4
+    assert len(batches[-1]) < 64  # ended rows left the batch, and the first rows were recounted
+    for rows in batches:
+        assert all(rows[r] <= r and rows[rows[r]] == rows[r] for r in range(len(rows)))
+    assert fused.shared_prompt()["rows"] is None  # cleared when the loop ends

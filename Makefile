@@ -31,7 +31,7 @@ quickstart: install
 	$(VENV)/bin/looprl run recipes/quickstart.yaml
 
 test: install
-	$(VENV)/bin/pytest -q --durations=30 tests
+	$(VENV)/bin/pytest -q --durations=50 tests
 
 test-all: install  # also the extended end-to-end runs
 	LOOPRL_EXTENDED=1 $(VENV)/bin/pytest -q tests

@@ -165,18 +165,12 @@ def long_batch(setup):
     return batch
 
 
-@pytest.mark.slow
-def test_sequence_parallel_ranks_give_the_single_rank_loss_gradient_and_update(ray_cluster, setup, long_batch):
-    """Ulysses sequence parallelism (DeepSpeed's ALST attention over gloo): two ranks each running half of every
-    sequence's positions give the one-rank step's logprobs, loss, gradient norm and updated weights, with a
-    sequence-level loss aggregation (every rank computes it from the gathered logprobs), an entropy bonus, and
-    under ZeRO-3; also with a LoRA adapter."""
-    path, _ = setup
+def _sequence_parallel_steps(path, long_batch, cases):
+    """Each case's (logprobs, train-step metrics, full state) from a fresh learner group: `(name, world size,
+    sequence-parallel size, ZeRO stage, adapter)`."""
     params = {"agg": "seq-mean-token-mean", "eps_high": 0.28, "entropy_coef": 0.01}
-    lora = {"name": "lora", "params": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
     results = {}
-    for case, world, sp, zero, adapter in [("one", 1, 1, 0, None), ("sp2", 2, 2, 0, None), ("sp2-z3", 2, 2, 3, None),
-                                           ("one-lora", 1, 1, 0, lora), ("sp2-lora", 2, 2, 0, lora)]:
+    for case, world, sp, zero, adapter in cases:
         group = LearnerGroup(world, path, num_cpus=0.25, env=actor_env(), lr=1.0,
                              optimizer={"name": "adamw", "params": {"eps": 1.0}}, zero_stage=zero,
                              micro_batch_size=4, grad_accum=2, grad_clip=0.0, attn_implementation="sdpa",
@@ -187,7 +181,11 @@ def test_sequence_parallel_ranks_give_the_single_rank_loss_gradient_and_update(r
             results[case] = (logp, m, group.full_state_dict())
         finally:
             group.shutdown()
-    for ref, case in [("one", "sp2"), ("one", "sp2-z3"), ("one-lora", "sp2-lora")]:
+    return results
+
+
+def _assert_same_step(results, pairs):
+    for ref, case in pairs:
         (ref_logp, ref_m, ref_state), (logp, m, state) = results[ref], results[case]
         assert torch.allclose(logp, ref_logp, atol=1e-5), case
         assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6), case
@@ -196,8 +194,30 @@ def test_sequence_parallel_ranks_give_the_single_rank_loss_gradient_and_update(r
         assert ref_m["grad_norm"] > 0
         for k, v in ref_state.items():
             assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), (case, k)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_ranks_give_the_single_rank_loss_gradient_and_update(ray_cluster, setup, long_batch):
+    """Ulysses sequence parallelism (DeepSpeed's ALST attention over gloo): two ranks each running half of every
+    sequence's positions give the one-rank step's logprobs, loss, gradient norm and updated weights, with a
+    sequence-level loss aggregation (every rank computes it from the gathered logprobs), an entropy bonus, and
+    under ZeRO-3."""
+    path, _ = setup
+    results = _sequence_parallel_steps(path, long_batch, [("one", 1, 1, 0, None), ("sp2", 2, 2, 0, None),
+                                                          ("sp2-z3", 2, 2, 3, None)])
+    _assert_same_step(results, [("one", "sp2"), ("one", "sp2-z3")])
     mask = long_batch.response_mask.bool()
     assert mask.sum(-1).max() > 24  # responses long enough that each rank holds response tokens
+
+
+@pytest.mark.extended  # CI: sequence parallelism and a LoRA step on two ranks (ZeRO-3) in the tests above
+@pytest.mark.slow
+def test_sequence_parallel_ranks_give_the_single_rank_step_with_a_lora_adapter(ray_cluster, setup, long_batch):
+    """The same with a LoRA adapter on the attention and MLP projections."""
+    path, _ = setup
+    lora = {"name": "lora", "params": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
+    results = _sequence_parallel_steps(path, long_batch, [("one-lora", 1, 1, 0, lora), ("sp2-lora", 2, 2, 0, lora)])
+    _assert_same_step(results, [("one-lora", "sp2-lora")])
 
 
 @pytest.mark.slow

@@ -115,8 +115,10 @@ MEASURE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "PATH"
 
 
 # the tiny model's step (about 110 MB) measured 260-311 MB inside the full suite and 108 alone: a constant of about
-# 150 MB not yet explained, within the bound for the 85M steps; `make test-all` runs it
-@pytest.mark.parametrize("model, ckpt", [pytest.param("tiny", 0, marks=pytest.mark.extended), ("85m", 0), ("85m", 1)])
+# 150 MB not yet explained, within the bound for the 85M steps; `make test-all` runs it. CI measures the 85M step
+# with gradient checkpointing (the real-scale recipes' setting); without it in the extended suite
+@pytest.mark.parametrize("model, ckpt", [pytest.param("tiny", 0, marks=pytest.mark.extended),
+                                         pytest.param("85m", 0, marks=pytest.mark.extended), ("85m", 1)])
 def test_the_learner_figure_is_within_20_percent_of_a_measured_training_step(model, ckpt):
     """A training step of the policy's forward (the learner's chunked log-probabilities) with AdamW, two steps, in a
     fresh process: its peak resident memory above the process before the model, against the plan's learner rank

@@ -50,11 +50,11 @@ STATIC_PREFIX = "looprl_fused_static_decode|"  # the same kernel over a static c
 # the fewest (row, head) pairs a decode step must attend for the kernel to pay: its compile costs 3-4 s in every
 # process (the on-disk cache warm), which a small batch never wins back (the race's 128 rows x 12 heads: 1,536)
 MIN_ROW_HEADS = 256
-# the least bytes of prompt keys and values a layer (all rows' copies) for the kernel to read a group's prompt once:
-# under it the layer's cache fits the CPU's caches and one copy saves nothing (measured on a 2-core AMX Xeon,
-# `benchmarks/decode_attention.py`: bf16 at 64 positions, 12.6 MB, level; at 128, 25 MB, 1.1-1.8x; fp32 at 32, 12.6
-# MB, 0.96-1.24x; at 48, 19 MB, 1.1-1.6x)
-MIN_SHARED_PROMPT_BYTES = 16 << 20
+# the least bytes of prompt keys and values a layer (all rows' copies, keys and values) for the kernel to read a
+# group's prompt once: under it the layer's cache fits the CPU's caches and one copy saves nothing (measured on a
+# 2-core AMX Xeon, `benchmarks/decode_attention.py`, 128 rows x 12 heads x 64: bf16 at 64 positions, 25 MB, level;
+# at 128, 50 MB, 1.1-1.8x; fp32 at 32 positions, 25 MB, 0.96-1.24x; at 48, 38 MB, 1.1-1.6x)
+MIN_SHARED_PROMPT_BYTES = 32 << 20
 _compiled: Any = None
 _compiled_shared: Any = None
 _state = {"ran": False, "failed": None}  # whether the compiled kernel has run once; why it could not

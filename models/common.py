@@ -14,9 +14,14 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tup
     `prompt_ids`. GRPO samples every prompt n times; what depends on the prompt alone runs G times, not N."""
     mask = prompt_mask.long()
     key = torch.cat([prompt_ids * mask, mask], 1)  # pad ids do not split a prompt
-    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
-    first = torch.full((len(distinct),), len(key), dtype=torch.long, device=key.device)
-    return first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device), "amin"), inverse
+    inverse = torch.unique(key, dim=0, return_inverse=True)[1]
+    return first_rows(inverse), inverse
+
+
+def first_rows(groups: torch.Tensor) -> torch.Tensor:
+    """For each row's group `groups [N]` (ids 0..G-1, each present): the lowest row index of each group, `[G]`."""
+    first = torch.full((int(groups.max()) + 1,), len(groups), dtype=torch.long, device=groups.device)
+    return first.scatter_reduce(0, groups, torch.arange(len(groups), device=groups.device), "amin")
 
 
 def length_buckets(lengths: list[int], max_padding: float, min_tokens: int = 0) -> list[list[int]]:

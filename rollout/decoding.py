@@ -272,14 +272,15 @@ def _feed(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, next_po
 
 def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, next_pos: torch.Tensor,
                     state: DecodeState, cache: Any, forward_kwargs: dict, new_cache: Callable[[], Any]
-                    ) -> tuple[torch.Tensor, Any]:
+                    ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
     """`_feed` of the prompts into the empty `cache` when rows repeat a prompt (GRPO's n samples per prompt): the
     forward runs once per distinct (left-padded) prompt and its cache rows and last logits are copied to the rows
     that repeat it. Each row's numbers are those of its own forward (a row's result does not depend on the other
-    rows of the batch). Returns the logits and the cache (a `new_cache()` if the fallback below ran)."""
+    rows of the batch). Returns the logits, the cache (a `new_cache()` if the fallback below ran) and each row's
+    prompt (`distinct_prompts`' inverse) when rows were copied from one forward, else None."""
     first, inverse = distinct_prompts(prompt_ids, prompt_mask)
     if len(first) == len(prompt_ids):
-        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs), cache
+        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs), cache, None
     mask = prompt_mask.long()
     attention_mask = torch.cat([state.attention_mask, mask], 1)
     positions = (next_pos[:, None] + mask.cumsum(-1) - 1).clamp(min=0)
@@ -288,7 +289,7 @@ def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     if not all(type(layer) in COPYABLE_LAYERS for layer in cache.layers):
         # a cache layer of another kind may hold more than keys and values per row: prefill every row instead
         cache = new_cache()
-        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs), cache
+        return _feed(model, prompt_ids, prompt_mask, next_pos, state, cache, forward_kwargs), cache, None
     for layer in cache.layers:  # ReservedLayers (`reserved_cache`), or a model's own (Ouro's slot per loop)
         if isinstance(layer, ReservedLayer):
             layer.select_rows(inverse)
@@ -296,7 +297,7 @@ def _prefill_shared(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
             layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
     state.attention_mask, state.positions = attention_mask, positions
     next_pos += mask.sum(-1)
-    return out.logits[:, -1].float()[inverse], cache
+    return out.logits[:, -1].float()[inverse], cache, inverse
 
 
 def sample_rows(probs: torch.Tensor, live: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -550,26 +551,25 @@ class DecodeLoop:
             return self._prefill_static()
         if not self.plain:
             return self._feed(self.prompt_ids, self.prompt_mask)
-        logits, self.cache = _prefill_shared(
+        logits, self.cache, groups = _prefill_shared(
             self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state, self.cache,
             self.forward_kwargs, lambda: reserved_cache(self.capacity, self.full_view, self.kv_buffers))
-        self._share_prompt_reads(self.cache)
+        self._share_prompt_reads(groups)
         return logits
 
-    def _share_prompt_reads(self, cache: Any) -> None:
-        """After a shared prefill that copied the rows of each prompt from one forward (`cache`'s layers are the
-        kinds it copies), the fused kernel reads each prompt's cache positions once per group of rows
+    def _share_prompt_reads(self, groups: torch.Tensor | None) -> None:
+        """After a shared prefill that copied each prompt's rows from one forward (`groups`: each row's prompt; None
+        when it did not), the fused kernel reads each prompt's cache positions once per group of rows
         (`rollout.fused_attention.share_prompt_reads`; the rows' copies are equal)."""
-        if self.fused and all(type(layer) in COPYABLE_LAYERS for layer in cache.layers):
-            self.groups = distinct_prompts(self.prompt_ids, self.prompt_mask)[1]
+        self.groups = groups if self.fused else None
         share_prompt_reads(self.groups, self.prompt_ids.shape[1])
 
     def _prefill_static(self) -> torch.Tensor:
         cache = DynamicCache()
         if self.plain:
-            logits, cache = _prefill_shared(self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state,
-                                            cache, self.forward_kwargs, DynamicCache)
-            self._share_prompt_reads(cache)
+            logits, cache, groups = _prefill_shared(self.model, self.prompt_ids, self.prompt_mask, self.next_pos,
+                                                    self.state, cache, self.forward_kwargs, DynamicCache)
+            self._share_prompt_reads(groups)
         else:
             logits = _feed(self.model, self.prompt_ids, self.prompt_mask, self.next_pos, self.state, cache,
                            self.forward_kwargs)

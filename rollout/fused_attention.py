@@ -43,6 +43,7 @@ import torch
 
 from models.blocks import TEXTBOOK_ATTENTION as ARCHITECTURES
 from models.blocks import attention_implementation
+from models.common import first_rows
 from rollout.base import run_or_fall_back
 
 PREFIX = "looprl_fused_decode|"
@@ -100,10 +101,7 @@ def share_prompt_reads(groups: torch.Tensor | None, prompt_length: int = 0) -> N
     if groups is None or prompt_length == 0 or len(groups.unique()) == len(groups):
         shared_prompt().update(rows=None, length=0)
         return
-    order = torch.arange(len(groups), device=groups.device)
-    first = torch.full((int(groups.max()) + 1,), len(groups), dtype=torch.long, device=groups.device)
-    first = first.scatter_reduce(0, groups, order, "amin")
-    shared_prompt().update(rows=first[groups], length=int(prompt_length))
+    shared_prompt().update(rows=first_rows(groups)[groups], length=int(prompt_length))
 
 
 def shared_prompt() -> dict[str, Any]:
@@ -122,7 +120,8 @@ def _prompt_bytes(key: torch.Tensor, length: int) -> int:
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
             scaling: float) -> torch.Tensor:
     """The compiled kernel, reading the prompt once per group while `share_prompt_reads` says so."""
-    rows, length = shared_prompt()["rows"], shared_prompt()["length"]
+    shared = shared_prompt()
+    rows, length = shared["rows"], shared["length"]
     if rows is not None and len(rows) == key.shape[0] and _prompt_bytes(key, length) >= MIN_SHARED_PROMPT_BYTES:
         return _shared_kernel()(query, key, value, mask, scaling, rows, length)
     return _kernel()(query, key, value, mask, scaling)

@@ -10,7 +10,7 @@ budget 2048 in fp32 and 8192 in bf16; not compiled: the products are the same) a
 (packed weights, ended rows dropped).
 
 What it does, per dtype: a learner step and a generate run once under a dispatch mode that records every matrix
-product (`mm`, `addmm`, `bmm`, `baddbmm` and oneDNN's packed linear): its operation, shapes, strides and dtype, how
+product (`mm`, `addmm`, `bmm`, `baddbmm`, oneDNN's and MKL's packed linears): its operation, shapes, strides and dtype, how
 often it ran, and the operands of its first calls. Each distinct product is then replayed alone, cycling through
 its recorded operands (the decode's 14 layers' weights, so that a weight is not served from cache more than in the
 loop), and timed at its fastest of 3 windows; count x time summed is what the products alone take.
@@ -60,6 +60,8 @@ def gemm_recorder():
     linear = {aten.mm.default, aten.addmm.default}
     if hasattr(torch.ops, "mkldnn") and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         linear.add(torch.ops.mkldnn._linear_pointwise.default)
+    if hasattr(torch.ops, "mkl") and hasattr(torch.ops.mkl, "_mkl_linear"):
+        linear.add(torch.ops.mkl._mkl_linear.default)  # the fp32 decode's packed products
     attention = {aten.bmm.default, aten.baddbmm.default}
 
     def describe(a):

@@ -15,7 +15,7 @@ at a row count and every generate of the same (rows, capacity) bucket.
 On CPU two products stay opaque calls inside the graph, because inductor's own code for them is slower than the
 eager loop's: the one-query attention (`rollout.fused_attention.attend_filled`, where the fused kernel applies: its
 compiled kernel over the positions filled so far, where the graph's own attention would read the whole capacity
-every step) and the linear layers (`rollout.packed_linear`'s `looprl::packed_linear`, oneDNN's packed weights,
+every step) and the linear layers (`rollout.packed_linear`'s `looprl::packed_linear`, packed weights,
 where the graph's `mm` multiplies plain ones; not with in-flight updates, which copy into the plain weights).
 Everything between them (embedding, norms, rotary, residual adds, activations, the cache's writes) is fused by
 inductor. What stays the eager loop's (`rollout.decoding.DecodeLoop`): the prompt's prefill (once per distinct

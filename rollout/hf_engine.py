@@ -53,8 +53,8 @@ class HFEngine:
         (`rollout.fused_attention`; Llama, Mistral, Qwen2/3 architectures; compiled on the first generate,
         seconds) instead of `attn_implementation`'s; the prompt's prefill keeps the model's kernel.
         `packed_linear_weights`: on CPU in fp32/bf16, the decode loop's linear layers multiply with their weights
-        packed once per generate into oneDNN's layout (`rollout.packed_linear`; one more copy of the weights
-        while it runs).
+        packed once per generate (`rollout.packed_linear`: MKL's sgemm layout in fp32, oneDNN's in bf16; one
+        more copy of the weights while it runs).
         `reuse_kv_buffers`: on CPU, the decode loop's KV cache reuses its storage from one generate to the next
         (`rollout.decoding.KVBuffers`: fresh buffers fault their pages in at every generate; the storage, twice the
         largest cache, stays allocated between generates, freed by `sleep`).

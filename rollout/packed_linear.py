@@ -1,12 +1,22 @@
-"""Linear layers for the `hf` engine's decode loop on CPU with their weights packed once per generate into
-oneDNN's blocked layout, instead of the plain layout that every `F.linear` call re-blocks.
+"""Linear layers for the `hf` engine's decode loop on CPU with their weights packed once per generate into the
+BLAS's blocked layout, instead of the plain layout that every `F.linear` call re-blocks.
 
 Why: a decode step multiplies each weight by a thin block of rows (one token per sequence: 128 rows at the race's
 batch). The plain `F.linear` packs its weight operand into the BLAS's blocked layout at every call, and with the
-weights out of cache (an 85M model's fp32 weights are 330 MB) that packing, not the multiply, sets the pace: at
-128 rows the matmuls ran at 105-130 GFLOP/s in fp32 on 2 cores against 170-190 with weights packed once
-(`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: the path torch's inductor takes for frozen
-CPU weights); in bf16 about 1.1-1.3× (measured on the race's shapes, weights cycled so that none stays in cache).
+weights out of cache (an 85M model's fp32 weights are 330 MB) that packing, not the multiply, can set the pace: at
+128 rows the matmuls ran at 105-130 GFLOP/s in fp32 on 2 cores of a Zen 4 against 170-190 with weights packed once;
+in bf16 about 1.1-1.3x (measured on the race's shapes, weights cycled so that none stays in cache).
+
+Which packing: in bf16, oneDNN's (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: the path
+torch's inductor takes for frozen CPU weights). In fp32, where torch has MKL, MKL's own packed sgemm
+(`torch.ops.mkl._mkl_reorder_linear_weight`, then `_mkl_linear`, inductor's path for frozen fp32 weights): the same
+kernels as `F.linear`'s sgemm on a pre-packed operand, so the products equal `F.linear`'s bit for bit at the decode's
+block sizes (64+ rows; to fp32 rounding at a few rows, where MKL picks other kernels), and faster than oneDNN's fp32
+path: on an AMX Xeon, 2 threads, `[M, 768] x [768, 1536]` at M = 64-128 ran at 280-312 GFLOP/s against oneDNN's
+228-273 and `F.linear`'s 229-285. `_mkl_linear` takes the packed operand only for the row count it is told; MKL's
+packed B depends on the columns and the reduction only (its size is the same for every row count, and the
+products are right for any: tested), so each call passes its own row count and one packing serves a loop whose
+batch shrinks as rows end.
 
 Used by `rollout.decoding.decode(packed_weights=True)` (the `hf` engine's `packed_linear_weights`, on by default)
 while it runs: every `nn.Linear` module (exactly that type; a subclass or a wrapper that calls `F.linear` itself,
@@ -14,12 +24,12 @@ such as the fake-quantized layer, keeps its forward) on CPU in fp32 or bf16 has 
 duration. A weight is packed on its module's first call (so a wrapped layer that is never called is never packed)
 and dropped on exit: the packed copies cost one more copy of the weights while the loop runs, and packing the 85M
 model takes about 0.1-0.2 s a generate. A call that needs gradients, or whose input's dtype differs from the
-weight's, runs the plain `F.linear`. The products equal `F.linear`'s to fp32 rounding (the same oneDNN kernels in
+weight's, runs the plain `F.linear`. bf16 products equal `F.linear`'s to rounding (the same oneDNN kernels in
 another blocking order). Should the packed path fail on its first call (a build without oneDNN's bf16 support),
 the loop warns once and decodes with `F.linear`.
 
 Inside the compiled decode step (`rollout.compiled_decode`, `graph=True`) the same products run as one custom op,
-`looprl::packed_linear`, that the graph calls with the plain weight: inductor cannot take oneDNN's packed tensors as
+`looprl::packed_linear`, that the graph calls with the plain weight: inductor cannot take packed tensors as
 graph inputs, so the op looks the packed copy up by the weight's storage (packed on first use, dropped on exit, as
 above); on a CPU it multiplies a 128-row decode block about 1.5x faster than the graph's own `mm` on plain weights.
 """
@@ -57,13 +67,24 @@ def packs(module: torch.nn.Module) -> bool:
             and _supported(module.weight.dtype))
 
 
+def uses_mkl(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` pack for MKL's sgemm (fp32 where torch has MKL) rather than for oneDNN."""
+    return dtype == torch.float32 and torch.backends.mkl.is_available()
+
+
 def _pack(weight: torch.Tensor, rows: int | None) -> torch.Tensor:
-    """`weight [out, in]` in oneDNN's blocked layout for products with `rows` rows (a hint)."""
+    """`weight [out, in]` in the BLAS's blocked layout for products with about `rows` rows (a hint)."""
+    if uses_mkl(weight.dtype):
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows or 1)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
-def _multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with `weight` as `_pack` laid it out."""
+def _multiply(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with `weight` as `_pack` laid it out in `packed`."""
+    if uses_mkl(weight.dtype):
+        # MKL's packed B serves any row count: each call names its own (see the module's docstring)
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // max(x.shape[-1], 1))
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -77,7 +98,7 @@ def graph_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     key = (weight.data_ptr(), weight.dtype, tuple(weight.shape))
     if key not in packs:
         packs[key] = _pack(weight, _graph["rows"])
-    return _multiply(x, packs[key], bias)
+    return _multiply(x, packs[key], weight, bias)
 
 
 @graph_product.register_fake
@@ -99,7 +120,7 @@ def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch
                 w = packed.get(module)
                 if w is None:
                     w = packed[module] = _pack(weight, rows)
-                return _multiply(x, w, module.bias)
+                return _multiply(x, w, weight, module.bias)
             # an op this build lacks, an ISA oneDNN's bf16 path does not run on: F.linear from then on
             out = run_or_fall_back(_state, multiply, "rollout.packed_linear: packed weights did not run",
                                    "decoding with F.linear")

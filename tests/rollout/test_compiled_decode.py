@@ -64,7 +64,7 @@ def test_the_fused_attention_and_packed_weights_run_inside_the_graph_over_the_fi
                                                                                                 monkeypatch):
     """At 256 (row, head) pairs and more the plain loop attends with `rollout.fused_attention`'s kernel; inside the
     compiled step it runs as `looprl::attend_filled` over the positions filled so far (not the static capacity),
-    and the linear layers multiply oneDNN-packed weights through `looprl::packed_linear`, each packed once a
+    and the linear layers multiply packed weights through `looprl::packed_linear`, each packed once a
     generate: the same tokens and logprobs as the eager loop."""
     from rollout import fused_attention, packed_linear
     rows = PROMPTS * 8  # 64 rows x 4 heads

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import rollout.packed_linear as packed_linear
 from models.quant import FakeQuantLinear
@@ -52,9 +53,29 @@ def test_packed_products_equal_f_linear_and_every_linear_is_packed_then_restored
         assert packed == {}  # the packed copies are dropped on exit
     assert all("forward" not in m.__dict__ for m in model.modules())  # the modules' own forwards again
     scale = own.abs().max()
-    # the same oneDNN products in another blocking order: equal to the dtype's rounding
+    # fp32: MKL's sgemm on a packed operand; bf16: oneDNN's products in another blocking order: equal to the
+    # dtype's rounding
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (inside - own).abs().max() <= tol * scale
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+def test_an_fp32_weight_packed_once_for_mkl_serves_every_row_count():
+    """fp32 weights pack for MKL's sgemm; one packing multiplies blocks of any row count (the decode batch shrinks as
+    rows end), bit for bit as `F.linear` at the decode's block sizes."""
+    assert packed_linear.uses_mkl(torch.float32) and not packed_linear.uses_mkl(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    weight, bias, stale = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(96, 64)
+    packed = packed_linear._pack(weight, 128)
+    for rows in (64, 97, 128, 200):
+        x = torch.randn(rows, 64, generator=g)
+        # `stale` is passed as the plain weight: a call that multiplied it instead of the packed copy would differ
+        assert torch.equal(packed_linear._multiply(x, packed, stale, None), F.linear(x, weight)), rows
+        assert torch.equal(packed_linear._multiply(x[:, None], packed, stale, bias), F.linear(x[:, None], weight, bias))
+    for rows in (1, 5):  # a few rows: MKL's other kernels, equal to fp32 rounding
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(packed_linear._multiply(x, packed, stale, bias), F.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_decode_with_packed_weights_samples_the_models_tokens_and_logprobs(tiny):

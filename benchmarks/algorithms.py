@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,10 +48,12 @@ def main() -> None:
     results: dict[str, list[dict]] = {a: [] for a in args.algos}
     for seed in args.seeds:
         sft_dir = runs / f"sft_seed{seed}"
+        shutil.rmtree(sft_dir, ignore_errors=True)  # a finished run left there would resume at its end
         _run(ROOT / "recipes/quickstart.yaml", [f"seed={seed}", f"output_dir={sft_dir}", "trainer.steps=0",
                                                 "trainer.save_hf=false"])
         for algo in args.algos:
             out = runs / f"{algo}_seed{seed}"
+            shutil.rmtree(out, ignore_errors=True)
             t0 = time.perf_counter()
             _run(ROOT / f"recipes/algos/{algo}.yaml", [f"seed={seed}", f"output_dir={out}", "sft.enabled=false",
                                                       f"model.path={sft_dir / 'sft_model'}", "trainer.save_hf=false"])

@@ -28,7 +28,7 @@ Also measured, for comparison: the learner step and the generate in the engine's
 attention), median of 2 after warm-ups, and the generate with the decode step compiled as one graph over a static
 cache (`rollout.compiled_decode`: same tokens; the ended rows stay in its fixed-shape batch); each phase over its
 own bound (`decode_over_bound`, `learner_over_bound`) and the step's, eager and compiled (`step_over_bound`).
-Results: benchmarks/results/gemm_bound.json.
+Results: benchmarks/results/gemm_bound.json, one entry per dtype (a run of some dtypes keeps the others' entries).
 """
 
 from __future__ import annotations
@@ -278,7 +278,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         print(json.dumps(measure(args.one, args.threads)), flush=True)
         return
-    results = {}
+    out = Path(args.out)
+    # the other dtypes' entries of an earlier run stay (`--dtypes float32` re-measures fp32 alone)
+    results = json.loads(out.read_text()) if out.exists() else {}
     for dtype in args.dtypes:
         proc = subprocess.run([sys.executable, __file__, "--one", dtype, "--threads", str(args.threads)],
                               capture_output=True, text=True, cwd=ROOT)
@@ -287,8 +289,8 @@ def main() -> None:
             raise SystemExit(f"gemm_bound: the {dtype} run failed")
         results[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(json.dumps(results[dtype]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ def generates(reps: int) -> dict:
     tok = build_tiny_tokenizer()
     ids, mask = race_prompts(tok)
     mkl = packed_linear.uses_mkl
-    kinds = {"MKL": mkl, "oneDNN": lambda dtype: False}
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+    packings = {"MKL": mkl, "oneDNN": lambda dtype: False}
+    times: dict[str, list[float]] = {k: [] for k in packings}
     outs = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = save_tiny(Path(tmp) / "m", max_position_embeddings=128, **SHAPE)
@@ -99,7 +99,7 @@ def generates(reps: int) -> dict:
         kept = KVBuffers()
         try:
             for rep in range(reps + 1):  # the first round warms up (compiles the attention kernel)
-                for name, choice in kinds.items():
+                for name, choice in packings.items():
                     packed_linear.uses_mkl = choice
                     torch.manual_seed(0)
                     t0 = time.perf_counter()

@@ -125,7 +125,8 @@ def main() -> None:
         for name, (method, cache_factory, fused, packed, compact_share, *buffers) in variants.items():
             decoding.reserved_cache = cache_factory
             decoding.COMPACT_SHARE = compact_share
-            fused_attention.MIN_SHARED_PROMPT_BYTES = shortest_shared if name in reads_prompt_once else 1 << 62
+            fused_attention.MIN_SHARED_PROMPT_BYTES = (shortest_shared if name in reads_prompt_once
+                                                       else dict.fromkeys(shortest_shared, 1 << 62))
             started.clear()
             prefill.clear()
             torch.manual_seed(rep)

@@ -26,10 +26,12 @@ with the model's own kernel and the mask).
 The rows of a group (GRPO's n samples of one prompt, prefilled once and copied: `rollout.decoding._prefill_shared`)
 hold equal keys and values at the prompt's positions. Set by the loop (`share_prompt_reads`), the kernel reads those
 positions from one row of each group (`attend_shared_prompt`), so that a group's prompt comes from memory once and
-its other rows read it from the CPU's cache: the same numbers, bit for bit, with less memory traffic. It pays once a
-layer's cache outgrows the CPU's caches and loses up to 10% while it fits, so it runs where the rows' copies of the
-prompt hold at least `MIN_SHARED_PROMPT_BYTES` a layer (`benchmarks/decode_attention.py`: at 128 rows x 12 heads on
-2 cores, 1.8x in bf16 at 128-position prompts, 1.6x in fp32 at 48-64; `benchmarks/decode_step.py --prompt-tokens`).
+its other rows read it from the CPU's cache: the same numbers, bit for bit, with less memory traffic. The gathered
+reads cost some work, so it runs where the rows' copies of the prompt hold at least `MIN_SHARED_PROMPT_BYTES` a
+layer (by element size; in the race's decode loop on 2 cores, 128 rows x 12 heads: bf16 from the race's 7-9-position
+prompts, 1.02-1.17x a generate at 8-64; fp32 from about 28, 1.02x at 32; `benchmarks/decode_attention.py --loop`; the
+kernel alone, 1.8x in bf16 at 128-position prompts, 1.6x in fp32 at 48-64; `benchmarks/decode_step.py
+--prompt-tokens`).
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ STATIC_PREFIX = "looprl_fused_static_decode|"  # the same kernel over a static c
 # process (the on-disk cache warm), which a small batch never wins back (the race's 128 rows x 12 heads: 1,536)
 MIN_ROW_HEADS = 256
 # the least bytes of prompt keys and values a layer (all rows' copies, keys and values) for the kernel to read a
-# group's prompt once: under it the layer's cache fits the CPU's caches and one copy saves nothing (measured on a
-# 2-core AMX Xeon, `benchmarks/decode_attention.py`, 128 rows x 12 heads x 64: bf16 at 64 positions, 25 MB, level;
-# at 128, 50 MB, 1.1-1.8x; fp32 at 32 positions, 25 MB, 0.96-1.24x; at 48, 38 MB, 1.1-1.6x)
-MIN_SHARED_PROMPT_BYTES = 32 << 20
+# group's prompt once, by the cache's element size: under it one copy saves less than the gathered reads cost.
+# Measured in the decode loop, where a layer's cache has left the CPU's caches by its next step (`python
+# benchmarks/decode_attention.py --loop`: the race's ~85M model, 14 layers, 128 rows = 16 groups of 8, 2 threads of
+# an AMX Xeon; a generate's speed-up by prompt copies a layer): bf16 1.02x at 3 MiB (8-position prompts), 1.04x at
+# 6, 1.10x at 12, 1.17x at 24; fp32 0.975x at 6 MiB, 0.99x at 12, 1.02x at 24, 1.10x at 48. (The kernel alone, one layer's cache
+# hot, pays only from 25-38 MB in both dtypes: the threshold was 32 MB from that measurement.)
+MIN_SHARED_PROMPT_BYTES = {2: 2 << 20, 4: 20 << 20}
 _compiled: Any = None
 _compiled_shared: Any = None
 _state = {"ran": False, "failed": None}  # whether the compiled kernel has run once; why it could not
@@ -97,7 +102,8 @@ def attend_shared_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 def share_prompt_reads(groups: torch.Tensor | None, prompt_length: int = 0) -> None:
     """From the next decode step on, rows with equal `groups [B]` (each row's prompt, as the loop's rows stand) read
     the prompt's `prompt_length` cache positions from the group's first row (when some group has more than one row
-    and the rows' prompt copies hold `MIN_SHARED_PROMPT_BYTES` a layer); None: every row reads its own."""
+    and the rows' prompt copies hold `MIN_SHARED_PROMPT_BYTES` a layer for their element size); None: every row reads
+    its own."""
     if groups is None or prompt_length == 0 or len(groups.unique()) == len(groups):
         shared_prompt().update(rows=None, length=0)
         return
@@ -122,7 +128,8 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     """The compiled kernel, reading the prompt once per group while `share_prompt_reads` says so."""
     shared = shared_prompt()
     rows, length = shared["rows"], shared["length"]
-    if rows is not None and len(rows) == key.shape[0] and _prompt_bytes(key, length) >= MIN_SHARED_PROMPT_BYTES:
+    least = MIN_SHARED_PROMPT_BYTES.get(key.element_size(), MIN_SHARED_PROMPT_BYTES[4])
+    if rows is not None and len(rows) == key.shape[0] and _prompt_bytes(key, length) >= least:
         return _shared_kernel()(query, key, value, mask, scaling, rows, length)
     return _kernel()(query, key, value, mask, scaling)
 

@@ -241,7 +241,8 @@ def test_the_shared_prompt_kernel_reads_a_groups_prompt_from_one_row_alone(dtype
 
 def test_the_shared_prompt_kernel_runs_from_min_shared_prompt_bytes_of_prompt_copies(monkeypatch):
     """A layer of 5 rows x 2 key/value heads x head size 8 in fp32 whose 5-position prompt copies hold
-    2 x 5 x 2 x 5 x 8 x 4 = 3,200 bytes: at a threshold of 3,200 the shared kernel runs, at 3,201 the per-row one."""
+    2 x 5 x 2 x 5 x 8 x 4 = 3,200 bytes: at a threshold of 3,200 the shared kernel runs, at 3,201 the per-row one; in
+    bf16 the same copies hold 1,600 bytes, against bf16's own threshold."""
     B, Hkv, C, D, P = 5, 2, 9, 8, 5
     q, k, v = torch.randn(B, 4, 1, D), torch.randn(B, Hkv, C, D), torch.randn(B, Hkv, C, D)
     ran = []
@@ -250,11 +251,15 @@ def test_the_shared_prompt_kernel_runs_from_min_shared_prompt_bytes_of_prompt_co
     monkeypatch.setattr(fused, "_kernel", lambda: lambda *a: ran.append("own") or own(*a))
     fused.share_prompt_reads(torch.tensor([0, 0, 0, 1, 1]), P)
     for threshold in (3200, 3201):
-        monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", threshold)
+        monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", {2: 1, 4: threshold})  # fp32: 4-byte elements
         fused._attend(q, k, v, None, 0.3)
     fused._attend(q[:4], k[:4], v[:4], None, 0.3)  # rows that do not match the loop's (never in the loop): its own
+    monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", {2: 1600, 4: 1})  # bf16 copies: half the bytes
+    fused._attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.3)
+    monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", {2: 1601, 4: 1})
+    fused._attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.3)
     fused.share_prompt_reads(None)
-    assert ran == ["shared", "own", "own"]
+    assert ran == ["shared", "own", "own", "shared", "own"]
 
 
 def _long_prompts(tok, copies=16):
@@ -285,7 +290,7 @@ def test_the_loop_reads_each_prompt_once_per_group_and_samples_what_it_samples_w
     monkeypatch.setattr(fused, "_shared_kernel", lambda: recording)
     runs = {}
     for threshold in (0, 1 << 62):  # the tiny model's cache is far under the threshold: every size, then none
-        monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", threshold)
+        monkeypatch.setattr(fused, "MIN_SHARED_PROMPT_BYTES", {2: threshold, 4: threshold})
         torch.manual_seed(5)
         runs[threshold] = decode(half, enc["input_ids"], enc["attention_mask"], **kw)
     shared, own = runs.values()

@@ -67,8 +67,8 @@ def run_looprl(model: str, steps: int, out: Path, threads: int, dtype: str, stal
                  f"learner.threads={threads}", f"rollout.threads={threads}", f"model.dtype={dtype}",
                  f"trainer.max_staleness={staleness}", f"rollout.engine={engine}", f"algorithm.is_correction={'token' if staleness else 'none'}",
                  *[f"model.tiny.{k}={v}" for k, v in m.items()]]
-    # a folder left by an earlier run of this benchmark holds its checkpoint: the run would resume from it (exact
-    # resume), run no step and report the earlier run's metrics
+    # a folder left by an earlier run of this benchmark holds its stages' records: the stage runner would reuse them
+    # (same recipe and inputs; the code is not part of that record), run no step and report the earlier metrics
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "run", str(ROOT / "recipes/quickstart.yaml"), *overrides],

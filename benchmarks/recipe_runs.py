@@ -15,7 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_recipe(recipe: str, overrides: list[str], out_dir: Path, name: str) -> dict:
     """`looprl run ROOT/recipe output_dir=out_dir *overrides`; exits with its stderr tail if the run fails.
-    Returns `summary.json` plus `metrics` (the rows of `metrics.jsonl`) and `wall_s`."""
+    Returns `summary.json` plus `metrics` (the rows of `metrics.jsonl`) and `wall_s`. Every stage runs: the stage
+    records an earlier run left in `out_dir` (`stages/NAME.json`) are removed first (the stage runner would reuse a
+    stage whose record matches the recipe and its inputs, and the code is not part of that record: a rerun after a
+    code change would report the earlier run's results); the stages' artifacts stay, for runs that name them."""
+    for record in (out_dir / "stages").glob("*.json"):
+        record.unlink()
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "cluster.cli", "run", str(ROOT / recipe), f"output_dir={out_dir}",
            "logging.progress_bar=false", *overrides]

@@ -29,7 +29,7 @@ positions from one row of each group (`attend_shared_prompt`), so that a group's
 its other rows read it from the CPU's cache: the same numbers, bit for bit, with less memory traffic. The gathered
 reads cost some work, so it runs where the rows' copies of the prompt hold at least `MIN_SHARED_PROMPT_BYTES` a
 layer (by element size; in the race's decode loop on 2 cores, 128 rows x 12 heads: bf16 from the race's 7-9-position
-prompts, 1.02-1.17x a generate at 8-64; fp32 from about 28, 1.02x at 32; `benchmarks/decode_attention.py --loop`; the
+prompts, 1.02-1.17x a generate at 8-64; fp32 from about 27, 1.02x at 32; `benchmarks/decode_attention.py --loop`; the
 kernel alone, 1.8x in bf16 at 128-position prompts, 1.6x in fp32 at 48-64; `benchmarks/decode_step.py
 --prompt-tokens`).
 """
@@ -58,8 +58,8 @@ MIN_ROW_HEADS = 256
 # Measured in the decode loop, where a layer's cache has left the CPU's caches by its next step (`python
 # benchmarks/decode_attention.py --loop`: the race's ~85M model, 14 layers, 128 rows = 16 groups of 8, 2 threads of
 # an AMX Xeon; a generate's speed-up by prompt copies a layer): bf16 1.02x at 3 MiB (8-position prompts), 1.04x at
-# 6, 1.10x at 12, 1.17x at 24; fp32 0.975x at 6 MiB, 0.99x at 12, 1.02x at 24, 1.10x at 48. (The kernel alone, one layer's cache
-# hot, pays only from 25-38 MB in both dtypes: the threshold was 32 MB from that measurement.)
+# 6, 1.10x at 12, 1.17x at 24; fp32 0.975x at 6 MiB, 0.99x at 12, 1.02x at 24, 1.10x at 48. (The kernel alone, one
+# layer's cache hot, pays only from 25-38 MB in both dtypes: the threshold was 32 MB from that measurement.)
 MIN_SHARED_PROMPT_BYTES = {2: 2 << 20, 4: 20 << 20}
 _compiled: Any = None
 _compiled_shared: Any = None

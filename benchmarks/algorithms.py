@@ -48,7 +48,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {a: [] for a in args.algos}
     for seed in args.seeds:
         sft_dir = runs / f"sft_seed{seed}"
-        shutil.rmtree(sft_dir, ignore_errors=True)  # a finished run left there would be reused: its stages' records match
+        # a finished run left there would be reused: its stages' records match
+        shutil.rmtree(sft_dir, ignore_errors=True)
         _run(ROOT / "recipes/quickstart.yaml", [f"seed={seed}", f"output_dir={sft_dir}", "trainer.steps=0",
                                                 "trainer.save_hf=false"])
         for algo in args.algos:

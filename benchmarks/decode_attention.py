@@ -102,9 +102,8 @@ def in_loop(dtype, prompt: int, reps: int) -> dict:
         finally:
             fused.MIN_SHARED_PROMPT_BYTES = own_threshold
     median = {k: statistics.median(v) for k, v in times.items()}
-    size = torch.finfo(dtype).bits // 8
     return {"dtype": str(dtype).removeprefix("torch."), "prompt": prompt,
-            "prompt_bytes_a_layer": 2 * len(ids) * HEADS * prompt * HEAD_SIZE * size, "s_per_generate": times,
+            "prompt_bytes_a_layer": 2 * len(ids) * HEADS * prompt * HEAD_SIZE * dtype.itemsize, "s_per_generate": times,
             "median_s": median, "speedup": median["own copies"] / median["one copy"],
             "same_tokens": bool(all(torch.equal(a, b) for a, b in zip(outs["own copies"][:3], outs["one copy"][:3])))}
 

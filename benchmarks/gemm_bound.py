@@ -349,8 +349,6 @@ def race_model(path: Path, dtype: str):
 
 def measure(dtype: str, threads: int) -> dict:
     """One dtype's report: `record`'s figures against the bound and the trainer's floor."""
-    import statistics as st
-
     from omegaconf import OmegaConf
 
     from cluster.perf import cached_reads, utilisation
@@ -361,7 +359,7 @@ def measure(dtype: str, threads: int) -> dict:
                             "algorithm": {"mini_batches": 1}})
     hardware = {"model": numbers, "learner": rates, "rollout": rates}
     train, train_compiled = m["phases"]["eager"]["step"], m["phases"]["compiled"]["step"]
-    generate_s, compiled_s = st.median(m["gen_s"]), st.median(m["compiled_s"])
+    generate_s, compiled_s = statistics.median(m["gen_s"]), statistics.median(m["compiled_s"])
     perf = utilisation(batch, {"train": train, "generate": generate_s}, train + generate_s, hardware, cfg,
                        train_passes=1, logprob_passes=0)
     kv_bytes = numbers["kv_bytes_per_token"] * cached_reads(batch)
@@ -420,9 +418,8 @@ def products_report(learner: dict, dec: dict, kv_read_s: float, forward_flops: f
 
 def time_split(phases: dict, learner: dict, dec: dict, attention: dict, reads: dict, generate_s: float) -> dict:
     """Where each phase's time goes: the learner's forward, backward and optimizer step (eager and compiled), its
-    products by pass
-    (replayed alone and in the recorded run, TFLOP/s); the decode's one-query attention in the loop (seconds and
-    the rate it reads the cache at, beside `read_rates`), its linears in the recorded run and the rest."""
+    products by pass (replayed alone and in the recorded run, TFLOP/s); the decode's one-query attention in the loop
+    (seconds and the rate it reads the cache at, beside `read_rates`), its linears in the recorded run and the rest."""
     passes = {}
     for part in ("forward", "input_gradient", "weight_gradient"):
         flops = learner[f"linear_{part}_flops"]

@@ -77,7 +77,8 @@ def main() -> None:
             print(json.dumps({name: report["runs"][name]}), flush=True)
             continue
         out = ROOT / "runs" / "gpu_smoke" / name
-        shutil.rmtree(out, ignore_errors=True)  # a finished run left there would be reused (its stages' records match) and report its metrics again
+        # a finished run left there would be reused (its stages' records match) and report its metrics again
+        shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "cluster.cli", "run", "recipes/quickstart.yaml", f"output_dir={out}",

@@ -29,7 +29,8 @@ def main() -> None:
     results = []
     for seed in args.seeds:
         out_dir = Path(args.runs_dir) / f"seed{seed}"
-        shutil.rmtree(out_dir, ignore_errors=True)  # a finished run left there would be reused (its stages' records match) and report its metrics again
+        # a finished run left there would be reused (its stages' records match) and report its metrics again
+        shutil.rmtree(out_dir, ignore_errors=True)
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "cluster.cli", "run", str(ROOT / "recipes/quickstart.yaml"), f"seed={seed}",
                f"output_dir={out_dir}", "logging.progress_bar=false", *args.overrides]

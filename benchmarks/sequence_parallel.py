@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
 from pathlib import Path
 
@@ -69,16 +68,11 @@ def worker(rank: int, size: int, port: int, length: int, out: str) -> None:
     Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "step_bytes": peak - base, "loss": loss}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(size: int, length: int, tmp: Path) -> dict:
     import subprocess
     out = tmp / f"s{size}_l{length}"
-    port = _free_port()
+    from cluster.ray_utils import free_port
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(size), str(port), str(length),
                                str(out)], env=env, cwd=ROOT) for r in range(size)]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import random
 import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -34,10 +36,44 @@ ACTOR_ENV = {
 }
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (for a rendezvous)."""
+# Where a rendezvous port is drawn: above Ray's worker ports (10002-19999 by default) and below the kernel's
+# ephemeral range. A port the kernel hands out for `bind(0)` lies in that range, where every outgoing connection
+# (Ray's gRPC channels, gloo's pairs, the object store's transfers) also takes its local port: one of them can take
+# it between the check and the rank that binds it (DeepSpeed's TCPStore failing with EADDRINUSE).
+RENDEZVOUS_PORTS = (20000, 32768)
+_ports_handed_out: set[int] = set()  # a port is not handed out twice by one process, even once closed again
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's `ip_local_port_range`, 32768 when unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("", port))  # every address, as the rendezvous binds it
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous a process binds later: drawn at random from
+    `RENDEZVOUS_PORTS` below the ephemeral range (no outgoing connection takes it meanwhile), never the same
+    twice from one process. Falls back to a kernel-chosen port where that range is empty."""
+    low, high = RENDEZVOUS_PORTS[0], min(RENDEZVOUS_PORTS[1], ephemeral_low())
+    draw = random.SystemRandom()  # not the seeded module state: two seeded processes would draw the same ports
+    for _ in range(256 if high > low else 0):
+        port = draw.randrange(low, high)
+        if port not in _ports_handed_out and _bindable(port):
+            _ports_handed_out.add(port)
+            return port
+    with socket.socket() as s:
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

@@ -1,8 +1,9 @@
 import os
+import socket
 
 import ray
 
-from cluster.ray_utils import actor_env
+from cluster.ray_utils import RENDEZVOUS_PORTS, actor_env, ephemeral_low, free_port
 
 
 @ray.remote(num_cpus=0)
@@ -100,3 +101,43 @@ def test_a_run_joins_what_it_is_given_or_a_ray_start_cluster_and_another_runs_in
     assert choose_cluster("local", "10.0.0.2:6379", other, True) == (None, "")  # Ray's word for a new instance
     with pytest.raises(RuntimeError, match=r"several Ray instances run on this machine \(10.0.0.1:6379, 10.0.0.3:6379\)"):
         choose_cluster(None, None, other | {"10.0.0.3:6379"}, True)
+
+
+def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_twice(monkeypatch):
+    """A rendezvous port from the kernel's ephemeral range can be taken by an outgoing connection before the rank
+    binds it (a learner's TCPStore failed with EADDRINUSE): the ports come from below that range, free when drawn,
+    each once (even after it is free again); one that is taken is passed over."""
+    import cluster.ray_utils as ray_utils
+    assert ephemeral_low() > RENDEZVOUS_PORTS[0]  # Linux's default range starts at 32768
+    ports = [free_port() for _ in range(40)]
+    assert len(set(ports)) == 40
+    assert all(RENDEZVOUS_PORTS[0] <= p < min(RENDEZVOUS_PORTS[1], ephemeral_low()) for p in ports)
+    for port in ports[:3]:
+        with socket.socket() as s:
+            s.bind(("", port))  # each was free when it was drawn: a rank can bind it
+    free = next(p for p in range(RENDEZVOUS_PORTS[0] + 5000, RENDEZVOUS_PORTS[1]) if _is_free(p))
+    monkeypatch.setattr(ray_utils, "RENDEZVOUS_PORTS", (free, free + 1))  # one port left to draw
+    assert free_port() == free
+    assert free_port() != free  # handed out already: the kernel picks one
+    held = socket.socket()
+    taken = next(p for p in range(free + 1, RENDEZVOUS_PORTS[1]) if _bind_if_free(held, p))
+    held.listen()
+    monkeypatch.setattr(ray_utils, "RENDEZVOUS_PORTS", (taken, taken + 1))  # the only port is held by a listener
+    try:
+        assert free_port() != taken
+    finally:
+        held.close()
+
+
+def _bind_if_free(sock: socket.socket, port: int) -> bool:
+    """Binds `sock` to `port` on every address when it is free."""
+    try:
+        sock.bind(("", port))
+    except OSError:
+        return False
+    return True
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        return _bind_if_free(probe, port)

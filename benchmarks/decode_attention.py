@@ -109,6 +109,8 @@ def in_loop(dtype, prompt: int, reps: int) -> dict:
 
 
 def main() -> None:
+    from cluster.ray_utils import exec_with_actor_malloc
+    exec_with_actor_malloc()  # timed as an actor runs: with its malloc settings
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", type=int, nargs="+", default=[16, 24, 32, 48, 64, 128])

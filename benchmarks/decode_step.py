@@ -52,6 +52,8 @@ class PrefillEveryRow:
 
 
 def main() -> None:
+    from cluster.ray_utils import exec_with_actor_malloc
+    exec_with_actor_malloc()  # timed as an actor runs: with its malloc settings
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)

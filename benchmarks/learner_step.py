@@ -70,6 +70,8 @@ def ragged_batch(rows: int, seed: int = 0, lengths: str = "uniform"):
 
 
 def main() -> None:
+    from cluster.ray_utils import exec_with_actor_malloc
+    exec_with_actor_malloc()  # timed as an actor runs: with its malloc settings
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)

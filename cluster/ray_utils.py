@@ -86,6 +86,17 @@ def unfinished(refs: list, timeout_s: float) -> list[int]:
     return [i for i, ref in enumerate(refs) if ref in waiting]
 
 
+def exec_with_actor_malloc() -> None:
+    """Restarts this process (same interpreter, flags and arguments) with the actors' glibc malloc settings
+    (`ACTOR_ENV`) where its environment lacks them; returns at once where it has them. glibc reads them once, at
+    start-up: a benchmark that times a learner or a decode in its own process pays what an actor pays only when
+    started with them (without them its steps page-fault their freed activations in again)."""
+    missing = {k: v for k, v in ACTOR_ENV.items() if k.startswith("MALLOC_") and os.environ.get(k) != v}
+    if missing:
+        sys.stdout.flush()
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **missing})
+
+
 def actor_env() -> dict[str, str]:
     env = {k: v for k, v in ACTOR_ENV.items() if v}
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")

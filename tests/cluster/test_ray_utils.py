@@ -141,3 +141,19 @@ def _bind_if_free(sock: socket.socket, port: int) -> bool:
 def _is_free(port: int) -> bool:
     with socket.socket() as probe:
         return _bind_if_free(probe, port)
+
+
+def test_a_benchmark_process_restarts_itself_with_the_actors_malloc_settings():
+    """glibc reads its malloc settings at start-up: a process started without the actors' settings restarts with
+    them (its /proc environ, what glibc read, holds them), once, with its arguments."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from cluster.ray_utils import exec_with_actor_malloc; exec_with_actor_malloc(); "
+            "raw = open('/proc/self/environ', 'rb').read().split(b'\\0'); "
+            "print(sys.argv[1:], sorted(x.decode() for x in raw if x.startswith(b'MALLOC_')))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", code, "--an-argument"], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()
+    settings = [f"MALLOC_MMAP_THRESHOLD_={32 << 20}", f"MALLOC_TRIM_THRESHOLD_={64 << 30}"]  # the defaults
+    assert out == [f"['--an-argument'] {settings}"]  # one line: the restarted process printed, the first did not

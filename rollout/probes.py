@@ -4,6 +4,10 @@ to import (torch): the reward service's process needs it and nothing of the gene
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -49,49 +53,58 @@ MATMUL_SHAPES = {"cpu": ((1024, 1024, 1024), (4096, 1024, 1024)), "cuda": ((8192
 _RATES: dict[tuple[str, str], dict[str, float]] = {}
 
 
+def seconds_per_call(fn: Callable[[], Any], total_s: float, windows: int = 5,
+                     sync: Callable[[], Any] | None = None) -> float:
+    """Seconds per call of `fn`, after one warm-up call: the fastest of `windows` timing windows of `total_s` in all,
+    so that another process starting beside this one (the other actors of a run start together) does not lower a
+    ceiling. Fewer windows where one call outlasts a window, down to one call: a slow CPU keeps to about the budget
+    (a bf16 probe of 6 calls took 90 s on a CPU without bf16 instructions). `sync` waits for the device's work."""
+    def call() -> None:
+        fn()
+        if sync is not None:
+            sync()
+    t0 = time.perf_counter()
+    call()
+    windows = max(1, min(windows, int(total_s / max(time.perf_counter() - t0, 1e-9))))
+    best = float("inf")
+    for _ in range(windows):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            call()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= total_s / windows:
+                best = min(best, elapsed / calls)
+                break
+    return best
+
+
 def hardware_rates(dtype: str = "float32", seconds: float = 0.3, again: bool = False) -> dict[str, float]:
     """The ceilings the `perf/mfu` and `perf/mbu` metrics divide by, measured in this process with its torch
     threads (on CPU) or on its GPU: matmuls in `dtype` (`matmul_flops`, FLOP/s: the best of `MATMUL_SHAPES`, timed
     for `seconds` in all) and a large tensor copy (`copy_bytes_per_s`, bytes read + written per second, timed for
     `seconds`). Measured once per process; `again` measures anew and keeps each rate's best so far (a ceiling: a
     core that something else was busy on only lowers it)."""
-    import time
     device = "cuda" if torch.cuda.is_available() else "cpu"
     key = (dtype, device)
     if key in _RATES and not again:
         return _RATES[key]
-
-    def timed(fn, total_s: float, windows: int = 5) -> float:
-        """Seconds per call, after one warm-up call: the fastest of `windows` timing windows, so that another
-        process starting beside this one (the other actors of a run start together) does not lower the ceiling."""
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(windows):
-            calls, t0 = 0, time.perf_counter()
-            while True:
-                fn()
-                calls += 1
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - t0
-                if elapsed >= total_s / windows:
-                    best = min(best, elapsed / calls)
-                    break
-        return best
+    sync = torch.cuda.synchronize if device == "cuda" else None
     matmul_flops = 0.0
     per_shape_s = seconds / len(MATMUL_SHAPES[device])
     for m, k, n in MATMUL_SHAPES[device]:
         a = torch.randn(m, k, device=device).to(DTYPES[dtype])
-        b = torch.randn(k, n, device=device).to(DTYPES[dtype])
-        matmul_flops = max(matmul_flops, 2 * m * k * n / timed(lambda a=a, b=b: a @ b, per_shape_s))
+        weight = torch.randn(n, k, device=device).to(DTYPES[dtype])  # stored [out, in], as a linear layer's
+        # in a linear layer's layout (x @ W^T), the one every model product runs in: on a CPU without bf16
+        # instructions (AVX2) a bf16 product of two row-major operands ran at a tenth of its rate
+        per_call = seconds_per_call(lambda a=a, w=weight: a @ w.T, per_shape_s, sync=sync)
+        matmul_flops = max(matmul_flops, 2 * m * k * n / per_call)
     src = torch.empty((256 << 20) // 4, device=device)  # 256 MB, well past any CPU cache
     dst = torch.empty_like(src)
-    copy_s = timed(lambda: dst.copy_(src), seconds)
+    copy_s = seconds_per_call(lambda: dst.copy_(src), seconds, sync=sync)
     rates = {"matmul_flops": matmul_flops, "copy_bytes_per_s": 2 * src.numel() * 4 / copy_s, "device": device}
     _RATES[key] = best_rates(rates, _RATES.get(key))
-    a = b = src = dst = None  # noqa: F841  (released before the cache is emptied)
+    a = weight = src = dst = None  # noqa: F841  (released before the cache is emptied)
     if device == "cuda":
         torch.cuda.empty_cache()  # give the engine back what the measurement held
     return _RATES[key]

@@ -53,3 +53,20 @@ def test_the_driver_measures_a_nodes_ceilings_once_per_dtype_and_thread_count(ra
     assert ray.get(second.times_asked.remote()) == 3
     for a in (first, second):
         ray.kill(a)
+
+
+def test_a_call_longer_than_the_budget_is_timed_once_after_its_warm_up():
+    """The probe keeps to about its budget on a slow CPU (a bf16 ceiling of 6 calls took 90 s on a CPU without bf16
+    instructions): a call outlasting the budget runs twice (warm-up, one timed call); fast calls fill 5 windows."""
+    import time
+    calls = []
+
+    def slow() -> None:
+        calls.append(1)
+        time.sleep(0.03)
+    per_call = probes.seconds_per_call(slow, total_s=0.01)
+    assert len(calls) == 2 and per_call >= 0.03
+    calls.clear()
+    synced = []
+    probes.seconds_per_call(lambda: calls.append(1), total_s=0.01, sync=lambda: synced.append(1))
+    assert len(calls) > 6 and len(synced) == len(calls)  # the warm-up and at least one call in each of 5 windows

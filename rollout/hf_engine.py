@@ -20,6 +20,7 @@ from models.tokenizer import load_tokenizer
 from rl.batch import Batch, pad_token_rows
 from rl.registry import register
 from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_prompts
+from rollout.probes import warn_slow_bf16
 
 
 def length_buckets(lengths: list[int], factor: float, slack: int = 32) -> list[list[int]]:
@@ -73,6 +74,7 @@ class HFEngine:
         `load_weights` then takes the adapter's tensors alone."""
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
+        warn_slow_bf16(dtype, self.device.type)
         import models  # noqa: F401  (registers model_types ouro and llada)
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         from models.lowrank import load_causal_lm  # a decomper folder is served as its factors

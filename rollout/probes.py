@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from rl.progress import say  # standard library only
+
 
 def peak_rss_gib() -> float:
     """This process's peak resident memory in GiB (Linux reports ru_maxrss in KiB)."""
@@ -43,6 +45,33 @@ def best_rates(rates: dict[str, float], before: dict[str, float] | None) -> dict
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has the bf16 matrix instructions oneDNN multiplies bf16 with (AVX512-BF16 or AMX)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_advice(dtype: str, device: str = "cpu") -> str | None:
+    """A line for a bf16 model on a CPU without bf16 matrix instructions (None otherwise): there bf16 products
+    are emulated. On an AMD EPYC (AVX2, 2 cores) a decode-shaped bf16 linear ([128, 768] x [768, 1536]) ran at
+    10.5 GFLOP/s against fp32's 58.7, a product of two row-major operands at 0.7."""
+    if dtype != "bfloat16" or device != "cpu" or cpu_has_bf16_matmul():
+        return None
+    return (f"model.dtype=bfloat16 on a CPU without bf16 matrix instructions (neither AVX512-BF16 nor AMX; "
+            f"{torch.backends.cpu.get_cpu_capability()}): its bf16 products are emulated, several times slower "
+            "than float32's here; model.dtype=float32 runs faster on this CPU")
+
+
+def warn_slow_bf16(dtype: str, device: str) -> None:
+    """Prints `bf16_advice` once per process where it applies (each engine and learner rank checks its own CPU)."""
+    advice = bf16_advice(dtype, device)
+    if advice is not None and advice not in _WARNED:
+        _WARNED.add(advice)
+        say(advice)
+
+
+_WARNED: set[str] = set()
 
 # the (m, k, n) matmuls whose best rate is the ceiling. On CPU a square 1024 matmul alone understated it: on an AMX
 # Xeon (2 threads, bf16) it ran at 1.1 TFLOP/s while the learner's own [5626, 768] x [768, 768 or 1536] products ran at

@@ -20,6 +20,7 @@ from models.common import kv_bytes_per_token
 from rl.optim import is_forward_only
 from rl.registry import lookup
 from rl.validation import check_compile_position_wise, check_forward_only
+from rollout.probes import warn_slow_bf16
 
 
 def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int,
@@ -101,6 +102,8 @@ class DeepSpeedStrategy:
                                               micro_batch_size)
         torch.manual_seed(seed)
         bf16 = dtype == "bfloat16"
+        if rank == 0:
+            warn_slow_bf16(dtype, "cuda" if torch.cuda.is_available() else "cpu")
         # Plain fp32 data parallelism (stage 0): we clip ourselves, which also yields the norm that
         # DeepSpeed computes but discards on this path; one pass over the gradients instead of two.
         self.manual_clip = zero_stage == 0 and not bf16

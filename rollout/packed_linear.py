@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.base import run_or_fall_back
+from rollout.probes import cpu_has_bf16_matmul
 
 _state = {"ran": False, "failed": None}  # whether a packed product has run once; why the packed path could not
 # the packed copies `looprl::packed_linear` reads, by weight storage, and the row hint: set while a graph-mode
@@ -57,7 +58,7 @@ def _supported(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.bfloat16 and cpu_has_bf16_matmul()
 
 
 def packs(module: torch.nn.Module) -> bool:

@@ -115,7 +115,7 @@ def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_t
     for port in ports[:3]:
         with socket.socket() as s:
             s.bind(("", port))  # each was free when it was drawn: a rank can bind it
-    free = next(p for p in range(RENDEZVOUS_PORTS[0] + 5000, RENDEZVOUS_PORTS[1]) if _is_free(p))
+    free = next(p for p in range(RENDEZVOUS_PORTS[0] + 5000, RENDEZVOUS_PORTS[1]) if ray_utils._bindable(p))
     monkeypatch.setattr(ray_utils, "RENDEZVOUS_PORTS", (free, free + 1))  # one port left to draw
     assert free_port() == free
     assert free_port() != free  # handed out already: the kernel picks one
@@ -136,11 +136,6 @@ def _bind_if_free(sock: socket.socket, port: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        return _bind_if_free(probe, port)
 
 
 def test_a_benchmark_process_restarts_itself_with_the_actors_malloc_settings():

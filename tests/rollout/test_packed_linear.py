@@ -12,6 +12,7 @@ from models.quant import FakeQuantLinear
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rollout.decoding import decode
 from rollout.packed_linear import packed_linear_weights, packs
+from rollout.probes import cpu_has_bf16_matmul
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -34,8 +35,7 @@ def _linears(model):
 
 
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="oneDNN's bf16 path is not supported on this CPU"))
+    not cpu_has_bf16_matmul(), reason="oneDNN's bf16 path is not supported on this CPU"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

@@ -30,11 +30,8 @@ install: $(VENV)/.installed
 quickstart: install
 	$(VENV)/bin/looprl run recipes/quickstart.yaml
 
-# Two workers: most tests keep one core busy (OMP_NUM_THREADS=1) or wait on Ray, so a second worker fills the idle
-# core; the tests whose wall-clock deadlines a busy machine could miss (`exclusive`) run alone afterwards.
 test: install
-	$(VENV)/bin/pytest -q --durations=50 -n 2 --dist loadgroup -m "not exclusive" tests
-	$(VENV)/bin/pytest -q --durations=10 -m exclusive tests
+	$(VENV)/bin/pytest -q --durations=50 tests
 
 test-all: install  # also the extended end-to-end runs
 	LOOPRL_EXTENDED=1 $(VENV)/bin/pytest -q tests

@@ -10,18 +10,13 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the `xdist_group` marks
 def pytest_collection_modifyitems(config, items):
     """`extended` end-to-end runs (a feature's second CI-sized run) are left out unless LOOPRL_EXTENDED=1
     (`make test-all`), so that `make test` stays well inside the CI budget. A test that starts Ray (the
-    `ray_cluster` fixture) is marked `ray`, so that mutation testing can run the fast tests alone. The tests of a
-    module with a module-scoped fixture share an `xdist_group`: under `pytest -n 2 --dist loadgroup` one worker
-    runs them all and builds the fixture once."""
+    `ray_cluster` fixture) is marked `ray`, so that mutation testing can run the fast tests alone."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
-        if _module_fixtures(item):  # `make test` runs two workers (--dist loadgroup): a module's fixture is built once
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if os.environ.get("LOOPRL_EXTENDED") == "1":
         return
     kept = [item for item in items if item.get_closest_marker("extended") is None]
@@ -29,13 +24,6 @@ def pytest_collection_modifyitems(config, items):
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept
-
-
-def _module_fixtures(item) -> bool:
-    """Whether the test uses a fixture built once per module or package (a trained model, an engine)."""
-    info = getattr(item, "_fixtureinfo", None)
-    return info is not None and any(d.scope in ("module", "package") for defs in info.name2fixturedefs.values()
-                                    for d in defs)
 
 
 @pytest.fixture(scope="session")

@@ -110,6 +110,11 @@ def actor_env() -> dict[str, str]:
 # process that loads a transformers model imports them otherwise: 1.2-1.7 s of each actor's 5-7 s start-up on a
 # CPU core (`python -X importtime -c "import cluster.learner"`).
 SKIPPED_OPTIONAL_IMPORTS = ("is_sklearn_available", "is_scipy_available")
+# Modules a package tries to import (and does without) that looprl's processes do not use through it: DeepSpeed's
+# autotuner imports MLflow for its own experiment logging (with pandas, pyarrow and fastapi), 2.2 s of each
+# learner's start-up on an AMD EPYC core (`python -X importtime -c "import deepspeed"`). Hidden only while the
+# package loads: a run that logs to MLflow (`logging.mlflow_tracking_uri`) imports it afterwards as usual.
+HIDDEN_WHILE_IMPORTING = {"deepspeed": ("mlflow",)}
 
 
 def _report_unavailable(utils: Any) -> None:
@@ -118,34 +123,66 @@ def _report_unavailable(utils: Any) -> None:
             setattr(utils, name, lambda: False)
 
 
-class _OnTransformersUtils(importlib.abc.MetaPathFinder):
-    """Finds `transformers.utils` with the finders after it and runs `_report_unavailable` on the module once it has
-    loaded (and before any model module reads it); then leaves `sys.meta_path`."""
+def _load_hiding(load: Any, module: Any, hidden: tuple[str, ...]) -> None:
+    """Run `load(module)` with `hidden` (those not yet imported) made unimportable: a `None` in `sys.modules`
+    makes `import` raise ImportError, which the package handles as "not installed"; removed afterwards."""
+    placed = [name for name in hidden if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(placed))
+    try:
+        load(module)
+    finally:
+        for name in placed:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Finds the module `name` with the other finders and has its loader run it through `wrap(load, module)` (which
+    calls the real `load`); leaves `sys.meta_path` when the module loads. A mere probe for the module
+    (`importlib.util.find_spec`, as transformers' `is_deepspeed_available` does) gets a spec that is never loaded,
+    so the finder stays until the import itself."""
+
+    def __init__(self, name: str, wrap: Any):
+        self.name, self.wrap, self.searching = name, wrap, False
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "transformers.utils":
+        if name != self.name or self.searching:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.searching = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.searching = False
         if spec is not None and spec.loader is not None:
             load = spec.loader.exec_module
 
             def exec_module(module: Any) -> None:
-                load(module)
-                _report_unavailable(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                self.wrap(load, module)
             spec.loader.exec_module = exec_module
         return spec
 
 
+def _after_transformers_utils(load: Any, module: Any) -> None:
+    load(module)
+    _report_unavailable(module)  # before any model module reads it
+
+
 def skip_optional_imports() -> None:
     """Ray's `worker_process_setup_hook` for looprl's jobs (`job_runtime_env`): in each worker process, transformers
-    reports `SKIPPED_OPTIONAL_IMPORTS` as unavailable, so loading a model does not import them. A process that
-    never imports transformers (a reward worker) pays nothing: the change waits for `transformers.utils` to load.
-    Code that imports scikit-learn or scipy itself (a reward plugin, a stage) gets them as usual."""
+    reports `SKIPPED_OPTIONAL_IMPORTS` as unavailable, so loading a model does not import them, and the packages of
+    `HIDDEN_WHILE_IMPORTING` load without the modules listed. A process that never imports transformers or
+    DeepSpeed (a reward worker) pays nothing: each change waits for its package to load. Code that imports
+    scikit-learn, scipy or MLflow itself (a reward plugin, a stage, the run's tracking) gets them as usual."""
+    waiting = {f.name for f in sys.meta_path if isinstance(f, _OnImport)}
     if "transformers.utils" in sys.modules:
         _report_unavailable(sys.modules["transformers.utils"])
-    elif not any(isinstance(f, _OnTransformersUtils) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OnTransformersUtils())
+    elif "transformers.utils" not in waiting:
+        sys.meta_path.insert(0, _OnImport("transformers.utils", _after_transformers_utils))
+    for package, hidden in HIDDEN_WHILE_IMPORTING.items():
+        if package not in sys.modules and package not in waiting:
+            sys.meta_path.insert(0, _OnImport(package, lambda load, module, h=hidden: _load_hiding(load, module, h)))
 
 
 def job_runtime_env() -> dict[str, Any]:

@@ -21,9 +21,11 @@ class _EnvProbe:
 
         import cluster.learner  # noqa: F401  (what a learner and a rollout worker import)
         import rollout.hf_engine  # noqa: F401
-        after = [m for m in ("sklearn", "scipy", "pandas") if m in sys.modules]
+        import deepspeed  # noqa: F401  (what a learner imports to start)
+        after = [m for m in ("sklearn", "scipy", "pandas", "mlflow") if m in sys.modules]
+        import mlflow  # noqa: F401
         import scipy.optimize  # noqa: F401  (code that imports them itself still can)
-        return {"before": before, "after": after, "explicit": [m for m in ("scipy",) if m in sys.modules]}
+        return {"before": before, "after": after, "explicit": [m for m in ("scipy", "mlflow") if m in sys.modules]}
 
 
 def test_actors_start_with_thread_and_malloc_settings(ray_cluster):
@@ -37,7 +39,7 @@ def test_actors_start_with_thread_and_malloc_settings(ray_cluster):
     # imports none of its unused optional dependencies, and a worker that never loads them does not import
     # transformers for the hook
     loaded = ray.get(probe.modules_loaded_by_model_imports.remote())
-    assert loaded == {"before": [], "after": [], "explicit": ["scipy"]}
+    assert loaded == {"before": [], "after": [], "explicit": ["scipy", "mlflow"]}
     ray.kill(probe)
 
 

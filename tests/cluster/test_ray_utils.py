@@ -15,13 +15,15 @@ class _EnvProbe:
         return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
 
     def modules_loaded_by_model_imports(self) -> dict[str, list[str]]:
+        import importlib.util
         import sys
         before = [m for m in ("transformers", "transformers.utils") if m in sys.modules]
+        importlib.util.find_spec("deepspeed")  # a probe first, as transformers' is_deepspeed_available makes
+        import deepspeed  # noqa: F401  (what a learner imports to start)
         from transformers import AutoModelForCausalLM  # noqa: F401
 
         import cluster.learner  # noqa: F401  (what a learner and a rollout worker import)
         import rollout.hf_engine  # noqa: F401
-        import deepspeed  # noqa: F401  (what a learner imports to start)
         after = [m for m in ("sklearn", "scipy", "pandas", "mlflow") if m in sys.modules]
         import mlflow  # noqa: F401
         import scipy.optimize  # noqa: F401  (code that imports them itself still can)

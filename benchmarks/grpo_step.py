@@ -144,6 +144,7 @@ def run_trl(python: str, model: str, steps: int, workdir: Path, threads: int, dt
            "--layers", str(m["num_layers"]), *(["--bf16"] if dtype == "bfloat16" else []),
            "--prompts-per-step", str(w["prompts_per_step"]), "--num-generations", str(w["n"]),
            "--max-completion-length", str(w["max_new_tokens"])]
+    workdir.mkdir(parents=True, exist_ok=True)  # TRL may run first in a round: the folder is not there yet
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BASELINE_RESULT ")), None)
     if line is None:

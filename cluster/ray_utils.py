@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import os
@@ -182,7 +183,7 @@ def skip_optional_imports() -> None:
         sys.meta_path.insert(0, _OnImport("transformers.utils", _after_transformers_utils))
     for package, hidden in HIDDEN_WHILE_IMPORTING.items():
         if package not in sys.modules and package not in waiting:
-            sys.meta_path.insert(0, _OnImport(package, lambda load, module, h=hidden: _load_hiding(load, module, h)))
+            sys.meta_path.insert(0, _OnImport(package, functools.partial(_load_hiding, hidden=hidden)))
 
 
 def job_runtime_env() -> dict[str, Any]:

@@ -295,7 +295,7 @@ def record(dtype: str, threads: int) -> dict:
     from models.tiny import build_tiny_tokenizer, save_tiny
     from rl.batch import Batch, micro_batches_of, plan_prompt_groups
     from rollout.decoding import KVBuffers, decode
-    from rollout.probes import hardware_rates
+    from rollout.hardware import hardware_rates
     tok = build_tiny_tokenizer()
     ids, mask = race_prompts(tok)
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ _CEILINGS: dict[tuple[str, str, int], dict[str, float]] = {}
 
 
 def ceilings(actor: Any, dtype: str, threads: int, again: bool = False) -> dict[str, float]:
-    """The hardware rates that `perf/mfu` and `perf/mbu` divide by (`rollout.probes.hardware_rates`) for a role whose
+    """The hardware rates that `perf/mfu` and `perf/mbu` divide by (`rollout.hardware.hardware_rates`) for a role whose
     first actor is `actor`: measured by that actor, unless one with the same `threads` on the same node measured
     them in `dtype` earlier in this process. `again` measures anew and keeps each rate's best (a ceiling)."""
     key = (ray.get(actor.node_id.remote()), dtype, threads)

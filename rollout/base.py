@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from rl.batch import Batch
-from rollout.probes import DTYPES, ActorProbes, hardware_rates, peak_rss_gib  # noqa: F401  (re-exported)
+from rollout.hardware import DTYPES, hardware_rates  # noqa: F401  (re-exported)
+from rollout.probes import ActorProbes, peak_rss_gib  # noqa: F401  (re-exported)
 
 
 @dataclass

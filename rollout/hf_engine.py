@@ -20,7 +20,7 @@ from models.tokenizer import load_tokenizer
 from rl.batch import Batch, pad_token_rows
 from rl.registry import register
 from rollout.base import DTYPES, SamplingParams, attach_prompt_fields, encode_prompts
-from rollout.probes import warn_slow_bf16
+from rollout.hardware import warn_slow_bf16
 
 
 def length_buckets(lengths: list[int], factor: float, slack: int = 32) -> list[list[int]]:

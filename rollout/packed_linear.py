@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.base import run_or_fall_back
-from rollout.probes import cpu_has_bf16_matmul
+from rollout.hardware import cpu_has_bf16_matmul
 
 _state = {"ran": False, "failed": None}  # whether a packed product has run once; why the packed path could not
 # the packed copies `looprl::packed_linear` reads, by weight storage, and the row hint: set while a graph-mode

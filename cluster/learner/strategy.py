@@ -20,7 +20,7 @@ from models.common import kv_bytes_per_token
 from rl.optim import is_forward_only
 from rl.registry import lookup
 from rl.validation import check_compile_position_wise, check_forward_only
-from rollout.probes import warn_slow_bf16
+from rollout.hardware import warn_slow_bf16
 
 
 def deepspeed_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int,

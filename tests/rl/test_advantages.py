@@ -121,7 +121,7 @@ def test_every_estimator_masks_tokens_and_handles_all_equal(name):
 
 # ---------------------------------------------------------------------- MGPO (rl/methods/agentic_proposing/README.md, a reconstruction)
 def test_mgpo_trajectory_reward_gate_and_difficulty():
-    from rl.methods.agentic_proposing.mgpo import mgpo_trajectory_reward
+    from rl.methods.agentic_proposing.reward import mgpo_trajectory_reward
     assert mgpo_trajectory_reward(False, True, 0.25) == 0.0  # invalid: zero total reward
     assert mgpo_trajectory_reward(True, True, 0.25) == pytest.approx(0.1 + 1.0 + 0.75)  # D = 1 - 0.25
     assert mgpo_trajectory_reward(True, True, 0.0) == pytest.approx(1.1)  # unsolvable: no bonus

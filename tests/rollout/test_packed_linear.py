@@ -12,7 +12,7 @@ from models.quant import FakeQuantLinear
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rollout.decoding import decode
 from rollout.packed_linear import packed_linear_weights, packs
-from rollout.probes import cpu_has_bf16_matmul
+from rollout.hardware import cpu_has_bf16_matmul
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

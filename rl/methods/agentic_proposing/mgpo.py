@@ -1,5 +1,6 @@
-"""MGPO (Multi-Granularity Policy Optimization), the RL algorithm of Agentic Proposing: the trajectory reward and
-the advantage that adds per-step credit, normalised within step types, to GRPO's trajectory advantage."""
+"""MGPO (Multi-Granularity Policy Optimization), the RL algorithm of Agentic Proposing: the advantage that adds
+per-step credit, normalised within step types, to GRPO's trajectory advantage. Its trajectory reward
+(`mgpo_trajectory_reward`) is in `reward.py`, which the reward service's processes import without torch."""
 
 from __future__ import annotations
 
@@ -7,26 +8,6 @@ import torch
 
 from rl.advantages import compute_grpo_advantages
 from rl.registry import register
-
-
-def mgpo_trajectory_reward(valid: bool, format_ok: bool, pass_rate: float, *, r_fmt: float = 0.1,
-                           r_valid: float = 1.0, difficulty: str = "linear",
-                           band: tuple[float, float] = (0.125, 0.875)) -> float:
-    """MGPO trajectory reward `V * (r_fmt*1[fmt] + r_valid + 1[rho > 0] * D(rho))` [RECONSTRUCTION, rl/methods/agentic_proposing/README.md].
-
-    `pass_rate` is the prober's pass@k estimate rho of the proposed problem; `D(rho) = 1 - rho`
-    (`difficulty="linear"`) or `1[lo <= rho <= hi]` (`"band"`). An invalid problem gets 0, and the
-    difficulty bonus is paid only for a solvable one (rho > 0).
-    """
-    if not valid:
-        return 0.0
-    if difficulty == "linear":
-        bonus = 1.0 - pass_rate
-    elif difficulty == "band":
-        bonus = float(band[0] <= pass_rate <= band[1])
-    else:
-        raise ValueError(f"difficulty must be linear or band, got {difficulty!r}")
-    return (r_fmt if format_ok else 0.0) + r_valid + (bonus if pass_rate > 0 else 0.0)
 
 
 @register("advantage", "mgpo")

@@ -33,7 +33,6 @@ from rl.methods.agentic_proposing.core import (
     pass_rate,
     sympy_check,
 )
-from rl.methods.agentic_proposing.mgpo import mgpo_trajectory_reward
 from rl.registry import lookup, register, register_alias
 from rl.reward import uses_judges
 
@@ -43,6 +42,26 @@ SOLVER_TEMPLATE = "Solve the problem. Put the final answer in \\boxed{{}}.\nProb
 CHECKS = ("sympy", "answer_form")  # the verifiers that are code, not judges
 _VERDICT = re.compile(r"verdict\W*(yes|no)\b", re.IGNORECASE)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+
+
+def mgpo_trajectory_reward(valid: bool, format_ok: bool, pass_rate: float, *, r_fmt: float = 0.1,
+                           r_valid: float = 1.0, difficulty: str = "linear",
+                           band: tuple[float, float] = (0.125, 0.875)) -> float:
+    """MGPO trajectory reward `V * (r_fmt*1[fmt] + r_valid + 1[rho > 0] * D(rho))` [RECONSTRUCTION, rl/methods/agentic_proposing/README.md].
+
+    `pass_rate` is the prober's pass@k estimate rho of the proposed problem; `D(rho) = 1 - rho`
+    (`difficulty="linear"`) or `1[lo <= rho <= hi]` (`"band"`). An invalid problem gets 0, and the
+    difficulty bonus is paid only for a solvable one (rho > 0).
+    """
+    if not valid:
+        return 0.0
+    if difficulty == "linear":
+        bonus = 1.0 - pass_rate
+    elif difficulty == "band":
+        bonus = float(band[0] <= pass_rate <= band[1])
+    else:
+        raise ValueError(f"difficulty must be linear or band, got {difficulty!r}")
+    return (r_fmt if format_ok else 0.0) + r_valid + (bonus if pass_rate > 0 else 0.0)
 
 
 def answer_parses(answer: str) -> bool:

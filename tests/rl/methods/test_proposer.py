@@ -140,7 +140,7 @@ def test_the_trajectory_reward_without_judges():
 
 def test_the_difficulty_bonus_from_the_probers_answers():
     from rl.answers import stated_answer
-    from rl.methods.agentic_proposing.mgpo import mgpo_trajectory_reward
+    from rl.methods.agentic_proposing.reward import mgpo_trajectory_reward
     answers = [stated_answer(t) for t in ["7 35 \\boxed{35}", "7 30 \\boxed{30}", "35", "7 36 \\boxed{36}"] * 2]
     rho = pass_rate(answers, "35")
     assert rho == 0.5 and pass_rate(["35", None, "1", "2"], "35") == 0.25

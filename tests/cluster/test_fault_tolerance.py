@@ -104,6 +104,9 @@ def _private_instance(log) -> str:
     return line.split("private instance (", 1)[1].split(")", 1)[0] if line else ""
 
 
+# CI: exact resume in test_partial_rollouts_train_the_groups_that_finish_and_resume_with_their_pool, a dead role's
+# stop and resume=auto with the stuck learner
+@pytest.mark.extended
 @pytest.mark.slow
 def test_killed_driver_resumes_to_the_metrics_of_an_uninterrupted_run(ray_cluster, tmp_path):
     """The driver is a `looprl run` process beside the test session's Ray, which it does not join: it starts a

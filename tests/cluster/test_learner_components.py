@@ -68,6 +68,7 @@ def test_mezo_lowers_the_sft_loss_with_no_backward_pass_and_two_ranks_take_the_s
         assert torch.allclose(two_state[k], v, atol=1e-5), k
 
 
+@pytest.mark.extended  # CI: MeZO's step above
 @pytest.mark.slow
 def test_mezo_needs_zero_stage_0(ray_cluster, tiny):
     batch = _sft_batch(tiny)
@@ -130,6 +131,8 @@ def test_the_reference_is_partitioned_under_zero3_and_gives_the_unsharded_logpro
         assert total / 2 <= rank["ref_numel"] < total / 2 + 1000 and rank["policy_numel"] == rank["ref_numel"]
 
 
+# CI: the looped model's learner under RLTT (tests/cluster/test_pipeline.py)
+@pytest.mark.extended
 @pytest.mark.slow
 def test_sft_of_every_loop_readout_trains_the_early_exits(ray_cluster, tmp_path):
     """`sft.loop_readouts: all` on a looped model: the loss is the NLL averaged over every loop's readout (the
@@ -168,6 +171,9 @@ def _attention_kernels(worker) -> dict[str, str]:
                       "ref": self.strategy.ref.config._attn_implementation}))
 
 
+# CI: sdpa chosen by the recipe in the DAPO/GSPO variant (tests/cluster/test_pipeline.py), the packed kernel in the
+# token-budget invariance
+@pytest.mark.extended
 def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_same_model(ray_cluster, tiny):
     """`learner.attn_implementation` loads the policy and the reference with that kernel; eager and sdpa compute
     the same logprobs and take the same step (float rounding apart)."""

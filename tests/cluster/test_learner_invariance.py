@@ -117,6 +117,8 @@ def test_every_loss_same_update_on_two_ranks_with_micro_batches(ray_cluster, set
         assert torch.allclose(state[k], v, atol=1e-6, rtol=1e-4), k
 
 
+# CI: LoRA through RL in tests/rl/test_lora.py, ZeRO-3 over two ranks in the token-budget test above
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_lora_step_under_zero3_on_two_ranks_equals_the_single_rank_step(ray_cluster, setup):
     """LoRA (peft) with the base frozen and partitioned by ZeRO-3: token-budget micro-batches on two ranks, the
@@ -220,6 +222,7 @@ def test_sequence_parallel_ranks_give_the_single_rank_step_with_a_lora_adapter(r
     _assert_same_step(results, [("one-lora", "sp2-lora")])
 
 
+@pytest.mark.extended  # CI: sequence parallelism on the Llama family above
 @pytest.mark.slow
 def test_sequence_parallel_ranks_give_a_looped_models_single_rank_step(ray_cluster, tmp_path, long_batch):
     """A looped model (Ouro: its own attention, DeepSpeed's Ulysses exchange around each layer's sdpa call):

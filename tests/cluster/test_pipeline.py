@@ -138,6 +138,9 @@ def _sharpened(model_dir, path, factor):
     return path
 
 
+# CI: the distillation advantage by hand (tests/rl/test_advantages.py), the teacher's vocabulary check
+# (test_learner_components)
+@pytest.mark.extended
 @pytest.mark.slow
 def test_on_policy_distillation_pulls_the_student_toward_its_teacher(ray_cluster, tmp_path):
     """Distillation alone (`distill_reward_weight: 0`). A teacher with the student's own starting weights (the
@@ -157,7 +160,8 @@ def test_on_policy_distillation_pulls_the_student_toward_its_teacher(ray_cluster
     assert m[-1]["actor/entropy"] < m[0]["actor/entropy"] and m[0]["actor/grad_norm"] > 1e-2
 
 
-@pytest.mark.extended  # exact resume runs in CI with the killed driver (tests/cluster/test_fault_tolerance.py)
+# CI: exact resume with test_partial_rollouts_train_the_groups_that_finish_and_resume_with_their_pool
+@pytest.mark.extended
 @pytest.mark.slow
 def test_ppo_resumed_from_a_checkpoint_of_policy_and_critic_reproduces_the_uninterrupted_run(ray_cluster, tmp_path):
     run(_ppo_cfg(tmp_path, "full", "trainer.steps=4"))
@@ -199,7 +203,8 @@ def test_an_sft_stage_after_rl_gets_the_learner_bundles(ray_cluster, tmp_path):
     assert summary["steps"] == 1 and not summary["stages"]["sft"]["reused"] and summary["sft_steps"] == 3
 
 
-@pytest.mark.extended  # CI: one-step-off staleness and its correction on vLLM (test_vllm_rollout_engine_end_to_end)
+# CI: staleness and its token-level correction with the partial rollouts, the collective sync one step off
+@pytest.mark.extended
 @pytest.mark.slow
 def test_one_step_off_rollout_is_stale_by_one_and_corrected(ray_cluster, tmp_path):
     common = ["trainer.checkpoint_every=2", "learner.lr=5e-3", "algorithm.is_correction=token", _digit_reward(tmp_path)]
@@ -291,6 +296,9 @@ def _vllm_run(tmp_path, name, *extra):
                     "model.tiny.intermediate_size=128", _digit_reward(tmp_path), *extra))
 
 
+# CI: the vLLM engine in test_a_tensor_parallel_vllm_policy_engine_trains, staleness and its correction in the partial
+# rollouts
+@pytest.mark.extended
 @pytest.mark.slow
 def test_vllm_rollout_engine_end_to_end(ray_cluster, tmp_path):
     summary = _vllm_run(tmp_path, "vllm", "trainer.steps=3", "algorithm.is_correction=token", "trainer.max_staleness=1")

@@ -173,6 +173,7 @@ print(json.dumps({"engine_bytes": peak - base}))
 """
 
 
+@pytest.mark.extended  # CI: the plan against a measured step with the learner's figure above
 @pytest.mark.slow
 def test_the_hf_engines_figure_is_within_20_percent_of_a_measured_generation():
     """The 85M model generating 4 prompts x 8 samples of 64 + 192 tokens on the `hf` engine in a fresh process: its

@@ -185,6 +185,9 @@ def test_factuality_with_judge_claims_and_relevance(judge, tmp_path):
     assert out[0]["claims"] == len(claims) and out[0]["relevance"] == float(says_yes(said))
 
 
+# CI: the rubric reward with a real grader above, judges served through Ray in
+# test_a_vllm_judge_answers_as_the_hf_engine_in_the_chat_template
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_tiny_research_plans_recipe_runs_end_to_end(ray_cluster, tmp_path):
     from cluster.pipeline import run

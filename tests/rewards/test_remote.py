@@ -145,6 +145,7 @@ def test_a_token_is_required_when_set_and_a_public_bind_without_one_is_warned_ab
     assert exposure_warning("0.0.0.0", "t0ken") is None and exposure_warning("127.0.0.1", None) is None
 
 
+@pytest.mark.extended  # CI: the remote reward's client and server in this file's other tests
 @pytest.mark.slow
 def test_a_run_scores_through_a_remote_reward(ray_cluster, plugin, tmp_path):
     from cluster.pipeline import run

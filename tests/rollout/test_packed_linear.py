@@ -11,8 +11,8 @@ import rollout.packed_linear as packed_linear
 from models.quant import FakeQuantLinear
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from rollout.decoding import decode
-from rollout.packed_linear import packed_linear_weights, packs
 from rollout.hardware import cpu_has_bf16_matmul
+from rollout.packed_linear import packed_linear_weights, packs
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

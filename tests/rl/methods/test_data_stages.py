@@ -11,6 +11,9 @@ import pytest
 from tests.rl.methods.test_ep_order import purity
 
 
+# CI: bliss in tests/rl/methods/test_bliss.py, ep_order in test_ep_order.py, the SFT stage in
+# tests/rl/test_sft_data.py
+@pytest.mark.extended
 @pytest.mark.slow
 def test_select_then_order_then_sft(ray_cluster, tmp_path):
     """bliss: proxy and target warm-ups on the learner group, the target's log-probabilities from a frozen

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 
+# CI: steering in test_steering.py, the KV policies on the engine in test_kv_policies.py, a decoding stage through the
+# recipe below (guidance)
+@pytest.mark.extended
 def test_steered_rollouts_and_a_compressed_cache_evaluation_through_the_recipe(ray_cluster, tmp_path):
     from cluster.pipeline import run
     from rl import config
@@ -81,6 +84,8 @@ def test_guidance_stage_scores_plain_post_hoc_and_guided_answers_through_the_rec
     assert set(summary["guidance"]) == {"plain", "post_hoc", "guidance"}
 
 
+# CI: DSR's formalize-repair-judge loop in test_dsr.py, a stage through the recipe above (guidance)
+@pytest.mark.extended
 def test_dsr_stage_formalizes_repairs_and_judges_through_the_recipe(ray_cluster, tmp_path):
     """DSR's stage on Ray with its four roles served by one barely taught model (the pipeline, not its quality):
     every statement's repair stays within the budget, SC is the checker's verdict on the final statement, and the

@@ -304,6 +304,9 @@ def test_real_agents_are_run_once_per_task_and_judged_by_equivalence():
     assert not answer_matches("", "")  # an empty reference is never answered
 
 
+# CI: real agents onboarded by the stage through Ray (test_the_monoscale_stage_onboards_real_agents_served_by_ray),
+# each mode's growth on the simulated pool (test_the_trust_region_guarantees_no_drop_where_naive_growth_...)
+@pytest.mark.extended
 def test_a_real_pool_grows_with_tool_agents_under_every_mode():
     """The starting pool's J is the hand-computed share of test tasks its router choice (agent0: no generalist
     claims a type) answers; the product specialist earns a use entry once the evidence shows it; the agents whose

@@ -217,6 +217,9 @@ def test_the_task_writes_every_role_and_split(tmp_path):
         assert evaluate(r["prompt"].removeprefix("Solve: ").strip()) == int(r["answer"])
 
 
+# CI: the proposer's episodes, verifiers, prober and MGPO in this file's other tests, multi-turn RL through Ray in
+# test_a_three_turn_calculator_env_trains_end_to_end
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_tiny_agentic_proposer_recipe_trains_with_mgpo_end_to_end(ray_cluster, tmp_path):
     """Through Ray: SFT, proposer episodes with the sandbox tools, the verifier ensemble (SymPy + a frozen judge)

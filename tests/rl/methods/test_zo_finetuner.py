@@ -179,6 +179,9 @@ def test_the_bundle_carries_the_released_embedding_rows_rule_to_the_optimizer(tm
     assert ZOFinetuner(model.parameters(), bundle=str(tmp_path / "b.pt"), embedding_rows=10).sizes == [40, 8, 2]
 
 
+# CI: the learned optimizer in this file's other tests, MeZO on the learner in
+# tests/cluster/test_learner_components.py
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_learn_to_learn_stage_writes_the_bundle_the_forward_only_sft_reads(ray_cluster, tmp_path):
     """recipes/zo_finetune_tiny.yaml at test size: the zo_finetuner stage writes `pert_bundle`, the SFT stage's

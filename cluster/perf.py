@@ -9,7 +9,7 @@ import ray
 from omegaconf import DictConfig
 
 from rl.batch import Batch
-from rollout.probes import best_rates
+from rollout.hardware import best_rates
 
 # ---------------------------------------------------------------------- helpers shared with other stages
 # The ceilings measured in this driver process, by (node, dtype, threads per actor): a node's matmul and copy rates

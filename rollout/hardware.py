@@ -11,7 +11,16 @@ from typing import Any
 import torch
 
 from rl.progress import say  # standard library only
-from rollout.probes import best_rates
+
+
+def best_rates(rates: dict[str, float], before: dict[str, float] | None) -> dict[str, float]:
+    """`rates` with each ceiling the higher of its and `before`'s (a core that something else was busy on only
+    lowers a measured rate)."""
+    if before is None:
+        return rates
+    return {**rates, "matmul_flops": max(rates["matmul_flops"], before["matmul_flops"]),
+            "copy_bytes_per_s": max(rates["copy_bytes_per_s"], before["copy_bytes_per_s"])}
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

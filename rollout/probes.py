@@ -27,12 +27,3 @@ class ActorProbes:
     def node_id(self) -> str:
         import ray
         return ray.get_runtime_context().get_node_id()
-
-
-def best_rates(rates: dict[str, float], before: dict[str, float] | None) -> dict[str, float]:
-    """`rates` with each ceiling the higher of its and `before`'s (a core that something else was busy on only
-    lowers a measured rate)."""
-    if before is None:
-        return rates
-    return {**rates, "matmul_flops": max(rates["matmul_flops"], before["matmul_flops"]),
-            "copy_bytes_per_s": max(rates["copy_bytes_per_s"], before["copy_bytes_per_s"])}

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from rl.batch import Batch
-from rollout.hardware import DTYPES, hardware_rates  # noqa: F401  (re-exported)
-from rollout.probes import ActorProbes, peak_rss_gib  # noqa: F401  (re-exported)
+from rollout.hardware import DTYPES  # noqa: F401  (re-exported: the engines' dtype names)
+from rollout.probes import ActorProbes  # noqa: F401  (re-exported: the rollout worker's probes)
 
 
 @dataclass

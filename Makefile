@@ -30,11 +30,14 @@ install: $(VENV)/.installed
 quickstart: install
 	$(VENV)/bin/looprl run recipes/quickstart.yaml
 
+# two workers: the Ray tests one after another on one, every other module on the other (tests/conftest.py)
+TEST_WORKERS ?= 2
+
 test: install
-	$(VENV)/bin/pytest -q --durations=50 tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=50 tests
 
 test-all: install  # also the extended end-to-end runs
-	LOOPRL_EXTENDED=1 $(VENV)/bin/pytest -q tests
+	LOOPRL_EXTENDED=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) tests
 
 lint: install
 	$(VENV)/bin/ruff check .

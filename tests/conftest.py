@@ -10,6 +10,23 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+# Under pytest-xdist (`make test` runs `-n 2`) a worker writes each collected test's group here and the scheduler
+# below reads it (pytest 9 ignores the nodeid suffix through which xdist's own `loadgroup` would carry it).
+GROUPS_DIR = "LOOPRL_TEST_GROUPS_DIR"
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        import tempfile
+        os.environ[GROUPS_DIR] = tempfile.mkdtemp(prefix="looprl-test-groups-")  # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(GROUPS_DIR) and "PYTEST_XDIST_WORKER" not in os.environ:
+        import shutil
+        shutil.rmtree(os.environ.pop(GROUPS_DIR), ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """`extended` end-to-end runs (a feature's second CI-sized run) are left out unless LOOPRL_EXTENDED=1
     (`make test-all`), so that `make test` stays well inside the CI budget. A test that starts Ray (the
@@ -17,13 +34,53 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
-    if os.environ.get("LOOPRL_EXTENDED") == "1":
-        return
-    kept = [item for item in items if item.get_closest_marker("extended") is None]
-    left_out = [item for item in items if item.get_closest_marker("extended") is not None]
-    if left_out:
-        config.hook.pytest_deselected(items=left_out)
-        items[:] = kept
+    if os.environ.get("LOOPRL_EXTENDED") != "1":
+        kept = [item for item in items if item.get_closest_marker("extended") is None]
+        left_out = [item for item in items if item.get_closest_marker("extended") is not None]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = kept
+    if os.environ.get(GROUPS_DIR) and "PYTEST_XDIST_WORKER" in os.environ:
+        import json
+        groups = {item.nodeid: _group(item) for item in items}
+        with open(os.path.join(os.environ[GROUPS_DIR], os.environ["PYTEST_XDIST_WORKER"] + ".json"), "w") as f:
+            json.dump(groups, f)
+
+
+def _group(item) -> str:
+    """The `ray` tests form one group: they share the session's Ray on one worker, one after another, each
+    end-to-end run with the cores Ray was told it has. Every other test module is a group of its own, so that its
+    module fixtures (a taught judge, a tiny engine) are built once; those run on the other workers beside the Ray
+    tests and fill the cores that a single-threaded test leaves idle."""
+    return "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Each group (`_group`) goes whole to one worker, the groups with the most tests first (xdist's scope
+    scheduling); `--dist` other than `load` keeps xdist's own scheduler."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    import glob
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str]
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.groups = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            if not self.groups:  # every worker has finished collecting when the scheduler asks
+                for path in glob.glob(os.path.join(os.environ[GROUPS_DIR], "*.json")):
+                    with open(path) as f:
+                        self.groups.update(json.load(f))
+            return self.groups.get(nodeid) or nodeid.split("::")[0]
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

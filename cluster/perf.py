@@ -16,16 +16,21 @@ from rollout.hardware import best_rates
 # do not change between the runs of one process (the stages of a pipeline, a test session), and measuring them costs
 # about a second per role and run, in which nothing else may run.
 _CEILINGS: dict[tuple[str, str, int], dict[str, float]] = {}
+# The keys measured `again` (warm, after a run's first step) in this process: one warm measurement per key is enough
+_MEASURED_WARM: set[tuple[str, str, int]] = set()
 
 
 def ceilings(actor: Any, dtype: str, threads: int, again: bool = False) -> dict[str, float]:
     """The hardware rates that `perf/mfu` and `perf/mbu` divide by (`rollout.hardware.hardware_rates`) for a role whose
     first actor is `actor`: measured by that actor, unless one with the same `threads` on the same node measured
-    them in `dtype` earlier in this process. `again` measures anew and keeps each rate's best (a ceiling)."""
+    them in `dtype` earlier in this process. `again` measures anew and keeps each rate's best (a ceiling), once per
+    node, dtype and threads in this process: a later run's `again` takes the warm measurement an earlier run made."""
     key = (ray.get(actor.node_id.remote()), dtype, threads)
-    if key in _CEILINGS and not again:
+    if key in _CEILINGS and (not again or key in _MEASURED_WARM):
         return _CEILINGS[key]
     _CEILINGS[key] = best_rates(ray.get(actor.hardware_rates.remote(dtype, again=again)), _CEILINGS.get(key))
+    if again:
+        _MEASURED_WARM.add(key)
     return _CEILINGS[key]
 
 

@@ -27,11 +27,13 @@ def test_ceilings_are_measured_once_and_again_keeps_the_best(monkeypatch):
 def test_the_driver_measures_a_nodes_ceilings_once_per_dtype_and_thread_count(ray_cluster, monkeypatch):
     """Each run asks its roles' first actors for the ceilings; a later actor with the same threads on the same node
     is not asked again in this process (a measurement occupies the cores for about a second), one with other
-    threads or dtype is, and `again` asks anew and keeps the best."""
+    threads or dtype is, and `again` asks anew and keeps the best, once: a later run's `again` is answered from
+    the warm measurement."""
     import ray
 
     import cluster.perf as perf
     monkeypatch.setattr(perf, "_CEILINGS", {})
+    monkeypatch.setattr(perf, "_MEASURED_WARM", set())
 
     @ray.remote(num_cpus=0)
     class Role(ActorProbes):
@@ -56,6 +58,10 @@ def test_the_driver_measures_a_nodes_ceilings_once_per_dtype_and_thread_count(ra
     perf._CEILINGS[(node, "float32", 1)] = {**rates, "matmul_flops": 1e20}  # a better earlier measurement
     assert perf.ceilings(second, "float32", threads=1, again=True)["matmul_flops"] == pytest.approx(1e20)
     assert ray.get(second.times_asked.remote()) == 3
+    assert perf.ceilings(first, "float32", threads=1, again=True)["matmul_flops"] == pytest.approx(1e20)
+    assert ray.get([a.times_asked.remote() for a in (first, second)]) == [1, 3]  # measured warm once already
+    perf.ceilings(first, "float32", threads=2, again=True)  # not yet measured warm with 2 threads
+    assert ray.get(first.times_asked.remote()) == 2
     for a in (first, second):
         ray.kill(a)
 

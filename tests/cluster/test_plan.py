@@ -75,7 +75,6 @@ def test_model_states_per_rank_follow_the_zero_stage(zero, want):
 _MEASURE = """
 import json, resource, sys, random
 import torch
-torch.set_num_threads(2)
 from models.tiny import build_tiny_model, build_tiny_tokenizer
 from models.families import CausalFamily
 from rl.batch import batch_of_examples
@@ -111,7 +110,8 @@ print(json.dumps({"learner_bytes": peak - base}))
 
 # every large allocation its own mapping, returned when freed: the peak resident size is then the peak of live
 # tensors (glibc otherwise keeps freed memory, and the same step's peak varied by 40% from run to run). Two threads:
-# the 85M step took 39 s instead of 62 on an AMD EPYC core pair, its peak 0.3% above one thread's
+# the 85M step took 39 s instead of 62 on an AMD EPYC core pair, its peak 0.3% above one thread's (torch takes its
+# thread count from OMP_NUM_THREADS in the measuring scripts)
 MEASURE_ENV = {"OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"}
 
 
@@ -150,7 +150,6 @@ def _shape_overrides(dims: tuple[int, int, int, int]) -> list[str]:
 _MEASURE_ENGINE = """
 import json, resource, sys, tempfile
 import torch
-torch.set_num_threads(2)
 from models.tiny import save_tiny
 from rollout.base import SamplingParams
 from rollout.hf_engine import HFEngine

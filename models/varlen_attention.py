@@ -57,8 +57,8 @@ class _GatherRows(torch.autograd.Function):
     slots `extra_slots` added into `extra_rows`. Exact when every other slot's gradient is zero (the layout's
     padding slots: their queries are dropped and their keys masked). torch's own backward, a zero tensor and an
     `index_add_` per gather, runs several times slower on CPU; the unread rows are zeroed in place rather than read
-    from a zero row appended to the gradient (a copy of the whole gradient per gather: 55 ms of the race's bf16
-    learner step)."""
+    from a zero row appended to the gradient (a copy of the whole gradient per gather: 55 ms of profiled op time in
+    the race's bf16 learner step, within the step's run-to-run spread)."""
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor, back: torch.Tensor, unread: torch.Tensor,

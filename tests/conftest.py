@@ -52,7 +52,11 @@ def _group(item) -> str:
     end-to-end run with the cores Ray was told it has. Every other test module is a group of its own, so that its
     module fixtures (a taught judge, a tiny engine) are built once; those run on the other workers beside the Ray
     tests and fill the cores that a single-threaded test leaves idle."""
-    return "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
+    return "ray" if item.get_closest_marker("ray") else _module(item.nodeid)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -78,7 +82,7 @@ def pytest_xdist_make_scheduler(config, log):
                 for path in glob.glob(os.path.join(os.environ[GROUPS_DIR], "*.json")):
                     with open(path) as f:
                         self.groups.update(json.load(f))
-            return self.groups.get(nodeid) or nodeid.split("::")[0]
+            return self.groups.get(nodeid) or _module(nodeid)
 
     return GroupScheduling(config, log)
 

@@ -128,8 +128,10 @@ def main() -> None:
     args = p.parse_args()
     import torch
     torch.set_num_threads(args.threads)
+    from rollout.hardware import cpu_has_bf16_matmul
+    dtypes = [torch.float32] + ([torch.bfloat16] if cpu_has_bf16_matmul() else [])  # oneDNN packs bf16 only there
     report = {"cpu": cpu_kind(), "threads": args.threads, "torch": torch.__version__,
-              "products_gflops": {"float32": products(torch.float32), "bfloat16": products(torch.bfloat16)},
+              "products_gflops": {str(d).removeprefix("torch."): products(d) for d in dtypes},
               "generate_fp32": generates(args.reps)}
     print(json.dumps(report["generate_fp32"]), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -11,9 +11,10 @@ and `F.linear` for reference.
 
 A whole generate: the race's rollout (`benchmarks/gemm_bound.py`'s prompts: 16 prompts x 8 samples, up to 64 new
 tokens, rows ending at EOS, the ~85M model with random weights, fp32, the engine's defaults on CPU: fused
-attention, packed weights, ended rows dropped, KV storage kept), with fp32 weights packed for MKL (the loop's
-default) and for oneDNN (the loop before), alternated `--reps` times in one process after a warm-up each; medians,
-and whether both sampled the same tokens. Result: benchmarks/results/packed_linear.json.
+attention, packed weights, ended rows dropped, KV storage kept), with fp32 weights packed for MKL and for oneDNN
+(the engine's `fp32_packing`; `auto_chooses` records what `auto` takes on this CPU), alternated `--reps` times in
+one process after a warm-up each; medians, and whether both sampled the same tokens.
+Result: benchmarks/results/packed_linear.json.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def generates(reps: int) -> dict:
     from rollout.decoding import KVBuffers, decode
     tok = build_tiny_tokenizer()
     ids, mask = race_prompts(tok)
-    mkl = packed_linear.uses_mkl
-    packings = {"MKL": mkl, "oneDNN": lambda dtype: False}
+    packings = {"MKL": "mkl", "oneDNN": "onednn"}
+    chosen = packed_linear.set_fp32_packing("auto")
     times: dict[str, list[float]] = {k: [] for k in packings}
     outs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +101,7 @@ def generates(reps: int) -> dict:
         try:
             for rep in range(reps + 1):  # the first round warms up (compiles the attention kernel)
                 for name, choice in packings.items():
-                    packed_linear.uses_mkl = choice
+                    packed_linear.set_fp32_packing(choice)
                     torch.manual_seed(0)
                     t0 = time.perf_counter()
                     with torch.no_grad(), kept.claim() as buffers:
@@ -110,12 +111,13 @@ def generates(reps: int) -> dict:
                     if rep:
                         times[name].append(time.perf_counter() - t0)
         finally:
-            packed_linear.uses_mkl = mkl
+            packed_linear.set_fp32_packing(chosen)
     (a, la, lengths_a, _, _), (b, lb, lengths_b, _, _) = outs["MKL"], outs["oneDNN"]
     median = {k: statistics.median(v) for k, v in times.items()}
     return {"s_per_generate": times, "median_s": median, "speedup": median["oneDNN"] / median["MKL"],
             "same_tokens": bool(torch.equal(a, b) and torch.equal(lengths_a, lengths_b)),
-            "logprob_max_abs_diff": float((la - lb).abs().max()), "generated_tokens": int(lengths_a.sum())}
+            "logprob_max_abs_diff": float((la - lb).abs().max()), "generated_tokens": int(lengths_a.sum()),
+            "auto_chooses": chosen}
 
 
 def main() -> None:

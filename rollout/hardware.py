@@ -4,6 +4,7 @@ the `perf/mfu` and `perf/mbu` metrics divide by (`hardware_rates`, asked of each
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU has the bf16 matrix instructions oneDNN multiplies bf16 with (AVX512-BF16 or AMX)."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (`GenuineIntel`, `AuthenticAMD`, ...) from `/proc/cpuinfo`, or `platform.processor()`
+    where there is none (other systems); "" when neither names it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def bf16_advice(dtype: str, device: str = "cpu") -> str | None:

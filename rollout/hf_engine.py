@@ -47,15 +47,16 @@ class HFEngine:
                  trust_remote_code: bool = False, batch_size: int = 256, attn_implementation: str | None = None,
                  adapter: dict[str, Any] | None = None, fused_decode_attention: bool = True,
                  packed_linear_weights: bool = True, reuse_kv_buffers: bool = True, compiled_decode: bool = False,
-                 length_buckets: float = 0.0):
+                 length_buckets: float = 0.0, fp32_packing: str = "auto"):
         """`attn_implementation`: transformers' attention kernel for generation (None: the model's own); on
         CPU `eager` decodes faster than `sdpa` (one query per step), at float rounding from the learner's.
         `fused_decode_attention`: on CPU, the plain loop's decode steps attend with one compiled kernel
         (`rollout.fused_attention`; Llama, Mistral, Qwen2/3 architectures; compiled on the first generate,
         seconds) instead of `attn_implementation`'s; the prompt's prefill keeps the model's kernel.
         `packed_linear_weights`: on CPU in fp32/bf16, the decode loop's linear layers multiply with their weights
-        packed once per generate (`rollout.packed_linear`: MKL's sgemm layout in fp32, oneDNN's in bf16; one
-        more copy of the weights while it runs).
+        packed once per generate (`rollout.packed_linear`: oneDNN's layout in bf16; one more copy of the weights
+        while it runs). `fp32_packing`: the fp32 weights' layout, `mkl` (MKL's sgemm, measured faster on an Intel
+        Xeon), `onednn` (measured faster on an AMD EPYC) or `auto` (MKL's on Intel CPUs, oneDNN's elsewhere).
         `reuse_kv_buffers`: on CPU, the decode loop's KV cache reuses its storage from one generate to the next
         (`rollout.decoding.KVBuffers`: fresh buffers fault their pages in at every generate; the storage, twice the
         largest cache, stays allocated between generates, freed by `sleep`).
@@ -72,6 +73,8 @@ class HFEngine:
         141 samples/s with one call and 99 in buckets, whose extra calls cost more than the padding they save.
         `adapter`: the learner's adapter (`learner.adapter`): the base model is wrapped with it, unmerged, and
         `load_weights` then takes the adapter's tensors alone."""
+        from rollout.packed_linear import set_fp32_packing
+        self.fp32_packing = set_fp32_packing(fp32_packing)  # a bad value is refused before the model loads
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
         warn_slow_bf16(dtype, self.device.type)

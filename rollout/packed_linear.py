@@ -8,15 +8,21 @@ weights out of cache (an 85M model's fp32 weights are 330 MB) that packing, not 
 in bf16 about 1.1-1.3x (measured on the race's shapes, weights cycled so that none stays in cache).
 
 Which packing: in bf16, oneDNN's (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: the path
-torch's inductor takes for frozen CPU weights). In fp32, where torch has MKL, MKL's own packed sgemm
-(`torch.ops.mkl._mkl_reorder_linear_weight`, then `_mkl_linear`, inductor's path for frozen fp32 weights): the same
-kernels as `F.linear`'s sgemm on a pre-packed operand, so the products equal `F.linear`'s bit for bit at the decode's
-block sizes (64+ rows; to fp32 rounding at a few rows, where MKL picks other kernels), and faster than oneDNN's fp32
-path: on an AMX Xeon, 2 threads, `[M, 768] x [768, 1536]` at M = 64-128 ran at 280-312 GFLOP/s against oneDNN's
-228-273 and `F.linear`'s 229-285. `_mkl_linear` takes the packed operand only for the row count it is told; MKL's
-packed B depends on the columns and the reduction only (its size is the same for every row count, and the
-products are right for any: tested), so each call passes its own row count and one packing serves a loop whose
-batch shrinks as rows end.
+torch's inductor takes for frozen CPU weights). In fp32 the faster of two depends on the CPU, so the engine's
+`fp32_packing` picks (`set_fp32_packing`; `auto` by default, one choice per process, the same on every run of the
+machine, so that a seed samples the same tokens):
+- MKL's own packed sgemm (`torch.ops.mkl._mkl_reorder_linear_weight`, then `_mkl_linear`, inductor's path for
+  frozen fp32 weights): the same kernels as `F.linear`'s sgemm on a pre-packed operand, so the products equal
+  `F.linear`'s bit for bit at the decode's block sizes (64+ rows; to fp32 rounding at a few rows, where MKL picks
+  other kernels). On an AMX Xeon, 2 threads, `[M, 768] x [768, 1536]` at M = 64-128 ran at 280-312 GFLOP/s against
+  oneDNN's 228-273 and `F.linear`'s 229-285. `_mkl_linear` takes the packed operand only for the row count it is
+  told; MKL's packed B depends on the columns and the reduction only (its size is the same for every row count, and
+  the products are right for any: tested), so each call passes its own row count and one packing serves a loop
+  whose batch shrinks as rows end.
+- oneDNN's, as in bf16: equal to `F.linear` to fp32 rounding (another blocking order). On an AMD EPYC (Zen 3,
+  AVX2), 2 threads, the decode's shapes at 16-128 rows ran at 1.1-1.8x MKL's packed rate, and the race's fp32
+  rollout took 0.87x MKL's time with the same tokens (`benchmarks/packed_linear.py`).
+`auto` takes MKL's where torch has MKL and the CPU is Intel's (where MKL was measured faster), oneDNN's elsewhere.
 
 Used by `rollout.decoding.decode(packed_weights=True)` (the `hf` engine's `packed_linear_weights`, on by default)
 while it runs: every `nn.Linear` module (exactly that type; a subclass or a wrapper that calls `F.linear` itself,
@@ -45,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.base import run_or_fall_back
-from rollout.hardware import cpu_has_bf16_matmul
+from rollout.hardware import cpu_has_bf16_matmul, cpu_vendor
 
 _state = {"ran": False, "failed": None}  # whether a packed product has run once; why the packed path could not
 # the packed copies `looprl::packed_linear` reads, by weight storage, and the row hint: set while a graph-mode
@@ -68,9 +74,35 @@ def packs(module: torch.nn.Module) -> bool:
             and _supported(module.weight.dtype))
 
 
+FP32_PACKINGS = ("auto", "mkl", "onednn")
+_fp32 = {"packing": None}  # the process's fp32 packing, `mkl` or `onednn`: set by `set_fp32_packing` (auto: on first use)
+
+
+def fp32_packing_for_this_cpu() -> str:
+    """`auto`'s choice: `mkl` where torch has MKL and the CPU's vendor is Intel, `onednn` elsewhere (module docstring)."""
+    return "mkl" if torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel" else "onednn"
+
+
+def set_fp32_packing(packing: str) -> str:
+    """Which packed product fp32 weights use from now on in this process: `auto` (`fp32_packing_for_this_cpu`),
+    `mkl` or `onednn`. Returns the one chosen."""
+    if packing not in FP32_PACKINGS:
+        raise ValueError(f"rollout.engine_params.hf.fp32_packing: {packing!r} is none of {', '.join(FP32_PACKINGS)}")
+    if packing == "mkl" and not torch.backends.mkl.is_available():
+        raise ValueError("rollout.engine_params.hf.fp32_packing: 'mkl', but this torch was built without MKL "
+                         "(use auto or onednn)")
+    _fp32["packing"] = fp32_packing_for_this_cpu() if packing == "auto" else packing
+    return _fp32["packing"]
+
+
 def uses_mkl(dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` pack for MKL's sgemm (fp32 where torch has MKL) rather than for oneDNN."""
-    return dtype == torch.float32 and torch.backends.mkl.is_available()
+    """Whether weights of `dtype` pack for MKL's sgemm (fp32, where the process's packing is `mkl`) rather than
+    for oneDNN."""
+    if dtype != torch.float32:
+        return False
+    if _fp32["packing"] is None:
+        set_fp32_packing("auto")
+    return _fp32["packing"] == "mkl"
 
 
 def _pack(weight: torch.Tensor, rows: int | None) -> torch.Tensor:

@@ -38,8 +38,20 @@ BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not cpu_has_bf16_matmul(), reason="oneDNN's bf16 path is not supported on this CPU"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_packed_products_equal_f_linear_and_every_linear_is_packed_then_restored(tiny, dtype):
+MKL = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+
+
+@pytest.fixture
+def fp32_packing(monkeypatch):
+    """Sets the process's fp32 packing for one test (`set_fp32_packing`), restored after."""
+    monkeypatch.setattr(packed_linear, "_fp32", {"packing": None})
+    return packed_linear.set_fp32_packing
+
+
+@pytest.mark.parametrize("dtype, packing", [pytest.param(torch.float32, "mkl", marks=MKL), (torch.float32, "onednn"),
+                                            pytest.param(torch.bfloat16, "auto", marks=BF16.marks)])
+def test_packed_products_equal_f_linear_and_every_linear_is_packed_then_restored(tiny, dtype, packing, fp32_packing):
+    fp32_packing(packing)
     tok, model = tiny
     model = copy.deepcopy(model).to(dtype)
     assert all(packs(m) for m in _linears(model))
@@ -53,16 +65,17 @@ def test_packed_products_equal_f_linear_and_every_linear_is_packed_then_restored
         assert packed == {}  # the packed copies are dropped on exit
     assert all("forward" not in m.__dict__ for m in model.modules())  # the modules' own forwards again
     scale = own.abs().max()
-    # fp32: MKL's sgemm on a packed operand; bf16: oneDNN's products in another blocking order: equal to the
-    # dtype's rounding
+    # fp32: MKL's sgemm on a packed operand, or oneDNN's; bf16: oneDNN's products in another blocking order: equal
+    # to the dtype's rounding
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (inside - own).abs().max() <= tol * scale
 
 
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
-def test_an_fp32_weight_packed_once_for_mkl_serves_every_row_count():
-    """fp32 weights pack for MKL's sgemm; one packing multiplies blocks of any row count (the decode batch shrinks as
-    rows end), bit for bit as `F.linear` at the decode's block sizes."""
+@MKL
+def test_an_fp32_weight_packed_once_for_mkl_serves_every_row_count(fp32_packing):
+    """fp32 weights pack for MKL's sgemm where the packing is `mkl`; one packing multiplies blocks of any row count
+    (the decode batch shrinks as rows end), bit for bit as `F.linear` at the decode's block sizes."""
+    assert fp32_packing("mkl") == "mkl"
     assert packed_linear.uses_mkl(torch.float32) and not packed_linear.uses_mkl(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     weight, bias, stale = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(96, 64)
@@ -78,7 +91,47 @@ def test_an_fp32_weight_packed_once_for_mkl_serves_every_row_count():
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_decode_with_packed_weights_samples_the_models_tokens_and_logprobs(tiny):
+def test_an_fp32_weight_packed_once_for_onednn_serves_every_row_count(fp32_packing):
+    """fp32 weights pack for oneDNN where the packing is `onednn`: one packing (for 128 rows) multiplies blocks of
+    any row count, equal to `F.linear` to fp32 rounding."""
+    assert fp32_packing("onednn") == "onednn"
+    assert not packed_linear.uses_mkl(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    weight, bias, stale = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(96, 64)
+    packed = packed_linear._pack(weight, 128)
+    for rows in (1, 5, 64, 97, 128, 200):
+        x = torch.randn(rows, 64, generator=g)
+        # `stale` is passed as the plain weight: a call that multiplied it instead of the packed copy would differ
+        torch.testing.assert_close(packed_linear._multiply(x, packed, stale, bias), F.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed_linear._multiply(x[:, None], packed, stale, None), F.linear(x[:, None], weight),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_auto_packs_fp32_for_mkl_on_intel_cpus_and_for_onednn_elsewhere(fp32_packing, monkeypatch):
+    for vendor, expected in (("GenuineIntel", "mkl" if torch.backends.mkl.is_available() else "onednn"),
+                             ("AuthenticAMD", "onednn"), ("", "onednn")):
+        monkeypatch.setattr(packed_linear, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert fp32_packing("auto") == expected, vendor
+        assert packed_linear.uses_mkl(torch.float32) == (expected == "mkl")
+    packed_linear._fp32["packing"] = None  # not yet chosen: the first fp32 product chooses `auto`'s
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    assert not packed_linear.uses_mkl(torch.float32) and packed_linear._fp32["packing"] == "onednn"
+
+
+def test_a_bad_fp32_packing_is_refused_naming_the_key_before_the_engine_loads_a_model(fp32_packing, monkeypatch,
+                                                                                       tmp_path):
+    from rollout.hf_engine import HFEngine
+    with pytest.raises(ValueError, match=r"rollout.engine_params.hf.fp32_packing: 'blas' is none of auto, mkl"):
+        HFEngine(str(tmp_path / "no-model-here"), fp32_packing="blas")
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="'mkl', but this torch was built without MKL"):
+        fp32_packing("mkl")
+
+
+@pytest.mark.parametrize("packing", [pytest.param("mkl", marks=MKL), "onednn"])
+def test_decode_with_packed_weights_samples_the_models_tokens_and_logprobs(tiny, packing, fp32_packing):
+    fp32_packing(packing)
     tok, model = tiny
     enc = _prompts(tok)
     kw = dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,

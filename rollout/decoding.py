@@ -337,7 +337,7 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
            method: Any = None, tokenizer: Any = None, stop: list[str] | None = None,
            forward_kwargs: dict | None = None, fused_attention: bool = False, packed_weights: bool = False,
            kv_buffers: KVBuffers | None = None, repetition_penalty: float = 1.0,
-           between_steps: Any = None, compiled: bool = False
+           between_steps: Any = None, compiled: bool = False, fp32_packing: str = "auto"
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample until each row ends (EOS, a stop string) or its response, inserted tokens included, holds
     `max_new_tokens` tokens, with a KV cache and the `method`'s hooks.
@@ -349,7 +349,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     `fused_attention`: the plain loop on CPU runs its one-query attention steps with the compiled kernel of
     `rollout.fused_attention` (architectures and the smallest batch listed there; others decode as they are).
     `packed_weights`: on CPU, the model's linear layers multiply with their weights packed once for the whole loop
-    (`rollout.packed_linear`; fp32 and bf16). The plain loop drops the rows that ended from the batch it runs
+    (`rollout.packed_linear`; fp32 and bf16; `fp32_packing`: fp32 weights' layout, `auto`, `mkl` or `onednn`,
+    `rollout.packed_linear.resolve_fp32_packing`). The plain loop drops the rows that ended from the batch it runs
     (`compaction`); they sample the same tokens as if they had stayed (`sample_rows`). `kv_buffers`: the KV
     cache's storage, reused from the caller's earlier generates (`KVBuffers`, claimed by the caller).
     `repetition_penalty`: `models.sampling.penalize_repeats` over each row's prompt and response tokens, before
@@ -366,7 +367,8 @@ def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
                    forward_kwargs=forward_kwargs, fused_attention=fused_attention, packed_weights=packed_weights,
-                   kv_buffers=kv_buffers, repetition_penalty=repetition_penalty, between_steps=between_steps)
+                   kv_buffers=kv_buffers, repetition_penalty=repetition_penalty, between_steps=between_steps,
+                   fp32_packing=fp32_packing)
     try:
         return _decode(model, prompt_ids, prompt_mask, compiled=compiled, **options)
     except CompileFailed:  # the process's first compile failed (warned): this call again, eagerly
@@ -377,7 +379,8 @@ def _decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
             temperature: float, top_k: int, top_p: float, eos_token_id: int, pad_token_id: int, method: Any,
             tokenizer: Any, stop: list[str] | None, forward_kwargs: dict | None, fused_attention: bool,
             packed_weights: bool, kv_buffers: KVBuffers | None, repetition_penalty: float, between_steps: Any,
-            compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            compiled: bool, fp32_packing: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
     loop = DecodeLoop(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id, method=method, tokenizer=tokenizer, stop=stop,
                       forward_kwargs=forward_kwargs, fused_attention=fused_attention, kv_buffers=kv_buffers,
@@ -388,7 +391,7 @@ def _decode(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
         graph = loop.static is not None
         with (fused_decode_attention(model, enabled=loop.fused, rows=loop.batch_size, static_cache=graph),
               packed_linear_weights(model, enabled=packed_weights and between_steps is None, rows=loop.batch_size,
-                                    graph=graph)):
+                                    graph=graph, fp32_packing=fp32_packing)):
             logits = loop.insert_first(loop.prefill())
             step = 0
             while not loop.done():

@@ -4,6 +4,7 @@ the `perf/mfu` and `perf/mbu` metrics divide by (`hardware_rates`, asked of each
 
 from __future__ import annotations
 
+import functools
 import platform
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ def cpu_has_bf16_matmul() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor string (`GenuineIntel`, `AuthenticAMD`, ...) from `/proc/cpuinfo`, or `platform.processor()`
     where there is none (other systems); "" when neither names it."""

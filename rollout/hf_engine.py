@@ -73,8 +73,8 @@ class HFEngine:
         141 samples/s with one call and 99 in buckets, whose extra calls cost more than the padding they save.
         `adapter`: the learner's adapter (`learner.adapter`): the base model is wrapped with it, unmerged, and
         `load_weights` then takes the adapter's tensors alone."""
-        from rollout.packed_linear import set_fp32_packing
-        self.fp32_packing = set_fp32_packing(fp32_packing)  # a bad value is refused before the model loads
+        from rollout.packed_linear import resolve_fp32_packing
+        self.fp32_packing = resolve_fp32_packing(fp32_packing)  # a bad value is refused before the model loads
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
         warn_slow_bf16(dtype, self.device.type)
@@ -186,7 +186,7 @@ class HFEngine:
                           fused_attention=self.fused_decode_attention,
                           packed_weights=self.packed_linear_weights and in_flight is None,
                           kv_buffers=buffers, repetition_penalty=sp.repetition_penalty, between_steps=in_flight,
-                          compiled=self.compiled_decode)
+                          compiled=self.compiled_decode, fp32_packing=self.fp32_packing)
 
     def _diffuse(self, method: Any, ids: torch.Tensor, mask: torch.Tensor, sp: SamplingParams
                  ) -> tuple[torch.Tensor, ...]:

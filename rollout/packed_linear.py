@@ -9,8 +9,8 @@ in bf16 about 1.1-1.3x (measured on the race's shapes, weights cycled so that no
 
 Which packing: in bf16, oneDNN's (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: the path
 torch's inductor takes for frozen CPU weights). In fp32 the faster of two depends on the CPU, so the engine's
-`fp32_packing` picks (`set_fp32_packing`; `auto` by default, one choice per process, the same on every run of the
-machine, so that a seed samples the same tokens):
+`fp32_packing` picks (`resolve_fp32_packing`; `auto` by default: a fixed rule, so that every run of a machine
+packs alike and a seed samples the same tokens):
 - MKL's own packed sgemm (`torch.ops.mkl._mkl_reorder_linear_weight`, then `_mkl_linear`, inductor's path for
   frozen fp32 weights): the same kernels as `F.linear`'s sgemm on a pre-packed operand, so the products equal
   `F.linear`'s bit for bit at the decode's block sizes (64+ rows; to fp32 rounding at a few rows, where MKL picks
@@ -56,7 +56,7 @@ from rollout.hardware import cpu_has_bf16_matmul, cpu_vendor
 _state = {"ran": False, "failed": None}  # whether a packed product has run once; why the packed path could not
 # the packed copies `looprl::packed_linear` reads, by weight storage, and the row hint: set while a graph-mode
 # `packed_linear_weights` runs
-_graph: dict[str, Any] = {"packs": None, "rows": None}
+_graph: dict[str, Any] = {"packs": None, "rows": None, "packing": None}
 
 
 def _supported(dtype: torch.dtype) -> bool:
@@ -75,7 +75,6 @@ def packs(module: torch.nn.Module) -> bool:
 
 
 FP32_PACKINGS = ("auto", "mkl", "onednn")
-_fp32 = {"packing": None}  # the process's fp32 packing, `mkl` or `onednn`: set by `set_fp32_packing` (auto: on first use)
 
 
 def fp32_packing_for_this_cpu() -> str:
@@ -83,39 +82,35 @@ def fp32_packing_for_this_cpu() -> str:
     return "mkl" if torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel" else "onednn"
 
 
-def set_fp32_packing(packing: str) -> str:
-    """Which packed product fp32 weights use from now on in this process: `auto` (`fp32_packing_for_this_cpu`),
-    `mkl` or `onednn`. Returns the one chosen."""
+def resolve_fp32_packing(packing: str) -> str:
+    """The packed product fp32 weights use for the engine option `fp32_packing`: `auto`
+    (`fp32_packing_for_this_cpu`), `mkl` or `onednn`; a value that is none of these, or `mkl` where torch has no MKL,
+    is refused naming the option."""
     if packing not in FP32_PACKINGS:
         raise ValueError(f"rollout.engine_params.hf.fp32_packing: {packing!r} is none of {', '.join(FP32_PACKINGS)}")
     if packing == "mkl" and not torch.backends.mkl.is_available():
         raise ValueError("rollout.engine_params.hf.fp32_packing: 'mkl', but this torch was built without MKL "
                          "(use auto or onednn)")
-    _fp32["packing"] = fp32_packing_for_this_cpu() if packing == "auto" else packing
-    return _fp32["packing"]
+    return fp32_packing_for_this_cpu() if packing == "auto" else packing
 
 
-def uses_mkl(dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` pack for MKL's sgemm (fp32, where the process's packing is `mkl`) rather than
-    for oneDNN."""
-    if dtype != torch.float32:
-        return False
-    if _fp32["packing"] is None:
-        set_fp32_packing("auto")
-    return _fp32["packing"] == "mkl"
+def uses_mkl(dtype: torch.dtype, packing: str) -> bool:
+    """Whether weights of `dtype` pack for MKL's sgemm (fp32 with the packing `mkl`) rather than for oneDNN."""
+    return dtype == torch.float32 and packing == "mkl"
 
 
-def _pack(weight: torch.Tensor, rows: int | None) -> torch.Tensor:
-    """`weight [out, in]` in the BLAS's blocked layout for products with about `rows` rows (a hint)."""
-    if uses_mkl(weight.dtype):
+def _pack(weight: torch.Tensor, rows: int | None, packing: str) -> torch.Tensor:
+    """`weight [out, in]` in the blocked layout of `packing` (fp32; bf16 packs for oneDNN) for products with about
+    `rows` rows (a hint)."""
+    if uses_mkl(weight.dtype, packing):
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows or 1)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
-def _multiply(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-              ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with `weight` as `_pack` laid it out in `packed`."""
-    if uses_mkl(weight.dtype):
+def _multiply(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              packing: str) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with `weight` as `_pack(weight, rows, packing)` laid it out in `packed`."""
+    if uses_mkl(weight.dtype, packing):
         # MKL's packed B serves any row count: each call names its own (see the module's docstring)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // max(x.shape[-1], 1))
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -130,8 +125,8 @@ def graph_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x, weight, bias)
     key = (weight.data_ptr(), weight.dtype, tuple(weight.shape))
     if key not in packs:
-        packs[key] = _pack(weight, _graph["rows"])
-    return _multiply(x, packs[key], weight, bias)
+        packs[key] = _pack(weight, _graph["rows"], _graph["packing"])
+    return _multiply(x, packs[key], weight, bias, _graph["packing"])
 
 
 @graph_product.register_fake
@@ -143,7 +138,8 @@ def _graph_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.looprl.packed_linear(x, module.weight, module.bias)
 
 
-def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch.Tensor], rows: int | None) -> Any:
+def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch.Tensor], rows: int | None,
+                    packing: str) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = module.weight
         plain = (_state["failed"] is not None or x.dtype != weight.dtype
@@ -152,8 +148,8 @@ def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch
             def multiply() -> torch.Tensor:
                 w = packed.get(module)
                 if w is None:
-                    w = packed[module] = _pack(weight, rows)
-                return _multiply(x, w, weight, module.bias)
+                    w = packed[module] = _pack(weight, rows, packing)
+                return _multiply(x, w, weight, module.bias, packing)
             # an op this build lacks, an ISA oneDNN's bf16 path does not run on: F.linear from then on
             out = run_or_fall_back(_state, multiply, "rollout.packed_linear: packed weights did not run",
                                    "decoding with F.linear")
@@ -165,23 +161,25 @@ def _packed_forward(module: torch.nn.Linear, packed: dict[torch.nn.Module, torch
 
 @contextmanager
 def packed_linear_weights(model: torch.nn.Module, enabled: bool = True, rows: int | None = None,
-                          graph: bool = False) -> Iterator[dict[Any, torch.Tensor]]:
+                          graph: bool = False, fp32_packing: str = "auto") -> Iterator[dict[Any, torch.Tensor]]:
     """While inside, every module of `model` that `packs` runs its forward with its weight packed once (on its first
-    call; `rows`: the number of rows a call multiplies, a hint to the layout). Yields the packed weights (by module;
-    with `graph`, by weight storage: the forwards call `looprl::packed_linear`, which a compiled graph can hold),
-    empty when not `enabled` or none packs; the modules' own forwards are restored and the packed copies dropped on
-    exit."""
+    call; `rows`: the number of rows a call multiplies, a hint to the layout; `fp32_packing`: fp32 weights' layout,
+    `resolve_fp32_packing`). Yields the packed weights (by module; with `graph`, by weight storage: the forwards call
+    `looprl::packed_linear`, which a compiled graph can hold), empty when not `enabled` or none packs; the modules'
+    own forwards are restored and the packed copies dropped on exit."""
     packed: dict[Any, torch.Tensor] = {}
     modules = [m for m in model.modules() if packs(m)] if enabled and _state["failed"] is None else []
+    packing = resolve_fp32_packing(fp32_packing) if modules else fp32_packing
     if graph and modules:
-        _graph.update(packs=packed, rows=rows)
+        _graph.update(packs=packed, rows=rows, packing=packing)
     for module in modules:
-        module.forward = MethodType(_graph_forward, module) if graph else _packed_forward(module, packed, rows)
+        module.forward = (MethodType(_graph_forward, module) if graph
+                          else _packed_forward(module, packed, rows, packing))
     try:
         yield packed
     finally:
         for module in modules:
             module.__dict__.pop("forward", None)
         if graph and modules:
-            _graph.update(packs=None, rows=None)
+            _graph.update(packs=None, rows=None, packing=None)
         packed.clear()

@@ -32,6 +32,7 @@ def _engine_around(model, tokenizer):
     engine.model, engine.tokenizer, engine.device = model, tokenizer, torch.device("cpu")
     engine.batch_size, engine._methods, engine.fused_decode_attention = 64, {}, True
     engine.packed_linear_weights, engine.kv_buffers, engine.compiled_decode = True, KVBuffers(), False
+    engine.fp32_packing = "auto"
     return engine
 
 

@@ -82,7 +82,7 @@ def test_the_fused_attention_and_packed_weights_run_inside_the_graph_over_the_fi
             return compiled_kernel(query, key, value, mask, scaling)
         return attend
     monkeypatch.setattr(fused_attention, "_kernel", recording_kernel)
-    monkeypatch.setattr(packed_linear, "_pack", lambda weight, r: packs.append(r) or pack(weight, r))
+    monkeypatch.setattr(packed_linear, "_pack", lambda weight, r, packing: packs.append(r) or pack(weight, r, packing))
     buffers = KVBuffers()
     compiled = _run(model, tok, True, temperature=1.0, prompts=rows, fused_attention=True, packed_weights=True,
                     kv_buffers=buffers)

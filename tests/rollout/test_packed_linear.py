@@ -41,24 +41,16 @@ BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 MKL = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
 
 
-@pytest.fixture
-def fp32_packing(monkeypatch):
-    """Sets the process's fp32 packing for one test (`set_fp32_packing`), restored after."""
-    monkeypatch.setattr(packed_linear, "_fp32", {"packing": None})
-    return packed_linear.set_fp32_packing
-
-
 @pytest.mark.parametrize("dtype, packing", [pytest.param(torch.float32, "mkl", marks=MKL), (torch.float32, "onednn"),
                                             pytest.param(torch.bfloat16, "auto", marks=BF16.marks)])
-def test_packed_products_equal_f_linear_and_every_linear_is_packed_then_restored(tiny, dtype, packing, fp32_packing):
-    fp32_packing(packing)
+def test_packed_products_equal_f_linear_and_every_linear_is_packed_then_restored(tiny, dtype, packing):
     tok, model = tiny
     model = copy.deepcopy(model).to(dtype)
     assert all(packs(m) for m in _linears(model))
     enc = _prompts(tok)
     with torch.no_grad():
         own = model(**enc).logits.float()
-        with packed_linear_weights(model, rows=9) as packed:
+        with packed_linear_weights(model, rows=9, fp32_packing=packing) as packed:
             inside = model(**enc).logits.float()
             assert set(packed) == set(_linears(model))  # 2 layers x 7 projections + the LM head
             assert len(packed) == 15
@@ -72,66 +64,79 @@ def test_packed_products_equal_f_linear_and_every_linear_is_packed_then_restored
 
 
 @MKL
-def test_an_fp32_weight_packed_once_for_mkl_serves_every_row_count(fp32_packing):
+def test_an_fp32_weight_packed_once_for_mkl_serves_every_row_count():
     """fp32 weights pack for MKL's sgemm where the packing is `mkl`; one packing multiplies blocks of any row count
     (the decode batch shrinks as rows end), bit for bit as `F.linear` at the decode's block sizes."""
-    assert fp32_packing("mkl") == "mkl"
-    assert packed_linear.uses_mkl(torch.float32) and not packed_linear.uses_mkl(torch.bfloat16)
+    assert packed_linear.uses_mkl(torch.float32, "mkl") and not packed_linear.uses_mkl(torch.bfloat16, "mkl")
     g = torch.Generator().manual_seed(0)
     weight, bias, stale = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(96, 64)
-    packed = packed_linear._pack(weight, 128)
+    packed = packed_linear._pack(weight, 128, "mkl")
     for rows in (64, 97, 128, 200):
         x = torch.randn(rows, 64, generator=g)
         # `stale` is passed as the plain weight: a call that multiplied it instead of the packed copy would differ
-        assert torch.equal(packed_linear._multiply(x, packed, stale, None), F.linear(x, weight)), rows
-        assert torch.equal(packed_linear._multiply(x[:, None], packed, stale, bias), F.linear(x[:, None], weight, bias))
+        assert torch.equal(packed_linear._multiply(x, packed, stale, None, "mkl"), F.linear(x, weight)), rows
+        assert torch.equal(packed_linear._multiply(x[:, None], packed, stale, bias, "mkl"),
+                           F.linear(x[:, None], weight, bias))
     for rows in (1, 5):  # a few rows: MKL's other kernels, equal to fp32 rounding
         x = torch.randn(rows, 64, generator=g)
-        torch.testing.assert_close(packed_linear._multiply(x, packed, stale, bias), F.linear(x, weight, bias),
+        torch.testing.assert_close(packed_linear._multiply(x, packed, stale, bias, "mkl"), F.linear(x, weight, bias),
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_an_fp32_weight_packed_once_for_onednn_serves_every_row_count(fp32_packing):
+def test_an_fp32_weight_packed_once_for_onednn_serves_every_row_count():
     """fp32 weights pack for oneDNN where the packing is `onednn`: one packing (for 128 rows) multiplies blocks of
     any row count, equal to `F.linear` to fp32 rounding."""
-    assert fp32_packing("onednn") == "onednn"
-    assert not packed_linear.uses_mkl(torch.float32)
+    assert not packed_linear.uses_mkl(torch.float32, "onednn")
     g = torch.Generator().manual_seed(0)
     weight, bias, stale = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(96, 64)
-    packed = packed_linear._pack(weight, 128)
+    packed = packed_linear._pack(weight, 128, "onednn")
     for rows in (1, 5, 64, 97, 128, 200):
         x = torch.randn(rows, 64, generator=g)
         # `stale` is passed as the plain weight: a call that multiplied it instead of the packed copy would differ
-        torch.testing.assert_close(packed_linear._multiply(x, packed, stale, bias), F.linear(x, weight, bias),
-                                   rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(packed_linear._multiply(x[:, None], packed, stale, None), F.linear(x[:, None], weight),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed_linear._multiply(x, packed, stale, bias, "onednn"),
+                                   F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed_linear._multiply(x[:, None], packed, stale, None, "onednn"),
+                                   F.linear(x[:, None], weight), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_packs_fp32_for_mkl_on_intel_cpus_and_for_onednn_elsewhere(fp32_packing, monkeypatch):
+def test_auto_packs_fp32_for_mkl_on_intel_cpus_and_for_onednn_elsewhere(monkeypatch):
     for vendor, expected in (("GenuineIntel", "mkl" if torch.backends.mkl.is_available() else "onednn"),
                              ("AuthenticAMD", "onednn"), ("", "onednn")):
         monkeypatch.setattr(packed_linear, "cpu_vendor", lambda vendor=vendor: vendor)
-        assert fp32_packing("auto") == expected, vendor
-        assert packed_linear.uses_mkl(torch.float32) == (expected == "mkl")
-    packed_linear._fp32["packing"] = None  # not yet chosen: the first fp32 product chooses `auto`'s
-    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
-    assert not packed_linear.uses_mkl(torch.float32) and packed_linear._fp32["packing"] == "onednn"
+        assert packed_linear.resolve_fp32_packing("auto") == expected, vendor
+    assert packed_linear.resolve_fp32_packing("onednn") == "onednn"  # a fixed choice is kept on any CPU
 
 
-def test_a_bad_fp32_packing_is_refused_naming_the_key_before_the_engine_loads_a_model(fp32_packing, monkeypatch,
-                                                                                       tmp_path):
+def test_two_engines_in_one_process_keep_their_own_fp32_packing(monkeypatch, tmp_path):
+    """The packing is each engine's (`engine_params.hf.fp32_packing`), not the process's: engines built one after
+    the other with either packing generate with their own, in any order."""
+    from models.tiny import save_tiny
+    from rollout.base import SamplingParams
+    from rollout.hf_engine import HFEngine
+    made = []
+    pack = packed_linear._pack
+    monkeypatch.setattr(packed_linear, "_pack", lambda weight, rows, packing: made.append(packing)
+                        or pack(weight, rows, packing))
+    path = str(save_tiny(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128))
+    choices = ["onednn", "mkl"] if torch.backends.mkl.is_available() else ["onednn"]
+    engines = {choice: HFEngine(path, fp32_packing=choice) for choice in choices}
+    for choice in [*choices, *reversed(choices)]:
+        made.clear()
+        engines[choice].generate(["12+3*4="], SamplingParams(n=2, max_new_tokens=4, seed=0))
+        assert made == [choice] * 15, choice  # 2 layers x 7 projections + the LM head, each packed once
+
+
+def test_a_bad_fp32_packing_is_refused_naming_the_key_before_the_engine_loads_a_model(monkeypatch, tmp_path):
     from rollout.hf_engine import HFEngine
     with pytest.raises(ValueError, match=r"rollout.engine_params.hf.fp32_packing: 'blas' is none of auto, mkl"):
         HFEngine(str(tmp_path / "no-model-here"), fp32_packing="blas")
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
     with pytest.raises(ValueError, match="'mkl', but this torch was built without MKL"):
-        fp32_packing("mkl")
+        packed_linear.resolve_fp32_packing("mkl")
 
 
 @pytest.mark.parametrize("packing", [pytest.param("mkl", marks=MKL), "onednn"])
-def test_decode_with_packed_weights_samples_the_models_tokens_and_logprobs(tiny, packing, fp32_packing):
-    fp32_packing(packing)
+def test_decode_with_packed_weights_samples_the_models_tokens_and_logprobs(tiny, packing):
     tok, model = tiny
     enc = _prompts(tok)
     kw = dict(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id,
@@ -139,7 +144,7 @@ def test_decode_with_packed_weights_samples_the_models_tokens_and_logprobs(tiny,
     runs = {}
     for on in (True, False):
         torch.manual_seed(7)
-        runs[on] = decode(model, enc["input_ids"], enc["attention_mask"], packed_weights=on, **kw)
+        runs[on] = decode(model, enc["input_ids"], enc["attention_mask"], packed_weights=on, fp32_packing=packing, **kw)
     (resp, logp, lengths, _, _), (resp0, logp0, lengths0, _, _) = runs[True], runs[False]
     assert int(lengths.max()) > 3
     assert torch.equal(resp, resp0) and torch.equal(lengths, lengths0)
@@ -182,7 +187,7 @@ def test_a_packed_path_that_fails_warns_once_and_decodes_with_f_linear(tiny, mon
     enc = _prompts(tok)
     kw = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=tok.pad_token_id)
 
-    def no_op(weight, rows):
+    def no_op(weight, rows, packing):
         raise RuntimeError("mkldnn::_reorder_linear_weight is not available in this build")
     monkeypatch.setattr(packed_linear, "_state", {"ran": False, "failed": None})
     monkeypatch.setattr(packed_linear, "_pack", no_op)

@@ -78,19 +78,7 @@ class HFEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.device = torch.device(device)
         warn_slow_bf16(dtype, self.device.type)
-        import models  # noqa: F401  (registers model_types ouro and llada)
-        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        from models.lowrank import load_causal_lm  # a decomper folder is served as its factors
-        self.model = load_causal_lm(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-                                    **kwargs).to(self.device).eval()
-        from models.quant import load_fake_quant
-        self.model = load_fake_quant(self.model, model_path)  # a fake-quantized folder (fair_calib) serves as such
-        from models.adapters import load_unmerged, make_adapter
-        if adapter:
-            from rl.registry import lookup
-            self.model = make_adapter(self.model, adapter, lookup("adapter", adapter["name"])).eval()
-        else:  # a folder with an adapter that cannot be merged (U-LoRA) serves the base with it
-            self.model = load_unmerged(self.model, model_path).eval()
+        self.model = self._load_model(model_path, dtype, trust_remote_code, attn_implementation, adapter)
         self.adapted = bool(adapter)
         self.fused_decode_attention = fused_decode_attention
         self.packed_linear_weights = packed_linear_weights
@@ -106,6 +94,24 @@ class HFEngine:
         self._commits: list | None = None  # the last diffusion chunk's per-row commit logs, for its Batch
         # in-flight weight updates (`rollout.in_flight_updates`): called between two decode steps of the plain loop
         self.between_steps: Any = None
+
+    def _load_model(self, model_path: str, dtype: str, trust_remote_code: bool, attn_implementation: str | None,
+                    adapter: dict[str, Any] | None) -> torch.nn.Module:
+        """The model `model_path` holds, on this engine's device, in eval mode, as it is served: a decomper folder
+        as its factors, a fake-quantized folder as such, wrapped with the learner's `adapter` if given."""
+        import models  # noqa: F401  (registers model_types ouro and llada)
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        from models.lowrank import load_causal_lm  # a decomper folder is served as its factors
+        model = load_causal_lm(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                               **kwargs).to(self.device).eval()
+        from models.quant import load_fake_quant
+        model = load_fake_quant(model, model_path)  # a fake-quantized folder (fair_calib) serves as such
+        from models.adapters import load_unmerged, make_adapter
+        if adapter:
+            from rl.registry import lookup
+            return make_adapter(model, adapter, lookup("adapter", adapter["name"])).eval()
+        # a folder with an adapter that cannot be merged (U-LoRA) serves the base with it
+        return load_unmerged(model, model_path).eval()
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: SamplingParams, *, group_ids: list[int] | None = None,

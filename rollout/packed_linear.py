@@ -21,7 +21,7 @@ packs alike and a seed samples the same tokens):
   whose batch shrinks as rows end.
 - oneDNN's, as in bf16: equal to `F.linear` to fp32 rounding (another blocking order). On an AMD EPYC (Zen 3,
   AVX2), 2 threads, the decode's shapes at 16-128 rows ran at 1.1-1.8x MKL's packed rate, and the race's fp32
-  rollout took 0.87x MKL's time with the same tokens (`benchmarks/packed_linear.py`).
+  rollout took 0.84x MKL's time with the same tokens (5 alternated pairs) (`benchmarks/packed_linear.py`).
 `auto` takes MKL's where torch has MKL and the CPU is Intel's (where MKL was measured faster), oneDNN's elsewhere.
 
 Used by `rollout.decoding.decode(packed_weights=True)` (the `hf` engine's `packed_linear_weights`, on by default)
@@ -54,8 +54,8 @@ from rollout.base import run_or_fall_back
 from rollout.hardware import cpu_has_bf16_matmul, cpu_vendor
 
 _state = {"ran": False, "failed": None}  # whether a packed product has run once; why the packed path could not
-# the packed copies `looprl::packed_linear` reads, by weight storage, and the row hint: set while a graph-mode
-# `packed_linear_weights` runs
+# the packed copies `looprl::packed_linear` reads, by weight storage, the row hint and the fp32 packing: set while a
+# graph-mode `packed_linear_weights` runs
 _graph: dict[str, Any] = {"packs": None, "rows": None, "packing": None}
 
 

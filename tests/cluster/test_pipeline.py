@@ -270,17 +270,19 @@ def test_in_flight_updates_at_bound_0_equal_the_synchronous_run(ray_cluster, tmp
 @pytest.mark.slow
 def test_partial_rollouts_train_the_groups_that_finish_and_resume_with_their_pool(ray_cluster, tmp_path):
     """`rollout.partial_tokens`: responses grow 4 tokens a round (stop strings make their lengths vary), the step
-    takes the groups that finished, the rest go on after the update with their tokens' versions; a run stopped at
-    step 2 and resumed continues the pool it saved and matches the uninterrupted run step for step."""
+    takes the groups that finished, the rest go on after the update with their tokens' versions; a run resumed from
+    the uninterrupted run's step-2 checkpoint (written mid-run, unfinished responses in its pool) continues the pool
+    it saved and matches the uninterrupted run's steps 3 and 4."""
     common = ["learner.lr=5e-3", "rollout.partial_tokens=4", "trainer.max_staleness=2", "algorithm.is_correction=token",
               "rollout.stop=['0','1','2','3','4','5','6','7','8','9']", "rollout.max_new_tokens=24",
               "trainer.checkpoint_every=2", _digit_reward(tmp_path)]
     run(_cfg(tmp_path, "full", "trainer.steps=4", *common))
-    run(_cfg(tmp_path, "resumed", "trainer.steps=2", *common))
-    run(_cfg(tmp_path, "resumed", "trainer.steps=4", "resume=auto", *common))
+    step_2 = tmp_path / "full" / "checkpoints" / "step_2"
+    run(_cfg(tmp_path, "resumed", "trainer.steps=4", f"resume={step_2}", *common))
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
-    assert len(full) == len(resumed) == 4
-    for a, b in zip(full, resumed):
+    assert len(full) == 4 and [m["step"] for m in resumed] == [3, 4]
+    assert full[1]["rollout/partial_carried"] > 0  # the step-2 checkpoint holds unfinished responses
+    for a, b in zip(full[2:], resumed):
         for key in COMPARE + ("rollout/in_flight_token_frac", "rollout/partial_carried"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
     assert any(m["rollout/in_flight_token_frac"] > 0 for m in full)  # responses continued after an update

@@ -56,16 +56,16 @@ def test_a_steering_pair_file_with_a_bad_row_is_named(tmp_path):
 
 
 def test_guidance_stage_scores_plain_post_hoc_and_guided_answers_through_the_recipe(ray_cluster, tmp_path):
-    """recipes/guidance_tiny.yaml at test size (a barely trained model: the plumbing; tests/rl/methods/test_citation.py
-    measures the insertions on a model that states facts)."""
+    """recipes/guidance_tiny.yaml at test size, without its SFT warm-up (an untrained model: the plumbing;
+    tests/rl/methods/test_citation.py measures the insertions on a model that states facts)."""
     from cluster.pipeline import run
     from rl import config
     from rl.methods.guidance.core import post_hoc_cite, strip_citations
     from tests.cluster.test_pipeline import ROOT, TINY
     out = tmp_path / "run"
     summary = run(config.load(ROOT / "recipes/guidance_tiny.yaml", [
-        f"output_dir={out}", *TINY, "sft.steps=3", "sft.batch_size=8", "trainer.eval_max_prompts=4",
-        "rollout.max_new_tokens=40", "stages=[{name: model}, {name: data}, {name: sft}, {name: guidance, params: "
+        f"output_dir={out}", *TINY, "trainer.eval_max_prompts=4",
+        "rollout.max_new_tokens=40", "stages=[{name: model}, {name: data}, {name: guidance, params: "
         "{judge: containment, no_citation_column: prompt, guidance_params: {lookahead: 40, max_insertions: 8, "
         "max_prefix: 8, sliding: true}}}]"]))
     report = json.loads((out / "stages" / "guidance" / "guidance.json").read_text())

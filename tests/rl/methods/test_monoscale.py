@@ -344,7 +344,8 @@ def test_a_real_pool_grows_with_tool_agents_under_every_mode():
 def test_the_monoscale_stage_onboards_real_agents_served_by_ray(ray_cluster, tmp_path):
     """Through Ray: the tiny recipe's pool of real agents (python tools in the sandbox and a model agent served by
     the `solver` engine) grows under MonoScale and naive growth on the data's typed arithmetic tasks; every output
-    is recorded with its judged outcome."""
+    is recorded with its judged outcome. The router is the untrained model (the recipe's SFT warm-up is left out:
+    this is the plumbing; the extended test above serves an SFT-taught router)."""
     import json
 
     from cluster.pipeline import run
@@ -355,8 +356,8 @@ def test_the_monoscale_stage_onboards_real_agents_served_by_ray(ray_cluster, tmp
     cfg = config.load(ROOT / "recipes/monoscale_tiny.yaml", [
         f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=64", "data.synthetic.num_train=64", "data.synthetic.num_eval=4",
-        "sft.steps=4", "sft.batch_size=16", "learner.micro_batch_size=16", "learner.threads=1",
-        "stages=[{name: model}, {name: data}, {name: sft}, {name: monoscale, params: {agents: "
+        "learner.threads=1",
+        "stages=[{name: model}, {name: data}, {name: monoscale, params: {agents: "
         f"{ROOT}/recipes/monoscale_tiny_agents.json, modes: [monoscale, naive], test_size: 12, replay_size: 12, "
         "n_familiarization: 4}}]", "logging.progress_bar=false", "logging.tensorboard=false"])
     summary = run(cfg)

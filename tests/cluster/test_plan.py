@@ -112,7 +112,8 @@ print(json.dumps({"learner_bytes": peak - base}))
 # tensors (glibc otherwise keeps freed memory, and the same step's peak varied by 40% from run to run). Two threads:
 # the 85M step took 39 s instead of 62 on an AMD EPYC core pair, its peak 0.3% above one thread's (torch takes its
 # thread count from OMP_NUM_THREADS in the measuring scripts)
-MEASURE_ENV = {"OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"}
+MEASURE_ENV = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",  # a memory figure: no spinning (tests/conftest.py)
+               "MALLOC_MMAP_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"}
 
 
 # the tiny model's step (about 110 MB) measured 260-311 MB inside the full suite and 108 alone: a constant of about

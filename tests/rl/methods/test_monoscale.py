@@ -356,7 +356,6 @@ def test_the_monoscale_stage_onboards_real_agents_served_by_ray(ray_cluster, tmp
     cfg = config.load(ROOT / "recipes/monoscale_tiny.yaml", [
         f"output_dir={out}", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=64", "data.synthetic.num_train=64", "data.synthetic.num_eval=4",
-        "learner.threads=1",
         "stages=[{name: model}, {name: data}, {name: monoscale, params: {agents: "
         f"{ROOT}/recipes/monoscale_tiny_agents.json, modes: [monoscale, naive], test_size: 12, replay_size: 12, "
         "n_familiarization: 4}}]", "logging.progress_bar=false", "logging.tensorboard=false"])

@@ -35,7 +35,8 @@ install: $(VENV)/.installed
 quickstart: install
 	$(VENV)/bin/looprl run recipes/quickstart.yaml
 
-# two workers: the Ray tests one after another on one, every other module on the other (tests/conftest.py)
+# two workers: the Ray group's tests one after another on one, the modules without Ray on the other, then the
+# remaining Ray tests on whichever is free first (tests/conftest.py)
 TEST_WORKERS ?= 2
 
 test: install

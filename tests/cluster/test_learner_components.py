@@ -200,29 +200,51 @@ def test_the_learner_attention_kernel_is_chosen_by_the_recipe_and_trains_the_sam
     assert torch.allclose(s["after"], e["after"], atol=1e-4)  # ... to the same place under both kernels
 
 
-# the padded variant's compiled modules are checked in tests/models/test_blocks.py too: extended, for CI's budget
-@pytest.mark.parametrize("packed", [pytest.param(False, marks=pytest.mark.extended), True])
+def _compiled_modules(group) -> dict:
+    """What the learner rank compiled: the names of its modules that run compiled, and whether the Llama modeling
+    module's rotary embedding is the compiled one."""
+    import ray
+    worker = group.workers[0]
+    return {"compiled": ray.get(worker.__ray_call__.remote(
+                lambda self: sorted(name for name, m in self.strategy.engine.module.named_modules()
+                                    if getattr(m, "_compiled_call_impl", None) is not None))),
+            "rotary": ray.get(worker.__ray_call__.remote(
+                lambda self: getattr(__import__("transformers.models.llama.modeling_llama", fromlist=["x"])
+                                     .apply_rotary_pos_emb, "looprl_compiled", False)))}
+
+
+def test_the_learner_compiles_the_modules_that_compile_position_wise_names(ray_cluster, tiny):
+    """`learner.compile_position_wise` with packed rows and shared prompts: the learner rank compiles each decoder
+    layer whole and the final norm, and leaves the rotary embedding to the layers' graphs. Checked before any
+    forward (torch.compile compiles on the first call): that the compiled modules compute what the eager ones do
+    is tested on the model (tests/models/test_varlen_attention.py, tests/models/test_blocks.py) and, in the
+    learner, by the extended test below."""
+    group = _group(tiny, 1, 2, _sft_batch(tiny), lr=1e-2, compile_position_wise=True, pack_sequences=True,
+                   share_prompts=True)
+    try:
+        assert _compiled_modules(group) == {"compiled": ["model.layers.0", "model.layers.1", "model.norm"],
+                                            "rotary": False}
+    finally:
+        group.shutdown()
+
+
+# CI: the learner's compiled modules above, their numbers on the model (tests/models/test_varlen_attention.py,
+# tests/models/test_blocks.py); here the learner's step with them, against the eager learner's
+@pytest.mark.extended
+@pytest.mark.parametrize("packed", [False, True])
 def test_compiled_position_wise_modules_train_the_same_model(ray_cluster, tiny, packed):
     """`learner.compile_position_wise`: every decoder layer's MLP and norms, the final norm, and the rotary embedding
     its attention applies, run compiled (inductor) in the learner; with packed rows and shared prompts each decoder
     layer compiles whole instead (`models.blocks.compile_decoder_layers`); logprobs, the step's gradient norm and the
     model after it equal the eager learner's (float rounding apart)."""
-    import ray
     batch = _sft_batch(tiny)
     results = {}
     for compiled in (False, True):
         group = _group(tiny, 1, 2, batch, lr=1e-2, compile_position_wise=compiled, pack_sequences=packed,
                        share_prompts=packed)
         try:
-            results[compiled] = {
-                "compiled": ray.get(group.workers[0].__ray_call__.remote(
-                    lambda self: sorted(name for name, m in self.strategy.engine.module.named_modules()
-                                        if getattr(m, "_compiled_call_impl", None) is not None))),
-                "rotary": ray.get(group.workers[0].__ray_call__.remote(
-                    lambda self: getattr(__import__("transformers.models.llama.modeling_llama", fromlist=["x"])
-                                         .apply_rotary_pos_emb, "looprl_compiled", False))),
-                "before": group.compute_logprobs(batch), "step": group.sft_step(batch, 2),
-                "after": group.compute_logprobs(batch)}
+            results[compiled] = {**_compiled_modules(group), "before": group.compute_logprobs(batch),
+                                 "step": group.sft_step(batch, 2), "after": group.compute_logprobs(batch)}
         finally:
             group.shutdown()
     eager, fused = results[False], results[True]

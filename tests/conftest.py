@@ -78,16 +78,13 @@ def _in_dispatch_order(items: list, groups: dict[str, str]) -> list:
     """The Ray group first; then the modules without Ray, those with `slow` tests (end-to-end runs in
     subprocesses) first and then by size; the Ray tail last, the largest module first. A group's tests keep their
     order."""
-    slow: dict[str, int] = {}
-    size: dict[str, int] = {}
-    for item in items:
-        group = groups[item.nodeid]
-        size[group] = size.get(group, 0) + 1
-        slow[group] = slow.get(group, 0) + bool(item.get_closest_marker("slow"))
+    from collections import Counter
+    size = Counter(groups[item.nodeid] for item in items)
+    with_slow = {groups[item.nodeid] for item in items if item.get_closest_marker("slow")}
 
     def rank(group: str) -> tuple:
         tier = 0 if group == RAY_GROUP else 2 if group.startswith(RAY_TAIL) else 1
-        return (tier, -min(slow[group], 1) if tier == 1 else 0, -size[group])
+        return (tier, tier == 1 and group not in with_slow, -size[group])
     order = {group: i for i, group in enumerate(sorted(size, key=rank))}
     return sorted(items, key=lambda item: order[groups[item.nodeid]])
 

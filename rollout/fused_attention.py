@@ -151,17 +151,40 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.T
     return query.new_empty((B, 1, H, D))
 
 
+def compile_kernel(fn: Any) -> Any:
+    """`fn` compiled with dynamic sizes, its first call (the one that compiles) traced without duck sizing.
+
+    Why: with duck sizing, sizes that happen to be equal when the kernel compiles become one symbol, and the graph
+    is guarded on their equality: a decode loop whose first compiled call had as many rows as cached positions (72
+    and 72 in the race's rollout) compiled again, in a later generate, at the first step where the two differed
+    (1-2 s of that generate in the race's actor, every run). Without it every size is a symbol of its own and one
+    graph serves every batch and cache length (tests/rollout/test_fused_attention.py). Only the first call is
+    traced under the setting: a process-wide one (`torch.fx.experimental._config`), so the later calls pay nothing
+    for it."""
+    from torch.fx.experimental import _config as shapes_config
+    compiled = torch.compile(fn, dynamic=True)
+    first = [True]
+
+    def kernel(*args: Any) -> Any:
+        if first[0]:
+            first[0] = False
+            with shapes_config.patch(use_duck_shape=False):
+                return compiled(*args)
+        return compiled(*args)
+    return kernel
+
+
 def _kernel() -> Any:
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(attend_one_query, dynamic=True)
+        _compiled = compile_kernel(attend_one_query)
     return _compiled
 
 
 def _shared_kernel() -> Any:
     global _compiled_shared
     if _compiled_shared is None:
-        _compiled_shared = torch.compile(attend_shared_prompt, dynamic=True)
+        _compiled_shared = compile_kernel(attend_shared_prompt)
     return _compiled_shared
 
 

@@ -61,6 +61,25 @@ def test_grouped_heads_and_the_compiled_kernel_match_textbook_attention(dtype):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def test_the_compiled_kernel_keeps_one_graph_when_sizes_that_were_equal_differ():
+    # its first call has as many rows as cached positions: with duck sizing its graph would be guarded on their
+    # equality and compile again at the next call (`fused.compile_kernel`)
+    def attend(q, k, v, mask, scaling):  # a frame of its own: no other test's compiled graph serves it
+        return attend_one_query(q, k, v, mask, scaling)
+    kernel = fused.compile_kernel(attend)
+    g = torch.Generator().manual_seed(0)
+    frames = torch._dynamo.utils.counters["frames"]
+    compiled_before = frames["ok"]
+    for rows, cached in ((6, 6), (6, 7), (5, 9)):
+        q = torch.randn(rows, 4, 1, 8, generator=g)
+        k, v = (torch.randn(rows, 2, cached, 8, generator=g) for _ in range(2))
+        mask = torch.zeros(rows, 1, 1, cached)
+        mask[0, ..., :2] = torch.finfo(torch.float32).min
+        torch.testing.assert_close(kernel(q, k, v, mask, 0.3), attend_one_query(q, k, v, mask, 0.3), rtol=0,
+                                   atol=1e-6)
+    assert frames["ok"] - compiled_before == 1
+
+
 @pytest.fixture(scope="module")
 def tiny():
     tok = build_tiny_tokenizer()

@@ -51,9 +51,7 @@ class PrefillEveryRow:
         return []
 
 
-def main() -> None:
-    from cluster.ray_utils import exec_with_actor_malloc
-    exec_with_actor_malloc()  # timed as an actor runs: with its malloc settings
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
@@ -66,15 +64,15 @@ def main() -> None:
     p.add_argument("--last", type=int, default=0,
                    help="run only the last N variants (0: all); the speed-ups are then over the first of those")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_step.json"))
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def workload(args: argparse.Namespace, tok):
+    """The model (random weights, eager attention, `--dtype`) and the rows: `--prompts` left-padded prompts of
+    60-100% of `--prompt-tokens` tokens, each repeated `--n` times."""
     import torch
 
-    import rollout.decoding as decoding
-    import rollout.fused_attention as fused_attention
-    from models.tiny import build_tiny_model, build_tiny_tokenizer
-    from rollout.decoding import KVBuffers, decode
-    torch.set_num_threads(args.threads)
-    tok = build_tiny_tokenizer()
+    from models.tiny import build_tiny_model
     positions = max(256, 2 * (args.prompt_tokens + args.new_tokens))
     model = build_tiny_model(tok, max_position_embeddings=positions, **SHAPE)
     model.config._attn_implementation = "eager"
@@ -84,12 +82,15 @@ def main() -> None:
     plen = torch.randint(int(0.6 * P), P + 1, (args.prompts,), generator=g)
     mask = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
     ids = torch.randint(5, len(tok), (args.prompts, P), generator=g) * mask + tok.pad_token_id * (1 - mask)
-    ids, mask = ids.repeat_interleave(args.n, 0), mask.repeat_interleave(args.n, 0)
-    prefill: list[float] = []
-    started: list[float] = []
-    pre = model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
-    post = model.register_forward_hook(lambda *_: prefill.append(time.perf_counter() - started[-1])
-                                       if len(started) == 1 else None)
+    return model, ids.repeat_interleave(args.n, 0), mask.repeat_interleave(args.n, 0)
+
+
+def decode_variants(args: argparse.Namespace) -> tuple[dict, set, str]:
+    """Each variant's (method, cache factory, fused attention, packed weights, COMPACT_SHARE[, KV buffers]), in the
+    order each adds one step towards the engine's defaults; the variants that read a group's prompt once; the name
+    of the compiled one."""
+    import rollout.decoding as decoding
+    from rollout.decoding import KVBuffers
     made = decoding.reserved_cache
     strided = lambda capacity, full_view=False, buffers=None: made(capacity, False, buffers)  # noqa: E731
     whole = lambda capacity, full_view=False, buffers=None: made(capacity, True, buffers)  # noqa: E731
@@ -118,44 +119,90 @@ def main() -> None:
     variants[compiled] = (None, strided, True, True, never, kept)
     if args.last:
         variants = dict(list(variants.items())[-args.last:])
-    share, shortest_shared = decoding.COMPACT_SHARE, fused_attention.MIN_SHARED_PROMPT_BYTES
-    reads_prompt_once = {once, compiled}  # the others read every row's copy of its prompt
-    lengths: dict[str, list[float]] = {k: [] for k in variants}
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    prefills: dict[str, list[float]] = {k: [] for k in variants}
-    for rep in range(args.reps + 1):  # the first round warms up
-        for name, (method, cache_factory, fused, packed, compact_share, *buffers) in variants.items():
-            decoding.reserved_cache = cache_factory
-            decoding.COMPACT_SHARE = compact_share
-            fused_attention.MIN_SHARED_PROMPT_BYTES = (shortest_shared if name in reads_prompt_once
-                                                       else dict.fromkeys(shortest_shared, 1 << 62))
-            started.clear()
-            prefill.clear()
-            torch.manual_seed(rep)
-            if name == compiled:  # the timing hooks would break the graph: the prefill is not timed apart
-                pre.remove()
-                post.remove()
-                prefill.append(float("nan"))
-            t0 = time.perf_counter()
-            out = decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-                         eos_token_id=tok.eos_token_id if args.eos else -1, pad_token_id=tok.pad_token_id,
-                         method=method, fused_attention=fused, packed_weights=packed,
-                         kv_buffers=buffers[0] if buffers else None, compiled=name == compiled)
-            if name == compiled:
-                pre = model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
-                post = model.register_forward_hook(lambda *_: prefill.append(time.perf_counter() - started[-1])
-                                                   if len(started) == 1 else None)
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-                prefills[name].append(prefill[0])
-                lengths[name].append(float(out[2].float().mean()))
-            print(json.dumps({"rep": rep, "variant": name, "s": round(time.perf_counter() - t0, 2),
-                              "prefill_s": round(prefill[0], 3)}), flush=True)
-    decoding.reserved_cache = made
-    decoding.COMPACT_SHARE = share
-    fused_attention.MIN_SHARED_PROMPT_BYTES = shortest_shared
-    pre.remove()
-    post.remove()
+    return variants, {once, compiled}, compiled
+
+
+class PrefillTimer:
+    """The model's first forward of a generate (its prefill), timed by forward hooks; removed while the compiled
+    variant runs (the hooks would break its graph: its prefill is not timed apart)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.started, self.took = model, [], []
+        self.hooks: list = []
+
+    def attach(self) -> None:
+        self.hooks = [self.model.register_forward_pre_hook(lambda *_: self.started.append(time.perf_counter())),
+                      self.model.register_forward_hook(self._post)]
+
+    def _post(self, *_) -> None:
+        if len(self.started) == 1:
+            self.took.append(time.perf_counter() - self.started[-1])
+
+    def detach(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+    def first(self) -> float:
+        return self.took[0] if self.took else float("nan")
+
+
+def time_variants(args: argparse.Namespace, model, tok, ids, mask, variants: dict, reads_prompt_once: set,
+                  compiled: str) -> tuple[dict, dict, dict]:
+    """Seconds per generate, prefill seconds and mean response length of each variant, alternated in rounds (the
+    first round warms up); the loop's settings are restored after."""
+    import torch
+
+    import rollout.decoding as decoding
+    import rollout.fused_attention as fused_attention
+    from rollout.decoding import decode
+    made, share, shortest_shared = (decoding.reserved_cache, decoding.COMPACT_SHARE,
+                                    fused_attention.MIN_SHARED_PROMPT_BYTES)
+    times, prefills, lengths = ({k: [] for k in variants} for _ in range(3))
+    timer = PrefillTimer(model)
+    try:
+        for rep in range(args.reps + 1):
+            for name, (method, cache_factory, fused, packed, compact_share, *buffers) in variants.items():
+                decoding.reserved_cache, decoding.COMPACT_SHARE = cache_factory, compact_share
+                fused_attention.MIN_SHARED_PROMPT_BYTES = (shortest_shared if name in reads_prompt_once
+                                                           else dict.fromkeys(shortest_shared, 1 << 62))
+                timer.started.clear()
+                timer.took.clear()
+                if name != compiled:
+                    timer.attach()
+                torch.manual_seed(rep)
+                t0 = time.perf_counter()
+                out = decode(model, ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_k=0, top_p=1.0,
+                             eos_token_id=tok.eos_token_id if args.eos else -1, pad_token_id=tok.pad_token_id,
+                             method=method, fused_attention=fused, packed_weights=packed,
+                             kv_buffers=buffers[0] if buffers else None, compiled=name == compiled)
+                took = time.perf_counter() - t0
+                timer.detach()
+                if rep:
+                    times[name].append(took)
+                    prefills[name].append(timer.first())
+                    lengths[name].append(float(out[2].float().mean()))
+                print(json.dumps({"rep": rep, "variant": name, "s": round(took, 2),
+                                  "prefill_s": round(timer.first(), 3)}), flush=True)
+    finally:
+        decoding.reserved_cache, decoding.COMPACT_SHARE = made, share
+        fused_attention.MIN_SHARED_PROMPT_BYTES = shortest_shared
+        timer.detach()
+    return times, prefills, lengths
+
+
+def main() -> None:
+    from cluster.ray_utils import exec_with_actor_malloc
+    exec_with_actor_malloc()  # timed as an actor runs: with its malloc settings
+    args = parse_args()
+    import torch
+
+    from models.tiny import build_tiny_tokenizer
+    torch.set_num_threads(args.threads)
+    tok = build_tiny_tokenizer()
+    model, ids, mask = workload(args, tok)
+    variants, reads_prompt_once, compiled = decode_variants(args)
+    times, prefills, lengths = time_variants(args, model, tok, ids, mask, variants, reads_prompt_once, compiled)
     base = statistics.median(next(iter(times.values())))
     report = {"args": vars(args), "cpu": cpu_kind(), "rows": len(ids),
               "variants": {k: {"s_per_generate": statistics.median(v), "prefill_s": statistics.median(prefills[k]),
@@ -165,6 +212,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(out.read_text()) if out.exists() else {}
     runs = previous.get("runs", {}) if "runs" in previous else {}
+    P = args.prompt_tokens
     runs[args.dtype + ("_eos" if args.eos else "") + (f"_prompt{P}" if P != 30 else "")] = report
     out.write_text(json.dumps({"runs": runs}, indent=2))
     print(json.dumps(report["variants"], indent=1))

@@ -56,6 +56,7 @@ above plain and post-hoc, hallucinated numbers in matched statements at 0.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -365,72 +366,87 @@ def _plot(report: dict, path: Path) -> None:
                                   if name in report and (name != "dsr" or "from_broken" in report["dsr"]["summary"])})
 
 
+def _threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
+
+
+def densesteer_section(args: argparse.Namespace) -> dict:
+    rows = []
+    for seed in args.seeds:
+        rows.append({"seed": seed, **densesteer_seed(seed, Path(args.runs_dir), args.overrides)})
+        print(json.dumps({"seed": seed, **{a: {k: round(v[k], 3) for k in ("rho", "dense_share", "accuracy")}
+                                           for a, v in rows[-1]["arms"].items()}}), flush=True)
+    return {"recipe": DENSESTEER, "seeds": args.seeds, "strengths": list(STRENGTHS), "per_seed": rows,
+            "summary": summarize_densesteer(rows)}
+
+
+def beaconkv_section(args: argparse.Namespace) -> dict:
+    _threads(1)
+    rows = []
+    for seed in args.seeds:
+        rows.append({"seed": seed, "arms": beaconkv_seed(seed)})
+        print(json.dumps({"seed": seed, **{a: round(v["recall_revisit"], 3) for a, v in rows[-1]["arms"].items()}}),
+              flush=True)
+    return {"seeds": args.seeds, "budgets": list(KV_BUDGETS), "per_seed": rows, "summary": summarize_beaconkv(rows)}
+
+
+def kv_memory_section(args: argparse.Namespace) -> dict:
+    _threads(1)
+    section = kv_memory()
+    print(json.dumps(section), flush=True)
+    return section
+
+
+def kv_recall_section(args: argparse.Namespace) -> dict:
+    _threads(2)  # the in-process training; every arm decodes with the same threads
+    rows = []
+    for seed in args.seeds:
+        rows.append({"seed": seed, "arms": kv_recall_seed(seed)})
+        print(json.dumps({"seed": seed, **{a: round(v["accuracy"], 3) for a, v in rows[-1]["arms"].items()}}),
+              flush=True)
+    return {"seeds": args.seeds, "budgets": list(RECALL_BUDGETS), "task": RECALL, "per_seed": rows,
+            "summary": summarize_kv_recall(rows)}
+
+
+def guidance_section(args: argparse.Namespace) -> dict:
+    rows = []
+    for seed in args.seeds:
+        rows.append({"seed": seed, **guidance_seed(seed, Path(args.runs_dir), args.overrides)})
+        print(json.dumps({"seed": seed, **{a: {k: round(v[k], 3) for k in ("f1", "correctness")}
+                                           for a, v in rows[-1]["arms"].items()}, "cost": rows[-1]["cost"]}),
+              flush=True)
+    return {"recipe": GUIDANCE, "seeds": args.seeds, "per_seed": rows, "summary": summarize_guidance(rows)}
+
+
+def dsr_section(args: argparse.Namespace) -> dict:
+    rows = []
+    for seed in args.seeds:
+        rows.append({"seed": seed, **dsr_seed(seed, Path(args.runs_dir), args.overrides)})
+        print(json.dumps({"seed": seed, **{f"{inp}/{mode}": {k: round(v[k], 3) for k in DSR_METRICS
+                                                             if v.get(k) is not None}
+                                           for inp, arms in rows[-1]["inputs"].items()
+                                           for mode, v in arms.items()}}), flush=True)
+    return {"recipe": DSR, "checker": "LeanLite (looprl's own; stands in for Lean 4 + Mathlib)",
+            "seeds": args.seeds, "per_seed": rows, "summary": summarize_dsr(rows)}
+
+
+# each experiment's section of the report, in the order they run; `kv_memory` is its own summary
+SECTIONS = {"densesteer": densesteer_section, "beaconkv": beaconkv_section, "kv_memory": kv_memory_section,
+            "kv_recall": kv_recall_section, "guidance": guidance_section, "dsr": dsr_section}
+
+
 def main() -> None:
     p = seed_sweep_parser("inference_methods", [0, 1, 2], "overrides of the DenseSteer recipe")
-    p.add_argument("--only", choices=["densesteer", "beaconkv", "kv_memory", "kv_recall", "guidance", "dsr"],
-                   default=None)
+    p.add_argument("--only", choices=list(SECTIONS), default=None)
     args = p.parse_args()
     out = Path(args.out)
     report: dict = json.loads(out.read_text()) if out.exists() else {}
     report.setdefault("summary", {})
-    if args.only in (None, "densesteer"):
-        rows = []
-        for seed in args.seeds:
-            rows.append({"seed": seed, **densesteer_seed(seed, Path(args.runs_dir), args.overrides)})
-            print(json.dumps({"seed": seed, **{a: {k: round(v[k], 3) for k in ("rho", "dense_share", "accuracy")}
-                                               for a, v in rows[-1]["arms"].items()}}), flush=True)
-        report["densesteer"] = {"recipe": DENSESTEER, "seeds": args.seeds, "strengths": list(STRENGTHS),
-                                "per_seed": rows, "summary": summarize_densesteer(rows)}
-        report["summary"]["densesteer"] = report["densesteer"]["summary"]
-    if args.only in (None, "beaconkv"):
-        import torch
-        torch.set_num_threads(1)
-        rows = []
-        for seed in args.seeds:
-            rows.append({"seed": seed, "arms": beaconkv_seed(seed)})
-            print(json.dumps({"seed": seed, **{a: round(v["recall_revisit"], 3) for a, v in rows[-1]["arms"].items()}}),
-                  flush=True)
-        report["beaconkv"] = {"seeds": args.seeds, "budgets": list(KV_BUDGETS), "per_seed": rows,
-                              "summary": summarize_beaconkv(rows)}
-        report["summary"]["beaconkv"] = report["beaconkv"]["summary"]
-    if args.only in (None, "kv_memory"):
-        import torch
-        torch.set_num_threads(1)
-        report["kv_memory"] = kv_memory()
-        report["summary"]["kv_memory"] = report["kv_memory"]
-        print(json.dumps(report["kv_memory"]), flush=True)
-    if args.only in (None, "kv_recall"):
-        import torch
-        torch.set_num_threads(2)  # the in-process training; every arm decodes with the same threads
-        rows = []
-        for seed in args.seeds:
-            rows.append({"seed": seed, "arms": kv_recall_seed(seed)})
-            print(json.dumps({"seed": seed, **{a: round(v["accuracy"], 3) for a, v in rows[-1]["arms"].items()}}),
-                  flush=True)
-        report["kv_recall"] = {"seeds": args.seeds, "budgets": list(RECALL_BUDGETS), "task": RECALL,
-                               "per_seed": rows, "summary": summarize_kv_recall(rows)}
-        report["summary"]["kv_recall"] = report["kv_recall"]["summary"]
-    if args.only in (None, "guidance"):
-        rows = []
-        for seed in args.seeds:
-            rows.append({"seed": seed, **guidance_seed(seed, Path(args.runs_dir), args.overrides)})
-            print(json.dumps({"seed": seed, **{a: {k: round(v[k], 3) for k in ("f1", "correctness")}
-                                               for a, v in rows[-1]["arms"].items()}, "cost": rows[-1]["cost"]}),
-                  flush=True)
-        report["guidance"] = {"recipe": GUIDANCE, "seeds": args.seeds, "per_seed": rows,
-                              "summary": summarize_guidance(rows)}
-        report["summary"]["guidance"] = report["guidance"]["summary"]
-    if args.only in (None, "dsr"):
-        rows = []
-        for seed in args.seeds:
-            rows.append({"seed": seed, **dsr_seed(seed, Path(args.runs_dir), args.overrides)})
-            print(json.dumps({"seed": seed, **{f"{inp}/{mode}": {k: round(v[k], 3) for k in DSR_METRICS
-                                                                 if v.get(k) is not None}
-                                               for inp, arms in rows[-1]["inputs"].items()
-                                               for mode, v in arms.items()}}), flush=True)
-        report["dsr"] = {"recipe": DSR, "checker": "LeanLite (looprl's own; stands in for Lean 4 + Mathlib)",
-                         "seeds": args.seeds, "per_seed": rows, "summary": summarize_dsr(rows)}
-        report["summary"]["dsr"] = report["dsr"]["summary"]
+    for name, run in SECTIONS.items():
+        if args.only in (None, name):
+            report[name] = run(args)
+            report["summary"][name] = report[name] if name == "kv_memory" else report[name]["summary"]
     write_report(report, args.out, _plot)
 
 

@@ -69,9 +69,7 @@ def ragged_batch(rows: int, seed: int = 0, lengths: str = "uniform"):
                  response_attn=rm.long(), group_id=torch.arange(rows) // 8, advantages=torch.randn(rows, L) * rm)
 
 
-def main() -> None:
-    from cluster.ray_utils import exec_with_actor_malloc
-    exec_with_actor_malloc()  # timed as an actor runs: with its malloc settings
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
@@ -92,29 +90,21 @@ def main() -> None:
     p.add_argument("--max-padding", type=float, nargs="+", default=None,
                    help="padding allowed in a shared-prompts response bucket (several: a variant for each)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/learner_step.json"))
-    args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    return p.parse_args()
+
+
+def micro_batch_plans(batch, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Each micro-batching variant's plan of `batch`'s rows (one per `--max-tokens` budget and, for shared prompts,
+    per `--max-padding`), and the padding its response buckets allow."""
     import models.families as families
-    from cluster.learner import LearnerWorker
-    from cluster.ray_utils import free_port
-    from models.common import distinct_prompts
-    from models.tiny import save_tiny
-    from rl.batch import (
-        contiguous_plan,
-        micro_batches_of,
-        plan_micro_batches,
-        plan_prompt_groups,
-        sequence_tokens,
-    )
-    batch = ragged_batch(args.rows, lengths=args.lengths)
-    params = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(args.rows)}
+    from rl.batch import contiguous_plan, plan_micro_batches, plan_prompt_groups, sequence_tokens
     at = (lambda b: f"@{b}") if len(args.max_tokens) > 1 else (lambda b: "")  # noqa: E731
     plans = {"one_micro_batch": contiguous_plan(args.rows, 1, 1)}
     for b in args.max_tokens:
         plans[f"token_budget{at(b)}"] = plan_micro_batches(sequence_tokens(batch), 1, b)
     paddings = {"": families.BUCKET_MAX_PADDING} if args.max_padding is None else {
         f"~{pad}": pad for pad in args.max_padding}
-    padding_of = {k: families.BUCKET_MAX_PADDING for k in plans}  # the response buckets' padding of each variant
+    padding_of = {}
     for b in args.max_tokens:
         for name, pad in paddings.items():
             plans[f"shared_prompts{at(b)}{name}"] = plan_prompt_groups(batch, 1, b)
@@ -124,71 +114,112 @@ def main() -> None:
         plans[f"packed_shared_prompts{at(b)}"] = plan_prompt_groups(batch, 1, b)
     if args.batchings:
         plans = {k: v for k, v in plans.items() if k.split("@")[0].split("~")[0] in args.batchings}
-    padding_of = {k: padding_of.get(k, families.BUCKET_MAX_PADDING) for k in plans}
-    mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
+    return plans, {k: padding_of.get(k, families.BUCKET_MAX_PADDING) for k in plans}
+
+
+def positions_run(m, name: str, max_padding: float) -> int:
+    """Token positions the decoder runs for micro-batch `m` under batching `name` (padding included)."""
+    import models.families as families
+    from models.common import distinct_prompts
+    if name.startswith("packed"):  # real tokens, without each response's last; prompts once if shared
+        _, _, (_, owns) = families.packed_inputs(m, share_prompts=name.startswith("packed_shared"))
+        return sum(len(o) for o in owns)
+    if not name.startswith("shared_prompts"):
+        return m.prompt_ids.numel() + m.response_ids.numel()
+    lengths = m.response_attn.sum(-1).tolist()  # the responses run in buckets, without their last token
+    return (len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) * m.prompt_ids.shape[1]
+            + sum(len(b) * (max(1, lengths[b[0]]) - 1)
+                  for b in families.length_buckets(lengths, max_padding=max_padding)))
+
+
+def compiled_switches(model, args: argparse.Namespace) -> tuple[dict, dict]:
+    """With `--compile`: the model compiled in place once (`--compile-layers`: whole layers), and what each variant
+    sets or clears: the modules' compiled calls, the rotary embedding's compiled and original function by module."""
+    import sys
+
+    from models.blocks import compile_decoder_layers, compile_position_wise, compile_rotary
+    if not args.compile:
+        return {}, {}
+    if args.compile_layers:
+        compile_always_on(model)
+        compile_decoder_layers(model)
+    else:
+        compile_position_wise(model)
+    compiled_calls = {m: m._compiled_call_impl for m in model.modules()
+                      if getattr(m, "_compiled_call_impl", None) is not None}
+    rotary = {}
+    for name in [] if args.compile_layers else compile_rotary(model):  # its modeling module's function
+        fn = sys.modules[name].apply_rotary_pos_emb
+        rotary[sys.modules[name]] = (fn, fn.looprl_original)
+    return compiled_calls, rotary
+
+
+def time_variants(worker, args: argparse.Namespace, variants: list, mbs: dict, params: dict,
+                  padding_of: dict) -> dict[str, list[float]]:
+    """Every variant's step times, the variants alternated step by step (each sees the same machine load); the first
+    step of each warms up."""
+    import models.families as families
     buckets = families.length_buckets
-
-    def positions_run(m, name: str) -> int:  # token positions the decoder runs (padding included)
-        if name.startswith("packed"):  # real tokens, without each response's last; prompts once if shared
-            _, _, (_, owns) = families.packed_inputs(m, share_prompts=name.startswith("packed_shared"))
-            return sum(len(o) for o in owns)
-        if not name.startswith("shared_prompts"):
-            return m.prompt_ids.numel() + m.response_ids.numel()
-        lengths = m.response_attn.sum(-1).tolist()  # the responses run in buckets, without their last token
-        return (len(distinct_prompts(m.prompt_ids, m.prompt_mask)[0]) * m.prompt_ids.shape[1]
-                + sum(len(b) * (max(1, lengths[b[0]]) - 1)
-                      for b in buckets(lengths, max_padding=padding_of[name])))
-    positions = {k: sum(positions_run(m, k) for m in v) for k, v in mbs.items()}
-    variants = list(itertools.product(args.kernels, plans, [False, True] if args.compile else [False]))
-    name_of = {v: f"{v[0]}/{v[1]}" + ("/compiled" if v[2] else "") for v in variants}
-    times: dict[str, list[float]] = {name: [] for name in name_of.values()}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = save_tiny(Path(tmp) / "m", max_position_embeddings=128, **SHAPE)
-        worker = LearnerWorker(0, 1, "127.0.0.1", free_port(), str(path), lr=1e-6, dtype=args.dtype,
-                               micro_batch_size=args.rows, threads=args.threads)
-        compiled_calls, rotary = {}, {}
-        if args.compile:  # compiled in place once; each variant then sets or clears the compiled calls
-            import sys
-
-            from models.blocks import compile_decoder_layers, compile_position_wise, compile_rotary
-            if args.compile_layers:
-                compile_always_on(worker.strategy.engine.module)
-                compile_decoder_layers(worker.strategy.engine.module)
-            else:
-                compile_position_wise(worker.strategy.engine.module)
-            compiled_calls = {m: m._compiled_call_impl for m in worker.strategy.engine.module.modules()
-                              if getattr(m, "_compiled_call_impl", None) is not None}
-            for name in [] if args.compile_layers else compile_rotary(worker.strategy.engine.module):  # its modeling module's function: compiled, original
-                fn = sys.modules[name].apply_rotary_pos_emb
-                rotary[sys.modules[name]] = (fn, fn.looprl_original)
+    model = worker.strategy.engine.module
+    compiled_calls, rotary = compiled_switches(model, args)
+    times: dict[str, list[float]] = {variant_name(v): [] for v in variants}
+    try:
         for step in range(args.steps + 1):
-            for variant in variants:  # alternated: every variant sees the same machine load
-                kernel, batching, compiled = variant
+            for kernel, batching, compiled in variants:
                 for module, call in compiled_calls.items():
                     module._compiled_call_impl = call if compiled else None
                 for module, (fast, original) in rotary.items():
                     module.apply_rotary_pos_emb = fast if compiled else original
-                worker.strategy.engine.module.set_attn_implementation(kernel)
+                model.set_attn_implementation(kernel)
                 worker.family.share_prompts = "shared_prompts" in batching
                 worker.pack = batching.startswith("packed")
                 families.length_buckets = functools.partial(buckets, max_padding=padding_of[batching])
                 t0 = time.perf_counter()
                 worker.train_step(mbs[batching], "ppo_clip", params)
                 dt = time.perf_counter() - t0
-                if step > 0:  # the first step of each variant warms up
-                    times[name_of[variant]].append(dt)
-                print(json.dumps({"step": step, "variant": name_of[variant], "s": round(dt, 3)}), flush=True)
+                if step > 0:
+                    times[variant_name((kernel, batching, compiled))].append(dt)
+                print(json.dumps({"step": step, "variant": variant_name((kernel, batching, compiled)),
+                                  "s": round(dt, 3)}), flush=True)
+    finally:
+        families.length_buckets = buckets
+    return times
+
+
+def variant_name(variant: tuple) -> str:
+    kernel, batching, compiled = variant
+    return f"{kernel}/{batching}" + ("/compiled" if compiled else "")
+
+
+def main() -> None:
+    from cluster.ray_utils import exec_with_actor_malloc
+    exec_with_actor_malloc()  # timed as an actor runs: with its malloc settings
+    args = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from cluster.learner import LearnerWorker
+    from cluster.ray_utils import free_port
+    from models.tiny import save_tiny
+    from rl.batch import micro_batches_of, sequence_tokens
+    batch = ragged_batch(args.rows, lengths=args.lengths)
+    params = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(args.rows)}
+    plans, padding_of = micro_batch_plans(batch, args)
+    mbs = {k: micro_batches_of(batch, plan)[0] for k, plan in plans.items()}
+    positions = {k: sum(positions_run(m, k, padding_of[k]) for m in v) for k, v in mbs.items()}
+    variants = list(itertools.product(args.kernels, plans, [False, True] if args.compile else [False]))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_tiny(Path(tmp) / "m", max_position_embeddings=128, **SHAPE)
+        worker = LearnerWorker(0, 1, "127.0.0.1", free_port(), str(path), lr=1e-6, dtype=args.dtype,
+                               micro_batch_size=args.rows, threads=args.threads)
+        times = time_variants(worker, args, variants, mbs, params, padding_of)
     med = {k: statistics.median(v) for k, v in times.items()}
-    base_name = name_of[variants[0]]
-    base = med[base_name]
+    base_name = variant_name(variants[0])
     speedup_key = "speedup_vs_" + base_name.replace("/", "_")
-    families.length_buckets = buckets
     report = {"workload": {"rows": args.rows, "real_tokens": sum(sequence_tokens(batch)), "model": SHAPE,
                            "lengths": args.lengths, "bucket_max_padding": padding_of,
                            "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
                            "max_tokens_per_micro_batch": args.max_tokens},
               "micro_batches": {k: len(v) for k, v in mbs.items()}, "token_positions": positions,
-              "step_s": times, "median_step_s": med, speedup_key: {k: base / v for k, v in med.items()}}
+              "step_s": times, "median_step_s": med, speedup_key: {k: med[base_name] / v for k, v in med.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("token_positions", "median_step_s", speedup_key)}))

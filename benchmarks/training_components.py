@@ -222,14 +222,14 @@ def summarize_zo(rows: list[dict]) -> dict:
 ULORA_ARMS = ("lora_r4", "lora_r5", "ulora", "ulora_token_only", "ulora_no_prior")
 
 
-def ulora_seed(seed: int, steps: int = 1500) -> dict:
-    import numpy as np
-    import torch
-    from sklearn.cluster import KMeans
-    from torch import nn
+ULORA_SHAPE = {"d": 32, "T": 8, "K": 4, "r": 4}  # width, tokens a sequence, task types, the true update's rank
 
-    from models.adapters import finish_optimizer_step, lora, ulora
-    d, T, K, r = 32, 8, 4, 4
+
+def ulora_task(seed: int):
+    """The synthetic task of `ulora_seed`: a frozen two-layer net, and a batch maker whose targets add to the first
+    layer a rank-r update scaled per task type (the type's marker is each sequence's first token)."""
+    import torch
+    d, T, K, r = (ULORA_SHAPE[k] for k in ("d", "T", "K", "r"))
     g = torch.Generator().manual_seed(seed)
     w1, w2 = torch.randn(64, d, generator=g) / d ** 0.5, torch.randn(d, 64, generator=g) / 8
     a_star, b_star = torch.randn(r, d, generator=g) / d ** 0.5, torch.randn(64, r, generator=g)
@@ -245,21 +245,49 @@ def ulora_seed(seed: int, steps: int = 1500) -> dict:
         y = torch.relu(torch.einsum("oi,nti->nto", w1, x) + torch.einsum("noi,nti->nto", delta, x)) @ w2.T
         return x, y, k
 
-    def frozen() -> nn.Module:
-        m = nn.Sequential(nn.Linear(d, 64, bias=False), nn.ReLU(), nn.Linear(64, d, bias=False))
+    def frozen() -> torch.nn.Module:
+        m = torch.nn.Sequential(torch.nn.Linear(d, 64, bias=False), torch.nn.ReLU(), torch.nn.Linear(64, d, bias=False))
         with torch.no_grad():
             m[0].weight.copy_(w1)
             m[2].weight.copy_(w2)
         return m
-    makers = {"lora_r4": lambda m: lora(m, r=4, alpha=4, target_modules=["0"], task_type=None),
-              "lora_r5": lambda m: lora(m, r=5, alpha=5, target_modules=["0"], task_type=None),
-              "ulora": lambda m: ulora(m, r=4, alpha=4, target_modules=["0"], task_type=None),
-              "ulora_token_only": lambda m: ulora(m, r=4, alpha=4, target_modules=["0"], task_type=None,
-                                                  context=False),
-              "ulora_no_prior": lambda m: ulora(m, r=4, alpha=4, target_modules=["0"], task_type=None, lam=0.0)}
+    return batch, frozen
+
+
+def ulora_arms() -> dict:
+    """The adapters compared: LoRA at ranks 4 and 5, U-LoRA, U-LoRA without its context gate, without its prior."""
+    from models.adapters import lora, ulora
+    target = {"target_modules": ["0"], "task_type": None}
+    return {"lora_r4": lambda m: lora(m, r=4, alpha=4, **target),
+            "lora_r5": lambda m: lora(m, r=5, alpha=5, **target),
+            "ulora": lambda m: ulora(m, r=4, alpha=4, **target),
+            "ulora_token_only": lambda m: ulora(m, r=4, alpha=4, context=False, **target),
+            "ulora_no_prior": lambda m: ulora(m, r=4, alpha=4, lam=0.0, **target)}
+
+
+def gate_report(layer, test: tuple, batch_gates: list, seed: int) -> dict:
+    """How U-LoRA's gates sort the test tokens by task type (KMeans purity), their spread within a sequence and
+    across the last 500 training batches."""
+    import numpy as np
+    import torch
+    from sklearn.cluster import KMeans
+    T, K, r = ULORA_SHAPE["T"], ULORA_SHAPE["K"], ULORA_SHAPE["r"]
+    gates = layer.last_gate[:, 1:].reshape(-1, r).numpy()  # every token after the type marker
+    types = test[2][:, None].expand(-1, T - 1).reshape(-1).numpy()
+    labels = KMeans(K, n_init=10, random_state=seed).fit_predict(gates)
+    return {"gate_purity": float(sum(np.bincount(types[labels == c]).max() for c in set(labels)) / len(types)),
+            "within_sequence_gate_var": float(layer.last_gate[:, 1:].var(1).mean()),
+            "batch_gate_std_over_steps": float(torch.stack(batch_gates[-500:]).std(0).mean())}
+
+
+def ulora_seed(seed: int, steps: int = 1500) -> dict:
+    import torch
+
+    from models.adapters import finish_optimizer_step
+    batch, frozen = ulora_task(seed)
     test = batch(512, torch.Generator().manual_seed(7))
     out: dict = {}
-    for arm, make in makers.items():
+    for arm, make in ulora_arms().items():
         torch.manual_seed(seed)
         model = make(frozen())
         layer = model.get_base_model()[0]
@@ -275,20 +303,12 @@ def ulora_seed(seed: int, steps: int = 1500) -> dict:
             opt.step()
             finish_optimizer_step(model)  # U-LoRA's EMA prior: one step per optimizer step
             if getattr(layer, "last_gate", None) is not None:
-                batch_gates.append(layer.last_gate.reshape(-1, r).mean(0))
+                batch_gates.append(layer.last_gate.reshape(-1, ULORA_SHAPE["r"]).mean(0))
         model.eval()
         with torch.no_grad():
             mse = float(((model(test[0]) - test[1]) ** 2).mean())
-        row = {"params": sum(p.numel() for p in params), "test_mse": mse}
-        if batch_gates:
-            gates = layer.last_gate[:, 1:].reshape(-1, r).numpy()  # every token after the type marker
-            types = test[2][:, None].expand(-1, T - 1).reshape(-1).numpy()
-            labels = KMeans(K, n_init=10, random_state=seed).fit_predict(gates)
-            row["gate_purity"] = float(sum(np.bincount(types[labels == c]).max() for c in set(labels)) / len(types))
-            row["within_sequence_gate_var"] = float(layer.last_gate[:, 1:].var(1).mean())
-            tail = torch.stack(batch_gates[-500:])
-            row["batch_gate_std_over_steps"] = float(tail.std(0).mean())
-        out[arm] = row
+        out[arm] = {"params": sum(p.numel() for p in params), "test_mse": mse,
+                    **(gate_report(layer, test, batch_gates, seed) if batch_gates else {})}
     return out
 
 

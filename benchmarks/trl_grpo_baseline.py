@@ -114,7 +114,7 @@ class StepTimer(TrainerCallback):
             self.logs.append(dict(logs))
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", default="tiny-qwen2-trl")
     p.add_argument("--steps", type=int, default=10)
@@ -126,14 +126,11 @@ def main():
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=32)
-    args = p.parse_args()
-    completions = args.prompts_per_step * args.num_generations
+    return p.parse_args()
 
-    if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
-        build_tiny(args.model_dir, hidden=args.hidden, layers=args.layers)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
 
-    cfg = GRPOConfig(
+def grpo_config(args: argparse.Namespace, completions: int) -> GRPOConfig:
+    return GRPOConfig(
         output_dir=args.out,
         use_cpu=True,                      # CPU only
         bf16=args.bf16,                    # TRL defaults bf16=True; set False for an fp32 CPU baseline
@@ -152,19 +149,12 @@ def main():
         dataloader_num_workers=0,
         seed=0,
     )
-    timer = StepTimer()
-    trainer = GRPOTrainer(
-        model=args.model_dir,
-        reward_funcs=correctness_reward,
-        args=cfg,
-        train_dataset=make_dataset(),
-        processing_class=tokenizer,
-        callbacks=[timer],
-    )
 
-    # measure generation time/tokens by wrapping model.generate (TRL calls unwrapped_model.generate)
+
+def time_generate(model) -> dict:
+    """Generation's seconds, token positions and calls, counted by wrapping `model.generate` (TRL calls the
+    unwrapped model's generate)."""
     gen = {"s": 0.0, "tok": 0, "calls": 0}
-    model = trainer.model
     orig_generate = model.generate
 
     def timed_generate(*a, **k):
@@ -178,16 +168,15 @@ def main():
         gen["calls"] += 1
         return out
     model.generate = timed_generate
+    return gen
 
-    t0 = time.perf_counter()
-    trainer.train()
-    total = time.perf_counter() - t0
 
+def baseline_result(timer: StepTimer, gen: dict, total: float, completions: int) -> dict:
     st = timer.step_times
     steady = st[1:] if len(st) > 1 else st
     step_logs = [entry for entry in timer.logs if "completions/mean_length" in entry]
     eff_tokens = sum(entry["completions/mean_length"] * completions for entry in step_logs)   # tokens up to EOS
-    res = {
+    return {
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "steps": len(st), "train_wall_s": round(total, 2),
         "step_s_first": round(st[0], 3) if st else None,
@@ -199,7 +188,22 @@ def main():
         "completion_tok_per_s_overall": round(eff_tokens / total, 1),
         "reward_mean_first_last": [step_logs[0].get("reward"), step_logs[-1].get("reward")] if step_logs else None,
     }
-    print("BASELINE_RESULT " + json.dumps(res))
+
+
+def main():
+    args = parse_args()
+    completions = args.prompts_per_step * args.num_generations
+    if not os.path.exists(os.path.join(args.model_dir, "model.safetensors")):
+        build_tiny(args.model_dir, hidden=args.hidden, layers=args.layers)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=args.model_dir, reward_funcs=correctness_reward, args=grpo_config(args, completions),
+                          train_dataset=make_dataset(), processing_class=tokenizer, callbacks=[timer])
+    gen = time_generate(trainer.model)
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    print("BASELINE_RESULT " + json.dumps(baseline_result(timer, gen, total, completions)))
 
 
 if __name__ == "__main__":

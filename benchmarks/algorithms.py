@@ -13,21 +13,12 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from recipe_runs import run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = sorted(p.stem for p in (ROOT / "recipes/algos").glob("*.yaml"))
-
-
-def _run(recipe: Path, overrides: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "run", str(recipe), "logging.progress_bar=false",
-                           "logging.tensorboard=false", *overrides], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{recipe.name} {overrides} failed ({proc.returncode})")
 
 
 def _tail_mean(rows: list[dict], key: str, k: int = 5) -> float | None:
@@ -40,15 +31,14 @@ def run_algorithm(algo: str, seed: int, sft_dir: Path, runs: Path) -> dict:
     reward, entropy and KL to the old policy, wall times and the reward curve."""
     out = runs / f"{algo}_seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
-    _run(ROOT / f"recipes/algos/{algo}.yaml", [f"seed={seed}", f"output_dir={out}", "sft.enabled=false",
-                                              f"model.path={sft_dir / 'sft_model'}", "trainer.save_hf=false"])
-    s = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"seed": seed, "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
+    run = run_recipe(f"recipes/algos/{algo}.yaml", [f"seed={seed}", "sft.enabled=false", "logging.tensorboard=false",
+                                                    f"model.path={sft_dir / 'sft_model'}", "trainer.save_hf=false"],
+                     out, f"{algo} (seed {seed})")
+    rows = run["metrics"]
+    return {"seed": seed, "accuracy_before_rl": run["accuracy_before_rl"], "accuracy_after_rl": run["accuracy_after_rl"],
             "reward_last5": _tail_mean(rows, "reward/mean"), "entropy_last5": _tail_mean(rows, "actor/entropy"),
-            "kl_to_old_last5": _tail_mean(rows, "actor/approx_kl_old"), "rl_wall_s": s["rl_wall_s"],
-            "run_wall_s": time.perf_counter() - t0, "reward_curve": [r["reward/mean"] for r in rows]}
+            "kl_to_old_last5": _tail_mean(rows, "actor/approx_kl_old"), "rl_wall_s": run["rl_wall_s"],
+            "run_wall_s": run["wall_s"], "reward_curve": [r["reward/mean"] for r in rows]}
 
 
 def with_previous(results: dict, out: Path, seeds: list[int]) -> dict:
@@ -116,8 +106,8 @@ def main() -> None:
         sft_dir = runs / f"sft_seed{seed}"
         # a finished run left there would be reused: its stages' records match
         shutil.rmtree(sft_dir, ignore_errors=True)
-        _run(ROOT / "recipes/quickstart.yaml", [f"seed={seed}", f"output_dir={sft_dir}", "trainer.steps=0",
-                                                "trainer.save_hf=false"])
+        run_recipe("recipes/quickstart.yaml", [f"seed={seed}", "trainer.steps=0", "trainer.save_hf=false",
+                                               "logging.tensorboard=false"], sft_dir, f"SFT warm-up (seed {seed})")
         for algo in args.algos:
             row = run_algorithm(algo, seed, sft_dir, runs)
             results[algo].append(row)

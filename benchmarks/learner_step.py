@@ -165,7 +165,8 @@ def time_variants(worker, args: argparse.Namespace, variants: list, mbs: dict, p
     times: dict[str, list[float]] = {variant_name(v): [] for v in variants}
     try:
         for step in range(args.steps + 1):
-            for kernel, batching, compiled in variants:
+            for variant in variants:
+                kernel, batching, compiled = variant
                 for module, call in compiled_calls.items():
                     module._compiled_call_impl = call if compiled else None
                 for module, (fast, original) in rotary.items():
@@ -178,9 +179,8 @@ def time_variants(worker, args: argparse.Namespace, variants: list, mbs: dict, p
                 worker.train_step(mbs[batching], "ppo_clip", params)
                 dt = time.perf_counter() - t0
                 if step > 0:
-                    times[variant_name((kernel, batching, compiled))].append(dt)
-                print(json.dumps({"step": step, "variant": variant_name((kernel, batching, compiled)),
-                                  "s": round(dt, 3)}), flush=True)
+                    times[variant_name(variant)].append(dt)
+                print(json.dumps({"step": step, "variant": variant_name(variant), "s": round(dt, 3)}), flush=True)
     finally:
         families.length_buckets = buckets
     return times

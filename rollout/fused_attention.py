@@ -163,11 +163,12 @@ def compile_kernel(fn: Any) -> Any:
     for it."""
     from torch.fx.experimental import _config as shapes_config
     compiled = torch.compile(fn, dynamic=True)
-    first = [True]
+    first = True
 
     def kernel(*args: Any) -> Any:
-        if first[0]:
-            first[0] = False
+        nonlocal first
+        if first:
+            first = False
             with shapes_config.patch(use_duck_shape=False):
                 return compiled(*args)
         return compiled(*args)
